@@ -1,0 +1,22 @@
+"""mla_jax: DeepSeek-style Multi-head Latent Attention with sparse top-k (DSA) in JAX/Flax NNX.
+
+Axis letters used in tensor names (SPEC.md section 0):
+B batch, T query tokens, S key/cache tokens, D model hidden, H heads, C q latent rank,
+A kv latent rank, L latent row (A + R), N nope dims, R rope dims, V value dims,
+G indexer heads, I indexer head dim, K top-k, E experts.
+"""
+
+from mla_jax.attention import (AttentionOutput, DeepseekV32Attention, MLAAttention,
+                               MLAAttentionBase)
+from mla_jax.backends import Backend, XlaBackend, get_backend
+from mla_jax.cache import LayerCache, init_layer_cache
+from mla_jax.config import (IndexerConfig, MLAConfig, RopeConfig, YarnConfig, deepseek_v3,
+                            deepseek_v32, glm5, tiny)
+from mla_jax.routing import PrefillRoute, resolve_prefill_route
+
+__all__ = [
+    "AttentionOutput", "Backend", "DeepseekV32Attention", "IndexerConfig", "LayerCache",
+    "MLAAttention", "MLAAttentionBase", "MLAConfig", "PrefillRoute", "RopeConfig", "XlaBackend",
+    "YarnConfig", "deepseek_v3", "deepseek_v32", "get_backend", "glm5", "init_layer_cache",
+    "resolve_prefill_route", "tiny",
+]

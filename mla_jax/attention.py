@@ -1,0 +1,266 @@
+"""MLA attention modules: the dense-capable ``MLAAttention`` and MQA-only ``DeepseekV32Attention``.
+
+One prefill flows as (ARCHITECTURE.md): project q and the latent, write the latent cache and
+the indexer key cache (always), resolve the route in Python, then run exactly one of
+
+* DENSE_MHA  - decompress per-head K/V from the latent, causal attention  (``mla_dense_mha``)
+* SPARSE_MQA - indexer top-k (``indexer_score``), absorbed MQA over those rows (``mla_sparse_mqa``)
+* DENSE_MQA  - absorbed MQA over every causal row, for MLA without an indexer (``mla_dense_mqa``)
+
+Only the chosen branch is traced. A class whose ``supports_dense_mha_prefill`` is False has
+no ``forward_mha`` at all, and declaring True without one is a ``TypeError`` at class definition.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mla_jax.backends import Backend, get_backend
+from mla_jax.cache import LayerCache, check_fits, write_rows
+from mla_jax.config import MLAConfig
+from mla_jax.indexer import Indexer
+from mla_jax.layers import Linear, RMSNorm
+from mla_jax.rope import apply_rope
+from mla_jax.routing import PrefillRoute, dense_mha_allowed, resolve_prefill_route
+
+logger = logging.getLogger("mla_jax")
+_warned_mqa_only: set[tuple[str, str]] = set()
+
+
+class AttentionOutput(NamedTuple):
+  out_BTD: jax.Array
+  cache: LayerCache
+  topk_BTK: jax.Array | None  # the indices this call attended over; None on DENSE_MHA
+
+
+def causal_indices(positions_BT, num_rows: int):
+  """Every causal row as an index set: [B, T, S] with -1 past each query's position."""
+  s_S = jnp.arange(num_rows, dtype=jnp.int32)
+  return jnp.where(s_S[None, None, :] <= positions_BT[..., None], s_S, -1)
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+class MLAAttentionBase(nnx.Module):
+  """Projections, caches, the indexer and the absorbed-MQA path shared by every MLA layer.
+
+  Attributes:
+    supports_dense_mha_prefill: whether this layer's semantics allow the dense-MHA prefill.
+      Subclasses that declare True must define ``forward_mha``.
+  """
+
+  supports_dense_mha_prefill: ClassVar[bool] = False
+  forward_mha = None  # the dense path; only dense-capable classes define it
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if cls.supports_dense_mha_prefill and not callable(getattr(cls, "forward_mha", None)):
+      raise TypeError(f"{cls.__name__} declares supports_dense_mha_prefill = True but "
+                      "implements no forward_mha (dense MHA prefill path)")
+
+  def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
+               param_dtype=jnp.float32, index_chunk_size: int = 2048):
+    if not isinstance(config, MLAConfig):
+      raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
+    if not isinstance(index_chunk_size, int) or index_chunk_size <= 0:
+      raise ValueError(f"index_chunk_size must be a positive int, got {index_chunk_size!r}")
+    c = config
+    self.config = c
+    self.backend = get_backend(backend)
+    self.index_chunk_size = index_chunk_size
+    # No dense prefill path object at all unless both the layer class and backend allow it.
+    self.dense_prefill_backend = self.backend if dense_mha_allowed(self, self.backend) else None
+    if c.indexer is not None and self.dense_prefill_backend is None:
+      key = (type(self).__name__, type(self.backend).__name__)
+      if key not in _warned_mqa_only:
+        _warned_mqa_only.add(key)
+        logger.warning("%s on backend %s has no dense-MHA prefill path; sparse MLA prefill "
+                       "uses the top-k MQA path only", *key)
+    self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, rngs=rngs, param_dtype=param_dtype)
+    self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, rngs=rngs,
+                           param_dtype=param_dtype)
+    self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, rngs=rngs,
+                                     param_dtype=param_dtype)
+    self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                            rngs=rngs, param_dtype=param_dtype)
+    self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, rngs=rngs,
+                         param_dtype=param_dtype)
+    self.indexer = (Indexer(c, rngs=rngs, param_dtype=param_dtype)
+                    if c.indexer is not None else None)
+
+  # ---- routing -------------------------------------------------------------------------
+
+  def prefill_route(self, num_new_tokens: int, num_cached_tokens: int | None = 0, *,
+                    force_mqa: bool = False) -> PrefillRoute:
+    """The route a call with these static counts takes (None cached: unknown, so MQA)."""
+    return resolve_prefill_route(self, self.backend, num_new_tokens=num_new_tokens,
+                                 num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
+
+  # ---- the absorbed form -----------------------------------------------------------------
+
+  def _kv_b_heads(self):
+    """W_UK [H, N, A] and W_UV [H, V, A] from ``kv_b_proj`` (per head [k_nope | v] rows)."""
+    c = self.config
+    w = self.kv_b_proj.weight[...].reshape(c.num_heads, c.qk_nope_head_dim + c.v_head_dim,
+                                           c.kv_lora_rank)
+    return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+  def forward_mqa(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK):
+    """Absorb W_UK into q, attend over the selected latent rows, apply W_UV: [B, T, H, V]."""
+    w_uk_HNA, w_uv_HVA = self._kv_b_heads()
+    dtype = q_nope_BTHN.dtype
+    q_lat_BTHA = jnp.einsum("bthn,hna->btha", q_nope_BTHN, w_uk_HNA.astype(dtype),
+                            preferred_element_type=jnp.float32).astype(dtype)
+    q_BTHL = jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
+    out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL.astype(dtype), topk_BTK,
+                                              sm_scale=self.config.softmax_scale,
+                                              d_v=self.config.kv_lora_rank)
+    return jnp.einsum("btha,hva->bthv", out_lat_BTHA, w_uv_HVA.astype(dtype),
+                      preferred_element_type=jnp.float32).astype(dtype)
+
+  # ---- the call --------------------------------------------------------------------------
+
+  def _validate(self, x_BTD, cache: LayerCache, new_lens_B):
+    c = self.config
+    if x_BTD.ndim != 3 or x_BTD.shape[-1] != c.hidden_size:
+      raise ValueError(f"x must be [batch, tokens, {c.hidden_size}], got shape {x_BTD.shape}")
+    if x_BTD.shape[1] == 0:
+      raise ValueError("x must hold at least one token")
+    if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
+      raise TypeError(f"x must be a floating dtype, got {x_BTD.dtype}")
+    if not isinstance(cache, LayerCache):
+      raise TypeError(f"cache must be a LayerCache, got {type(cache).__name__}")
+    if cache.batch_size != x_BTD.shape[0] or cache.latent_BSL.shape[-1] != c.latent_dim:
+      raise ValueError(f"cache latent shape {cache.latent_BSL.shape} does not fit x "
+                       f"{x_BTD.shape} (expected [{x_BTD.shape[0]}, capacity, {c.latent_dim}])")
+    if (cache.index_keys_BSI is None) != (self.indexer is None):
+      raise ValueError("cache.index_keys_BSI must be present exactly when the layer has an "
+                       "indexer")
+    if new_lens_B.shape != (x_BTD.shape[0],) or not jnp.issubdtype(new_lens_B.dtype,
+                                                                    jnp.integer):
+      raise ValueError(f"new_lens must be int [{x_BTD.shape[0]}], got {new_lens_B.shape} "
+                       f"{new_lens_B.dtype}")
+    if _is_concrete(new_lens_B):
+      lens = np.asarray(new_lens_B)
+      if (lens < 0).any() or (lens > x_BTD.shape[1]).any():
+        raise ValueError(f"new_lens must lie in [0, {x_BTD.shape[1]}], got {lens.tolist()}")
+    check_fits(cache, new_lens_B)
+
+  def _cached_bound(self, cache: LayerCache, num_cached_tokens):
+    """The static cached-length bound for routing, checked against concrete lengths."""
+    if not _is_concrete(cache.lengths_B):
+      return num_cached_tokens
+    longest = int(np.asarray(cache.lengths_B).max())
+    if num_cached_tokens is None:
+      return longest
+    if longest > num_cached_tokens:
+      raise ValueError(f"num_cached_tokens={num_cached_tokens} but the cache already holds "
+                       f"{longest} tokens for some sequence")
+    return num_cached_tokens
+
+  def __call__(self, x_BTD, cache: LayerCache, *, new_lens_B=None, num_cached_tokens=None,
+               force_mqa: bool = False) -> AttentionOutput:
+    """Attends ``x_BTD`` (after the layer's input norm) and appends it to ``cache``.
+
+    Args:
+      x_BTD: hidden states; row t of sequence b sits at position ``cache.lengths_B[b] + t``.
+      cache: this layer's cache; returned updated in the output.
+      new_lens_B: valid tokens per sequence (right padding beyond); default all T.
+      num_cached_tokens: static upper bound on ``cache.lengths_B``. When None it is read
+        from concrete lengths; under ``jit`` it is unknown and the route is MQA (decode).
+      force_mqa: never take the dense-MHA route.
+    """
+    c = self.config
+    b, t, _ = x_BTD.shape
+    if new_lens_B is None:
+      new_lens_B = jnp.full((b,), t, jnp.int32)
+    new_lens_B = jnp.asarray(new_lens_B)
+    self._validate(x_BTD, cache, new_lens_B)
+    new_lens_B = new_lens_B.astype(jnp.int32)
+    cached_bound = self._cached_bound(cache, num_cached_tokens)
+    route = self.prefill_route(t, cached_bound, force_mqa=force_mqa)
+    positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+    q_resid_BTC = self.q_a_layernorm(self.q_a_proj(x_BTD))
+    q_BTHD = self.q_b_proj(q_resid_BTC).reshape(b, t, c.num_heads, c.qk_head_dim)
+    q_nope_BTHN = q_BTHD[..., :c.qk_nope_head_dim]
+    q_pe_BTHR = apply_rope(q_BTHD[..., c.qk_nope_head_dim:], positions_BT, c.rope,
+                           interleaved=True)
+    kv_BTL = self.kv_a_proj_with_mqa(x_BTD)
+    c_kv_BTA = self.kv_a_layernorm(kv_BTL[..., :c.kv_lora_rank])
+    k_pe_BTR = apply_rope(kv_BTL[..., c.kv_lora_rank:], positions_BT, c.rope, interleaved=True)
+
+    # Both caches are written before any routing consequence: decode reads them later.
+    latent_BSL = write_rows(cache.latent_BSL, jnp.concatenate([c_kv_BTA, k_pe_BTR], -1),
+                            cache.lengths_B, new_lens_B)
+    keys_BSI = cache.index_keys_BSI
+    if self.indexer is not None:
+      with jax.named_scope("indexer_cache_update"):
+        keys_BSI = write_rows(keys_BSI, self.indexer.keys(x_BTD, positions_BT),
+                              cache.lengths_B, new_lens_B)
+    kv_len_B = cache.lengths_B + new_lens_B
+    new_cache = LayerCache(latent_BSL=latent_BSL, index_keys_BSI=keys_BSI, lengths_B=kv_len_B)
+
+    topk_BTK = None
+    if route is PrefillRoute.DENSE_MHA:
+      with jax.named_scope(route.scope):
+        num_keys = cached_bound + t  # static: the dense route needs a static bound
+        o_BTHV = self.forward_mha(q_nope_BTHN, q_pe_BTHR, latent_BSL[:, :num_keys],
+                                  cache.lengths_B, kv_len_B)
+    else:
+      if route.needs_topk:
+        with jax.named_scope("indexer_score"):
+          topk_BTK = self.indexer.select(x_BTD, q_resid_BTC, positions_BT, keys_BSI,
+                                         self.backend, chunk_size=self.index_chunk_size)
+      else:
+        topk_BTK = causal_indices(positions_BT, cache.capacity)
+      with jax.named_scope(route.scope):
+        o_BTHV = self.forward_mqa(q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK)
+    out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))
+    return AttentionOutput(out_BTD, new_cache, topk_BTK)
+
+
+class MLAAttention(MLAAttentionBase):
+  """MLA that may run short prefills in the dense MHA form (DeepSeek-V3, DSA with MHA)."""
+
+  supports_dense_mha_prefill: ClassVar[bool] = True
+
+  def forward_mha(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, q_offset_B, kv_len_B):
+    """Decompress per-head K/V from the latent rows and run causal attention: [B,T,H,V]."""
+    c = self.config
+    w_uk_HNA, w_uv_HVA = self._kv_b_heads()
+    dtype = q_nope_BTHN.dtype
+    c_kv_BSA = latent_BSL[..., :c.kv_lora_rank].astype(dtype)
+    k_pe_BSR = latent_BSL[..., c.kv_lora_rank:].astype(dtype)
+    k_nope_BSHN = jnp.einsum("bsa,hna->bshn", c_kv_BSA, w_uk_HNA.astype(dtype),
+                             preferred_element_type=jnp.float32).astype(dtype)
+    v_BSHV = jnp.einsum("bsa,hva->bshv", c_kv_BSA, w_uv_HVA.astype(dtype),
+                        preferred_element_type=jnp.float32).astype(dtype)
+    k_pe_BSHR = jnp.broadcast_to(k_pe_BSR[:, :, None, :], (*k_pe_BSR.shape[:2], c.num_heads,
+                                                           c.qk_rope_head_dim))
+    k_BSHD = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
+    q_BTHD = jnp.concatenate([q_nope_BTHN, q_pe_BTHR.astype(dtype)], axis=-1)
+    out_BTHV, _ = self.dense_prefill_backend.dense_mha(
+        q_BTHD, k_BSHD, v_BSHV, sm_scale=c.softmax_scale, q_offset_B=q_offset_B,
+        kv_len_B=kv_len_B)
+    return out_BTHV
+
+
+class DeepseekV32Attention(MLAAttention):
+  """DeepSeek-V3.2's layer as in the reference engine: top-k MQA only, never dense MHA.
+
+  It holds no dense prefill path, so its indexer always scores (the vLLM #52512 contract).
+  """
+
+  supports_dense_mha_prefill: ClassVar[bool] = False
+  forward_mha = None

@@ -1,0 +1,28 @@
+"""XlaBackend: the plain-jnp kernel references, compiled by XLA. Runs on any platform."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from mla_jax.backends.base import Backend
+from pallas_kernels import dense_mha_reference, indexer_logits_reference, sparse_mqa_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend(Backend):
+  """The specification path: every op is the ``*_reference`` beside its Pallas kernel."""
+
+  name: ClassVar[str] = "xla"
+  supports_dense_mha_prefill: ClassVar[bool] = True
+
+  def _sparse_mqa(self, q_THD, kv_SD, topk_TK, *, sm_scale, d_v):
+    return sparse_mqa_reference(q_THD, kv_SD, topk_TK, sm_scale=sm_scale, d_v=d_v)
+
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T):
+    return indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T)
+
+  def _dense_mha(self, q_THD, k_SHD, v_SHV, *, sm_scale, q_offset, kv_len):
+    return dense_mha_reference(
+        q_THD, k_SHD, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len
+    )

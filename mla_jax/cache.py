@@ -1,0 +1,85 @@
+"""Per-layer decode cache: latent rows, indexer keys and per-sequence lengths (SPEC.md 6, 7.10).
+
+The cache is a pytree that a layer call takes and returns. Both buffers are written for every
+token on every route, before any scoring decision: later decode steps read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_jax.config import MLAConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+  """One layer's cache for a batch of sequences.
+
+  Attributes:
+    latent_BSL: rows [normalized c_kv (A) | rotated k_pe (R)], L = A + R (576 for DSv3.2).
+    index_keys_BSI: the indexer's keys, or None for a layer without an indexer.
+    lengths_B: int32 number of valid rows per sequence.
+  """
+
+  latent_BSL: jax.Array
+  index_keys_BSI: jax.Array | None
+  lengths_B: jax.Array
+
+  @property
+  def batch_size(self) -> int:
+    return self.latent_BSL.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.latent_BSL.shape[1]
+
+
+def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int,
+                     dtype=jnp.float32) -> LayerCache:
+  """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens."""
+  if not isinstance(batch_size, int) or batch_size <= 0:
+    raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+  if not isinstance(capacity, int) or capacity <= 0:
+    raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+  if capacity > config.max_position_embeddings:
+    raise ValueError(f"capacity {capacity} exceeds max_position_embeddings "
+                     f"{config.max_position_embeddings}")
+  keys = None
+  if config.indexer is not None:
+    keys = jnp.zeros((batch_size, capacity, config.indexer.head_dim), dtype)
+  return LayerCache(latent_BSL=jnp.zeros((batch_size, capacity, config.latent_dim), dtype),
+                    index_keys_BSI=keys, lengths_B=jnp.zeros((batch_size,), jnp.int32))
+
+
+def check_fits(cache: LayerCache, new_lens_B) -> None:
+  """Refuses, before anything is written, a step that would overflow the cache.
+
+  Only concrete lengths can be checked; under ``jit`` the caller checks outside the trace
+  (``mla_jax.generate`` does), and rows past capacity are dropped rather than wrapped.
+  """
+  if isinstance(cache.lengths_B, jax.core.Tracer) or isinstance(new_lens_B, jax.core.Tracer):
+    return
+  total = np.asarray(cache.lengths_B) + np.asarray(new_lens_B)
+  if (total > cache.capacity).any():
+    worst = int(total.argmax())
+    raise ValueError(f"sequence {worst} would hold {int(total[worst])} tokens, more than the "
+                     f"cache capacity {cache.capacity}; nothing was written")
+
+
+def write_rows(buffer_BSX, rows_BTX, start_B, new_lens_B):
+  """Writes row t of sequence b at ``start_B[b] + t`` for ``t < new_lens_B[b]``.
+
+  Padding rows and rows past capacity are dropped (never clamped onto valid rows, which a
+  ``dynamic_update_slice`` would do).
+  """
+  capacity = buffer_BSX.shape[1]
+  t_T = jnp.arange(rows_BTX.shape[1], dtype=jnp.int32)
+  dest_BT = start_B[:, None] + t_T[None, :]
+  dest_BT = jnp.where(t_T[None, :] < new_lens_B[:, None], dest_BT, capacity)
+  batch_BT = jnp.broadcast_to(jnp.arange(buffer_BSX.shape[0])[:, None], dest_BT.shape)
+  return buffer_BSX.at[batch_BT, dest_BT].set(rows_BTX.astype(buffer_BSX.dtype), mode="drop")

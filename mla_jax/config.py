@@ -1,0 +1,180 @@
+"""Frozen configurations for MLA attention and its lightning indexer, with presets.
+
+Every field is validated at construction: a bad value raises ``ValueError`` naming the field
+and the value, so a typo fails here rather than deep inside a trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def _require(condition: bool, field: str, value, expectation: str) -> None:
+  if not condition:
+    raise ValueError(f"{field} must be {expectation}, got {value!r}")
+
+
+def _positive_int(field: str, value) -> None:
+  _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field, value,
+           "a positive int")
+
+
+def _positive_float(field: str, value) -> None:
+  _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, field,
+           value, "a positive number")
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnConfig:
+  """YaRN context extension (SPEC.md section 3.3); HF's rule: applied whenever configured."""
+
+  factor: float = 40.0
+  original_max_position_embeddings: int = 4096
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 1.0
+  mscale_all_dim: float = 1.0
+
+  def __post_init__(self):
+    _require(isinstance(self.factor, (int, float)) and self.factor >= 1, "yarn.factor",
+             self.factor, ">= 1")
+    _positive_int("yarn.original_max_position_embeddings", self.original_max_position_embeddings)
+    _positive_float("yarn.beta_fast", self.beta_fast)
+    _positive_float("yarn.beta_slow", self.beta_slow)
+    _require(self.beta_fast > self.beta_slow, "yarn.beta_fast", self.beta_fast,
+             f"> beta_slow ({self.beta_slow})")
+    _require(isinstance(self.mscale, (int, float)) and self.mscale >= 0, "yarn.mscale",
+             self.mscale, ">= 0")
+    _require(isinstance(self.mscale_all_dim, (int, float)) and self.mscale_all_dim >= 0,
+             "yarn.mscale_all_dim", self.mscale_all_dim, ">= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  theta: float = 10000.0
+  yarn: YarnConfig | None = None
+
+  def __post_init__(self):
+    _positive_float("rope.theta", self.theta)
+    _require(self.yarn is None or isinstance(self.yarn, YarnConfig), "rope.yarn", self.yarn,
+             "a YarnConfig or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+  """The lightning indexer (SPEC.md section 7).
+
+  ``rope_interleave`` picks the indexer's RoPE pairing: False is NeoX / half-split
+  (DeepSeek-V3.2, after DeepSeek's 2025-11-17 fix), True is interleaved (GLM-5).
+  """
+
+  num_heads: int = 64
+  head_dim: int = 128
+  topk: int = 2048
+  rope_interleave: bool = False
+  use_hadamard: bool = True
+  norm_eps: float = 1e-6
+
+  def __post_init__(self):
+    _positive_int("indexer.num_heads", self.num_heads)
+    _positive_int("indexer.head_dim", self.head_dim)
+    _positive_int("indexer.topk", self.topk)
+    _require(isinstance(self.rope_interleave, bool), "indexer.rope_interleave",
+             self.rope_interleave, "a bool")
+    _require(isinstance(self.use_hadamard, bool), "indexer.use_hadamard", self.use_hadamard,
+             "a bool")
+    if self.use_hadamard:
+      _require(self.head_dim & (self.head_dim - 1) == 0, "indexer.head_dim", self.head_dim,
+               "a power of two when use_hadamard is True")
+    _positive_float("indexer.norm_eps", self.norm_eps)
+
+  @property
+  def score_scale(self) -> float:
+    """I**-0.5 * G**-0.5, folded into the head weights (SPEC.md section 4)."""
+    return self.head_dim**-0.5 * self.num_heads**-0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention dims (SPEC.md sections 1-2), optionally with an indexer."""
+
+  hidden_size: int = 7168
+  num_heads: int = 128
+  q_lora_rank: int = 1536
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+  max_position_embeddings: int = 163840
+  rms_norm_eps: float = 1e-6
+  indexer: IndexerConfig | None = None
+
+  def __post_init__(self):
+    for field in ("hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+      _positive_int(field, getattr(self, field))
+    _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
+    _require(isinstance(self.rope, RopeConfig), "rope", self.rope, "a RopeConfig")
+    _positive_float("rms_norm_eps", self.rms_norm_eps)
+    _require(self.indexer is None or isinstance(self.indexer, IndexerConfig), "indexer",
+             self.indexer, "an IndexerConfig or None")
+    if self.indexer is not None:
+      _require(self.indexer.head_dim >= self.qk_rope_head_dim, "indexer.head_dim",
+               self.indexer.head_dim, f">= qk_rope_head_dim ({self.qk_rope_head_dim})")
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def latent_dim(self) -> int:
+    """Width of one latent cache row: [c_kv (A) | k_pe (R)], 576 for DeepSeek-V3.2."""
+    return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def softmax_scale(self) -> float:
+    """(N+R)**-0.5 * m**2 with YaRN's m = 0.1 * mscale_all_dim * ln(factor) + 1 (SPEC.md 4)."""
+    scale = self.qk_head_dim**-0.5
+    yarn = self.rope.yarn
+    if yarn is not None and yarn.mscale_all_dim and yarn.factor > 1:
+      m = 0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1.0
+      scale *= m * m
+    return scale
+
+
+def deepseek_v32() -> MLAConfig:
+  """DeepSeek-V3.2 full sizes: YaRN RoPE, indexer with NeoX pairing."""
+  return MLAConfig(rope=RopeConfig(theta=10000.0, yarn=YarnConfig()),
+                   indexer=IndexerConfig(num_heads=64, head_dim=128, topk=2048,
+                                         rope_interleave=False))
+
+
+def glm5() -> MLAConfig:
+  """GLM-5 / 5.1: qk 192+64, v 256, 64 heads, plain RoPE theta 1e6, interleaved indexer RoPE."""
+  return MLAConfig(hidden_size=6144, num_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+                   qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                   rope=RopeConfig(theta=1e6), max_position_embeddings=202752, rms_norm_eps=1e-5,
+                   indexer=IndexerConfig(num_heads=32, head_dim=128, topk=2048,
+                                         rope_interleave=True))
+
+
+def deepseek_v3() -> MLAConfig:
+  """DeepSeek-V3: MLA without an indexer (dense attention)."""
+  return MLAConfig(rope=RopeConfig(theta=10000.0, yarn=YarnConfig()))
+
+
+def tiny() -> MLAConfig:
+  """A CPU-sized DSA layer; top-k 16 so that short sequences already exercise sparsity.
+
+  Every width is a power of two so the same config also runs through the Pallas kernels.
+  """
+  return MLAConfig(hidden_size=128, num_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                   rope=RopeConfig(theta=10000.0), max_position_embeddings=4096,
+                   indexer=IndexerConfig(num_heads=4, head_dim=32, topk=16,
+                                         rope_interleave=False))
+
+
+PRESETS = {"deepseek_v32": deepseek_v32, "glm5": glm5, "deepseek_v3": deepseek_v3, "tiny": tiny}

@@ -1,0 +1,110 @@
+"""The lightning indexer: scores past tokens and selects each query's top-k (SPEC.md 7).
+
+``I[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s])`` with ``w`` already scaled by
+``I**-0.5 * G**-0.5``. Its q/k layout is [rope | nope], the reverse of the main attention.
+Selection is deterministic: ``lax.top_k`` breaks ties by the lower index. Rows that see
+fewer than top-k keys are padded with -1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mla_jax.config import MLAConfig
+from mla_jax.layers import LayerNorm, Linear
+from mla_jax.rope import apply_rope
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard_matrix(n: int) -> np.ndarray:
+  """Orthonormal, symmetric Walsh-Hadamard matrix of size n (a power of two)."""
+  h = np.ones((1, 1))
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return (h * n**-0.5).astype(np.float32)
+
+
+def topk_indices(logits_BTS, k: int):
+  """int32 [B, T, k] indices of the largest logits; -1 where a row has fewer finite ones.
+
+  Ties go to the lower index (``lax.top_k``'s documented order), so selection is stable
+  from run to run.
+  """
+  width = min(k, logits_BTS.shape[-1])
+  values, idx = jax.lax.top_k(logits_BTS, width)
+  idx = jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)
+  if width < k:
+    idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k - width)), constant_values=-1)
+  return idx
+
+
+class Indexer(nnx.Module):
+  """Parameters named as in Hugging Face: ``wq_b``, ``wk``, ``k_norm``, ``weights_proj``."""
+
+  def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    ic = config.indexer
+    self.config = config
+    self.wq_b = Linear(config.q_lora_rank, ic.num_heads * ic.head_dim, rngs=rngs,
+                       param_dtype=param_dtype)
+    self.wk = Linear(config.hidden_size, ic.head_dim, rngs=rngs, param_dtype=param_dtype)
+    self.k_norm = LayerNorm(ic.head_dim, eps=ic.norm_eps, param_dtype=param_dtype)
+    # HF keeps weights_proj in float32 (_keep_in_fp32_modules); so do we.
+    self.weights_proj = Linear(config.hidden_size, ic.num_heads, rngs=rngs,
+                               param_dtype=jnp.float32)
+
+  def _rope_and_rotate(self, x, positions_BT):
+    """RoPE on the first R dims (pairing per model), then the optional Hadamard rotation."""
+    ic, rope_dim = self.config.indexer, self.config.qk_rope_head_dim
+    x_pe = apply_rope(x[..., :rope_dim], positions_BT, self.config.rope,
+                      interleaved=ic.rope_interleave)
+    x = jnp.concatenate([x_pe, x[..., rope_dim:]], axis=-1)
+    if ic.use_hadamard:  # exact in fp32; it only spreads outliers before fp8 quantization
+      x = jnp.einsum("...i,ij->...j", x, jnp.asarray(hadamard_matrix(ic.head_dim), x.dtype),
+                     preferred_element_type=jnp.float32).astype(x.dtype)
+    return x
+
+  def keys(self, x_BTD, positions_BT):
+    """The single-head keys k_I [B, T, I] that the key cache stores."""
+    return self._rope_and_rotate(self.k_norm(self.wk(x_BTD)), positions_BT)
+
+  def scores_inputs(self, x_BTD, q_resid_BTC, positions_BT):
+    """Queries q_I [B, T, G, I] and scaled head weights w [B, T, G] (float32)."""
+    ic = self.config.indexer
+    b, t = x_BTD.shape[:2]
+    q_BTGI = self.wq_b(q_resid_BTC).reshape(b, t, ic.num_heads, ic.head_dim)
+    q_BTGI = self._rope_and_rotate(q_BTGI, positions_BT)
+    w_BTG = self.weights_proj(x_BTD.astype(jnp.float32)) * ic.score_scale
+    return q_BTGI, w_BTG
+
+  def select(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, chunk_size: int):
+    """Top-k rows of ``keys_BSI`` for every query: int32 [B, T, topk], -1 padded.
+
+    Query rows are scored ``chunk_size`` at a time so that a long prefill never holds more
+    than a [B, chunk_size, S] block of logits.
+    """
+    q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
+    ends_BT = positions_BT + 1  # causal, self included
+    topk = self.config.indexer.topk
+
+    def score(q, w, ends):
+      logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends)
+      return topk_indices(logits, topk)
+
+    b, t = ends_BT.shape
+    if t <= chunk_size:
+      return score(q_BTGI, w_BTG, ends_BT)
+    pad = -t % chunk_size
+    n = (t + pad) // chunk_size
+
+    def to_chunks(a):
+      a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+      return jnp.moveaxis(a.reshape(b, n, chunk_size, *a.shape[2:]), 1, 0)
+
+    idx = jax.lax.map(lambda args: score(*args), (to_chunks(q_BTGI), to_chunks(w_BTG),
+                                                  to_chunks(ends_BT)))
+    return jnp.moveaxis(idx, 0, 1).reshape(b, n * chunk_size, topk)[:, :t]

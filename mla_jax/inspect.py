@@ -1,0 +1,84 @@
+"""Walk a traced program: which named scopes, primitives and Pallas kernels it contains.
+
+Routes are decided while tracing, so the traced program *is* the route: tests and notebooks
+assert on these sets instead of trusting flags (JAX_NOTES.md section 8).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import jax
+from jax import core as jax_core
+
+_ClosedJaxpr = getattr(jax_core, "ClosedJaxpr", None) or jax.extend.core.ClosedJaxpr
+_Jaxpr = getattr(jax_core, "Jaxpr", None) or jax.extend.core.Jaxpr
+
+
+def _sub_jaxprs(value) -> Iterator:
+  """Every (Closed)Jaxpr nested in an equation parameter, including inside containers."""
+  if isinstance(value, _ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, _Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for item in value:
+      yield from _sub_jaxprs(item)
+  elif isinstance(value, dict):
+    for item in value.values():
+      yield from _sub_jaxprs(item)
+  else:  # e.g. pallas_call's kernel jaxpr or custom_vjp's fun_jaxpr hide behind attributes
+    for attr in ("jaxpr", "fun_jaxpr", "call_jaxpr"):
+      inner = getattr(value, attr, None)
+      if isinstance(inner, (_ClosedJaxpr, _Jaxpr)):
+        yield from _sub_jaxprs(inner)
+
+
+class ProgramSummary(collections.namedtuple("ProgramSummary", "scopes primitives kernels")):
+  """scopes: frozenset of scope names; primitives: Counter; kernels: tuple of kernel names."""
+
+
+def _kernel_name(eqn) -> str:
+  name = eqn.params.get("name")
+  if name:
+    return str(name)
+  meta = eqn.params.get("name_and_src_info")  # renamed across jax versions
+  if meta is not None and getattr(meta, "name", None):
+    return str(meta.name)
+  return eqn.params["jaxpr"].debug_info.func_name
+
+
+def summarize_jaxpr(jaxpr) -> ProgramSummary:
+  """Scopes, primitive counts and kernel names of a (Closed)Jaxpr and everything inside it."""
+  scopes, prims, kernels = set(), collections.Counter(), []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      prims[eqn.primitive.name] += 1
+      stack = str(eqn.source_info.name_stack)
+      if stack:
+        scopes.update(stack.split("/"))
+      if eqn.primitive.name == "pallas_call":
+        kernels.append(_kernel_name(eqn))
+      for value in eqn.params.values():
+        for sub in _sub_jaxprs(value):
+          walk(sub)
+
+  walk(jaxpr.jaxpr if isinstance(jaxpr, _ClosedJaxpr) else jaxpr)
+  return ProgramSummary(frozenset(scopes), prims, tuple(kernels))
+
+
+def summarize(fn, *args, **kwargs) -> ProgramSummary:
+  """Traces ``fn(*args, **kwargs)`` (nothing runs) and summarizes the program."""
+  return summarize_jaxpr(jax.make_jaxpr(fn)(*args, **kwargs))
+
+
+def traced_scopes(fn, *args, **kwargs) -> frozenset[str]:
+  """Names of every ``jax.named_scope`` (and jit/kernel name) in the traced program."""
+  return summarize(fn, *args, **kwargs).scopes
+
+
+def traced_kernels(fn, *args, **kwargs) -> tuple[str, ...]:
+  """Names of the Pallas kernels in the traced program, in trace order."""
+  return summarize(fn, *args, **kwargs).kernels

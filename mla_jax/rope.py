@@ -1,0 +1,91 @@
+"""Rotary position embeddings: both pairings, YaRN frequencies and magnitude (SPEC.md 3).
+
+The main attention rotates adjacent pairs (2i, 2i+1) ("interleaved", GPT-J style) in both
+models. The indexer rotates pairs (i, i + R/2) ("NeoX", half-split) for DeepSeek-V3.2 and
+interleaved pairs for GLM-5: the same frequency table, a different pairing. Mixing them up
+crashes nothing and silently loses long-context quality (SPEC.md section 14, rows 3-5).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from mla_jax.config import RopeConfig, YarnConfig
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+  """HF's ``get_mscale``: 0.1 * mscale * ln(factor) + 1 when the context is extended."""
+  if factor <= 1:
+    return 1.0
+  return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_correction_range(yarn: YarnConfig, rope_dim: int, theta: float) -> tuple[int, int]:
+  """The (low, high) dims of the YaRN ramp; (10, 23) for DeepSeek-V3.2."""
+
+  def corr_dim(num_rotations: float) -> float:
+    return (rope_dim * math.log(yarn.original_max_position_embeddings /
+                                (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+  low = math.floor(corr_dim(yarn.beta_fast))
+  high = math.ceil(corr_dim(yarn.beta_slow))
+  return max(low, 0), min(high, rope_dim - 1)
+
+
+def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> np.ndarray:
+  """Per-pair angular frequencies theta'_i (float64), YaRN-corrected when configured."""
+  base = rope.theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+  if rope.yarn is None:
+    return base
+  low, high = yarn_correction_range(rope.yarn, rope_dim, rope.theta)
+  span = high - low if high != low else 0.001  # HF nudges a degenerate ramp the same way
+  ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float64) - low) / span, 0.0, 1.0)
+  return base / rope.yarn.factor * ramp + base * (1.0 - ramp)
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+  """Magnitude applied to cos/sin; 1 for every DeepSeek config (mscale == mscale_all_dim)."""
+  if rope.yarn is None:
+    return 1.0
+  yarn = rope.yarn
+  return yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+
+
+def _cos_sin(positions, rope: RopeConfig, rope_dim: int):
+  inv_freq = jnp.asarray(rope_inv_freq(rope, rope_dim), jnp.float32)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  factor = rope_attention_factor(rope)
+  return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+
+
+def apply_rope(x, positions, rope: RopeConfig, *, interleaved: bool):
+  """Rotates the last axis of ``x`` (R wide) by position.
+
+  Args:
+    x: [..., T, (heads,) R]; the rope slice only.
+    positions: int [..., T], broadcast against x's leading axes.
+    rope: frequency configuration.
+    interleaved: pairs (2i, 2i+1) if True, else (i, i + R/2).
+
+  Returns:
+    The rotated array in x's dtype, computed in float32.
+  """
+  rope_dim = x.shape[-1]
+  cos, sin = _cos_sin(positions, rope, rope_dim)  # [..., T, R/2]
+  if x.ndim == positions.ndim + 2:  # a heads axis sits between T and R
+    cos, sin = cos[..., None, :], sin[..., None, :]
+  xf = x.astype(jnp.float32)
+  if interleaved:
+    real, imag = xf[..., 0::2], xf[..., 1::2]
+  else:
+    real, imag = xf[..., : rope_dim // 2], xf[..., rope_dim // 2:]
+  rot_real = real * cos - imag * sin
+  rot_imag = real * sin + imag * cos
+  if interleaved:
+    out = jnp.stack([rot_real, rot_imag], axis=-1).reshape(xf.shape)
+  else:
+    out = jnp.concatenate([rot_real, rot_imag], axis=-1)
+  return out.astype(x.dtype)

@@ -1,0 +1,165 @@
+"""Lightning-indexer logits (SPEC.md sections 7.1, 7.6).
+
+Kernel layout: one program computes a ``block_t`` x ``block_s`` logits tile. The key tile is
+loaded once and the G heads are looped inside, each a plain 2-D dot ``q[:, g, :] @ k^T``
+(Triton has no 3-D dots); relu, weighting by ``w[:, g]`` and the head sum happen in fp32
+registers. q is viewed as [T, G * I] (a free reshape) so each head is a column slice. Tiles
+that lie outside every row's ``[start, end)`` window are written as -inf without any dot.
+fp8 q and k go straight into an fp8 x fp8 -> fp32 dot (exact products, fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.block_config import IndexerLogitsKernelConfig
+
+
+def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None):
+  """``logits[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s])`` on ``[starts[t], ends[t])``.
+
+  Args:
+    q_TGI: indexer queries (float32, bfloat16 or float8_e4m3fn). For fp8, fold the per
+      (token, head) dequant scale of q into ``w_TG`` (DeepGEMM's convention).
+    k_SI: indexer keys, one head shared by all G query heads.
+    w_TG: float32 head weights, all score scalings already folded in.
+    starts_T, ends_T: int32 causal window of each query row.
+    k_scale_S: optional float32 per-key dequant scale (fp8 keys).
+
+  Returns:
+    float32 logits [T, S]; -inf outside each row's window.
+  """
+  dots_TGS = jnp.einsum(
+      "tgi,si->tgs",
+      q_TGI.astype(jnp.float32) if q_TGI.dtype.itemsize == 1 else q_TGI,
+      k_SI.astype(jnp.float32) if k_SI.dtype.itemsize == 1 else k_SI,
+      preferred_element_type=jnp.float32,
+  )
+  logits_TS = jnp.einsum("tg,tgs->ts", w_TG.astype(jnp.float32), jnp.maximum(dots_TGS, 0.0))
+  if k_scale_S is not None:
+    logits_TS = logits_TS * k_scale_S.astype(jnp.float32)[None, :]
+  cols_S = jnp.arange(k_SI.shape[0], dtype=jnp.int32)
+  inside_TS = (cols_S[None, :] >= starts_T[:, None]) & (cols_S[None, :] < ends_T[:, None])
+  return jnp.where(inside_TS, logits_TS, -jnp.inf)
+
+
+def _indexer_logits_kernel(
+    q_ref, k_ref, w_ref, starts_ref, ends_ref, *rest, num_tokens, num_keys, num_heads, dim, config
+):
+  *scale_ref, out_ref = rest
+  block_t, block_s = config.block_t, config.block_s
+  rows_T = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
+  cols_S = pl.program_id(1) * block_s + jnp.arange(block_s, dtype=jnp.int32)
+  row_mask_T, col_mask_S = rows_T < num_tokens, cols_S < num_keys
+  store_mask_TS = row_mask_T[:, None] & col_mask_S[None, :]
+  starts_T = _compat.load(starts_ref, mask=row_mask_T, other=num_keys)
+  ends_T = _compat.load(ends_ref, mask=row_mask_T, other=0)
+  first_col = pl.program_id(1) * block_s
+  skip = (first_col >= ends_T.max()) | (first_col + block_s <= starts_T.min())
+
+  @pl.when(skip)
+  def _():
+    _compat.store(out_ref, jnp.full((block_t, block_s), -jnp.inf, jnp.float32), mask=store_mask_TS)
+
+  @pl.when(jnp.logical_not(skip))
+  def _():
+    k_SI = _compat.load(k_ref, mask=col_mask_S[:, None], other=0)
+    precision = _compat.dot_precision(k_ref.dtype)
+
+    def head(g, acc_TS):
+      q_TI = _compat.load(
+          q_ref.at[:, pl.ds(pl.multiple_of(g * dim, dim), dim)], mask=row_mask_T[:, None], other=0
+      )
+      w_T = _compat.load(w_ref.at[g, :], mask=row_mask_T, other=0.0)
+      dots_TS = jax.lax.dot_general(
+          q_TI, k_SI, (((1,), (1,)), ((), ())),
+          preferred_element_type=jnp.float32, precision=precision,
+      )
+      return acc_TS + w_T[:, None] * jnp.maximum(dots_TS, 0.0)
+
+    logits_TS = jax.lax.fori_loop(
+        0, num_heads, head, jnp.zeros((block_t, block_s), jnp.float32)
+    )
+    if scale_ref:
+      logits_TS = logits_TS * _compat.load(scale_ref[0], mask=col_mask_S, other=0.0)[None, :]
+    inside_TS = (cols_S[None, :] >= starts_T[:, None]) & (cols_S[None, :] < ends_T[:, None])
+    _compat.store(out_ref, jnp.where(inside_TS, logits_TS, -jnp.inf), mask=store_mask_TS)
+
+
+_INDEXER_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
+
+
+def _validate(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S):
+  if q_TGI.ndim != 3 or k_SI.ndim != 2 or w_TG.ndim != 2:
+    raise ValueError(
+        "indexer_logits expects q [T, G, I], k [S, I], w [T, G]; got ranks"
+        f" {q_TGI.ndim}, {k_SI.ndim}, {w_TG.ndim}"
+    )
+  T, G, I = q_TGI.shape
+  if k_SI.shape[1] != I:
+    raise ValueError(f"k width {k_SI.shape[1]} != q width {I}")
+  if w_TG.shape != (T, G):
+    raise ValueError(f"w shape {w_TG.shape} != (T, G) = {(T, G)}")
+  for name, x in (("starts", starts_T), ("ends", ends_T)):
+    if x.shape != (T,):
+      raise ValueError(f"{name} shape {x.shape} != (T,) = {(T,)}")
+    if x.dtype != jnp.int32:
+      raise TypeError(f"{name} must be int32, got {x.dtype}")
+  for name, x in (("q", q_TGI), ("k", k_SI)):
+    if x.dtype not in _INDEXER_DTYPES:
+      raise TypeError(f"{name} dtype must be float32, bfloat16 or float8_e4m3fn, got {x.dtype}")
+  if q_TGI.dtype != k_SI.dtype:
+    raise TypeError(f"q dtype {q_TGI.dtype} != k dtype {k_SI.dtype}")
+  if not jnp.issubdtype(w_TG.dtype, jnp.floating):
+    raise TypeError(f"w must be a float array, got {w_TG.dtype}")
+  if k_scale_S is not None and k_scale_S.shape != (k_SI.shape[0],):
+    raise ValueError(f"k_scale shape {k_scale_S.shape} != (S,) = {(k_SI.shape[0],)}")
+
+
+def indexer_logits(
+    q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
+    config: IndexerLogitsKernelConfig | None = None, interpret: bool = False,
+):
+  """Pallas-Triton indexer logits; same contract as :func:`indexer_logits_reference`."""
+  _validate(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
+  (T, G, I), S = q_TGI.shape, k_SI.shape[0]
+  if config is None:
+    config = IndexerLogitsKernelConfig.default_for(T, S)
+  block_t, block_s = config.block_t, config.block_s
+  kernel = functools.partial(
+      _indexer_logits_kernel, num_tokens=T, num_keys=S, num_heads=G, dim=I, config=config
+  )
+  in_specs = [
+      pl.BlockSpec((block_t, G * I), lambda t, s: (t, 0)),
+      pl.BlockSpec((block_s, I), lambda t, s: (s, 0)),
+      pl.BlockSpec((G, block_t), lambda t, s: (0, t)),
+      pl.BlockSpec((block_t,), lambda t, s: (t,)),
+      pl.BlockSpec((block_t,), lambda t, s: (t,)),
+  ]
+  # w is transposed (tiny) so that each head's weights are one contiguous row.
+  args = [q_TGI.reshape(T, G * I), k_SI, w_TG.astype(jnp.float32).T, starts_T, ends_T]
+  if k_scale_S is not None:
+    in_specs.append(pl.BlockSpec((block_s,), lambda t, s: (s,)))
+    args.append(k_scale_S.astype(jnp.float32))
+  cost = pl.CostEstimate(
+      flops=2 * T * S * G * I + 3 * T * S * G,
+      transcendentals=0,
+      bytes_accessed=q_TGI.dtype.itemsize * (T * G * I * pl.cdiv(S, block_s) + S * I * pl.cdiv(T, block_t))
+      + 4 * (T * S + T * G + 2 * T + S),
+  )
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(T, block_t), pl.cdiv(S, block_s)),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((block_t, block_s), lambda t, s: (t, s)),
+      out_shape=jax.ShapeDtypeStruct((T, S), jnp.float32),
+      compiler_params=_compat.compiler_params(config.num_warps, config.num_stages),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="indexer_logits",
+  )(*args)
