@@ -181,6 +181,9 @@ class MLAAttentionBase(nnx.Module):
       force_mqa: never take the dense-MHA route.
     """
     c = self.config
+    if getattr(x_BTD, "ndim", None) != 3:
+      raise ValueError(f"x must be [batch, tokens, {c.hidden_size}], got shape "
+                       f"{getattr(x_BTD, 'shape', None)}")
     b, t, _ = x_BTD.shape
     if new_lens_B is None:
       new_lens_B = jnp.full((b,), t, jnp.int32)
@@ -195,10 +198,11 @@ class MLAAttentionBase(nnx.Module):
     q_BTHD = self.q_b_proj(q_resid_BTC).reshape(b, t, c.num_heads, c.qk_head_dim)
     q_nope_BTHN = q_BTHD[..., :c.qk_nope_head_dim]
     q_pe_BTHR = apply_rope(q_BTHD[..., c.qk_nope_head_dim:], positions_BT, c.rope,
-                           interleaved=True)
+                           interleaved=True, max_position=c.max_position_embeddings)
     kv_BTL = self.kv_a_proj_with_mqa(x_BTD)
     c_kv_BTA = self.kv_a_layernorm(kv_BTL[..., :c.kv_lora_rank])
-    k_pe_BTR = apply_rope(kv_BTL[..., c.kv_lora_rank:], positions_BT, c.rope, interleaved=True)
+    k_pe_BTR = apply_rope(kv_BTL[..., c.kv_lora_rank:], positions_BT, c.rope, interleaved=True,
+                          max_position=c.max_position_embeddings)
 
     # Both caches are written before any routing consequence: decode reads them later.
     latent_BSL = write_rows(cache.latent_BSL, jnp.concatenate([c_kv_BTA, k_pe_BTR], -1),

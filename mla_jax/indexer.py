@@ -61,7 +61,8 @@ class Indexer(nnx.Module):
     """RoPE on the first R dims (pairing per model), then the optional Hadamard rotation."""
     ic, rope_dim = self.config.indexer, self.config.qk_rope_head_dim
     x_pe = apply_rope(x[..., :rope_dim], positions_BT, self.config.rope,
-                      interleaved=ic.rope_interleave)
+                      interleaved=ic.rope_interleave,
+                      max_position=self.config.max_position_embeddings)
     x = jnp.concatenate([x_pe, x[..., rope_dim:]], axis=-1)
     if ic.use_hadamard:  # exact in fp32; it only spreads outliers before fp8 quantization
       x = jnp.einsum("...i,ij->...j", x, jnp.asarray(hadamard_matrix(ic.head_dim), x.dtype),

@@ -1,0 +1,106 @@
+"""Frozen block configurations of the Pallas-Triton kernels, with shape-based defaults.
+
+"Which kernel" is chosen by the caller; this module only answers "which block sizes". Each
+``default_for`` was checked with the PTX compile check (tests/test_kernels_compile.py) to
+compile without register spills for sm_90a at the DeepSeek-V3.2 and GLM-5 shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def next_pow2(n: int) -> int:
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def pow2_chunks(width: int) -> tuple[tuple[int, int], ...]:
+  """``(start, size)`` power-of-two column chunks covering ``width``, widest first.
+
+  576 -> (0, 512), (512, 64); 192 -> (0, 128), (128, 64); 48 -> (0, 32), (32, 16).
+  """
+  chunks, start = [], 0
+  for bit in reversed(range(int(width).bit_length())):
+    size = 1 << bit
+    if width & size:
+      chunks.append((start, size))
+      start += size
+  return tuple(chunks)
+
+
+def _check_pow2(obj, *names):
+  for name in names:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+      raise ValueError(f"{type(obj).__name__}.{name} must be a positive power of two, got {value!r}")
+
+
+def _check_warps_stages(obj):
+  _check_pow2(obj, "num_warps")
+  if not isinstance(obj.num_stages, int) or obj.num_stages < 1:
+    raise ValueError(f"{type(obj).__name__}.num_stages must be an int >= 1, got {obj.num_stages!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMQAKernelConfig:
+  """One program: ``block_h`` heads of one token; the top-k row is walked ``block_k`` at a time."""
+
+  block_h: int = 32
+  block_k: int = 32
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _check_pow2(self, "block_h", "block_k")
+    _check_warps_stages(self)
+
+  @classmethod
+  def default_for(cls, num_heads: int, topk: int, d_v: int) -> SparseMQAKernelConfig:
+    # Triton dots want M, N >= 16. The fp32 accumulator is block_h x d_v: at d_v = 512,
+    # block_h = 64 spills even with 8 or 16 warps on sm_90a, so wide values use 32 heads.
+    wide = d_v >= 256
+    block_h = min(32 if wide else 64, max(16, next_pow2(num_heads)))
+    block_k = min(32 if wide else 64, max(16, next_pow2(topk)))
+    return cls(block_h=block_h, block_k=block_k, num_warps=8 if wide else 4, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerLogitsKernelConfig:
+  """One program: a ``block_t`` x ``block_s`` logits tile; the G heads are looped inside."""
+
+  block_t: int = 64
+  block_s: int = 128
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _check_pow2(self, "block_t", "block_s")
+    _check_warps_stages(self)
+
+  @classmethod
+  def default_for(cls, num_tokens: int, num_keys: int) -> IndexerLogitsKernelConfig:
+    block_t = min(64, max(16, next_pow2(num_tokens)))
+    block_s = min(128, max(16, next_pow2(num_keys)))
+    # A 64 x 128 fp32 tile plus the bf16 key tile spills a few bytes with 4 warps on sm_90a.
+    return cls(block_t=block_t, block_s=block_s, num_warps=8, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMHAKernelConfig:
+  """One program: ``block_q`` queries of one head; keys are walked ``block_k`` at a time."""
+
+  block_q: int = 64
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _check_pow2(self, "block_q", "block_k")
+    _check_warps_stages(self)
+
+  @classmethod
+  def default_for(cls, num_tokens: int, num_keys: int, d_qk: int, d_v: int) -> DenseMHAKernelConfig:
+    block_q = min(64, max(16, next_pow2(num_tokens)))
+    block_k = min(64, max(16, next_pow2(num_keys)))
+    wide = max(d_qk, d_v) > 192
+    return cls(block_q=block_q, block_k=block_k, num_warps=8 if wide else 4, num_stages=2)

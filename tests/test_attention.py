@@ -1,0 +1,236 @@
+"""MLA modules against the float64 reference; route equivalence; cache contract; bad input."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from flax import nnx
+
+import mla_jax as m
+from mla_jax import testing as mt
+from mla_jax.routing import PrefillRoute
+from tests.conftest import module_backends
+from tests.helpers import XlaNoDenseBackend, call, fresh_cache, make_pair, tiny_no_indexer
+
+TOPK = m.tiny().indexer.topk
+
+
+def _run(layer, x, **kwargs):
+  return call(layer, x, fresh_cache(layer.config, x.shape[0]), **kwargs)
+
+
+@pytest.mark.parametrize("backend", module_backends())
+@pytest.mark.parametrize("length", [1, TOPK - 1, TOPK, TOPK + 1, 4 * TOPK])
+def test_both_classes_match_float64_reference(backend, length):
+  dense, mqa = make_pair(backend=backend)
+  x = mt.random_hidden(length, (1, length, dense.config.hidden_size))
+  ref = mt.mla_attention_reference(mt.numpy_params(dense), dense.config, np.asarray(x[0]))
+  for layer in (dense, mqa):
+    out = _run(layer, x).out_BTD
+    chex.assert_shape(out, x.shape)
+    chex.assert_tree_all_finite(out)
+    assert mt.relative_error(out[0], ref) < 1e-5, type(layer).__name__
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_indexer_pairing_follows_config_and_a_swap_is_detected(interleave):
+  cfg = dataclasses.replace(m.tiny(), indexer=dataclasses.replace(m.tiny().indexer,
+                                                                  rope_interleave=interleave))
+  _, mqa = make_pair(cfg)
+  x = mt.random_hidden(7, (1, 6 * TOPK, cfg.hidden_size))
+  out = _run(mqa, x).out_BTD[0]
+  params = mt.numpy_params(mqa)
+  right = mt.mla_attention_reference(params, cfg, np.asarray(x[0]))
+  swapped_cfg = dataclasses.replace(cfg, indexer=dataclasses.replace(cfg.indexer,
+                                                                     rope_interleave=not interleave))
+  wrong = mt.mla_attention_reference(params, swapped_cfg, np.asarray(x[0]))
+  assert mt.relative_error(out, right) < 1e-5
+  assert mt.relative_error(out, wrong) > 1e-3
+
+
+def test_mha_form_equals_mqa_form():
+  dense, _ = make_pair()
+  x = mt.random_hidden(11, (2, TOPK, dense.config.hidden_size))
+  mha = _run(dense, x)
+  mqa = _run(dense, x, force_mqa=True)
+  assert dense.prefill_route(TOPK) is PrefillRoute.DENSE_MHA
+  assert mt.relative_error(mha.out_BTD, mqa.out_BTD) < 1e-5
+  assert mha.topk_BTK is None and mqa.topk_BTK is not None
+
+
+def test_mha_form_equals_dense_mqa_without_indexer():
+  cfg = tiny_no_indexer()
+  dense, _ = make_pair(cfg)
+  no_dense = m.MLAAttention(cfg, rngs=nnx.Rngs(0), backend=XlaNoDenseBackend())
+  nnx.update(no_dense, nnx.state(dense, nnx.Param))
+  x = mt.random_hidden(12, (1, 3 * TOPK, cfg.hidden_size))
+  a, b = _run(dense, x), _run(no_dense, x)
+  ref = mt.mla_attention_reference(mt.numpy_params(dense), cfg, np.asarray(x[0]))
+  assert mt.relative_error(a.out_BTD[0], ref) < 1e-5
+  assert mt.relative_error(b.out_BTD[0], ref) < 1e-5
+
+
+@pytest.mark.parametrize("length", [TOPK, 3 * TOPK])
+def test_dense_capable_and_mqa_only_agree_with_same_weights(length):
+  dense, mqa = make_pair(seed=4)
+  x = mt.random_hidden(13, (2, length, dense.config.hidden_size))
+  a, b = _run(dense, x), _run(mqa, x)
+  assert mt.relative_error(a.out_BTD, b.out_BTD) < 1e-5
+  chex.assert_trees_all_close(a.cache, b.cache, rtol=1e-6, atol=1e-6)
+
+
+def test_mqa_only_short_prefill_reaches_scoring_with_valid_rows():
+  """The vLLM #52512 regression: the metadata says short, the layer can only do MQA."""
+  _, mqa = make_pair()
+  length = TOPK // 2
+  out = _run(mqa, mt.random_hidden(14, (2, length, mqa.config.hidden_size)))
+  assert out.topk_BTK is not None
+  valid = np.asarray((out.topk_BTK >= 0).sum(-1))
+  np.testing.assert_array_equal(valid, np.broadcast_to(np.arange(1, length + 1), (2, length)))
+  assert float(jnp.abs(out.out_BTD).min(axis=-1).max()) > 0
+
+
+def test_index_keys_are_written_on_every_route():
+  dense, mqa = make_pair()
+  x = mt.random_hidden(15, (1, 10, dense.config.hidden_size))
+  a, b = _run(dense, x), _run(mqa, x)
+  assert dense.prefill_route(10) is PrefillRoute.DENSE_MHA
+  keys = mqa.indexer.keys(x, jnp.arange(10)[None])
+  for res in (a, b):
+    np.testing.assert_allclose(res.cache.index_keys_BSI[:, :10], keys, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(res.cache.index_keys_BSI[:, 10:], 0.0)
+    np.testing.assert_array_equal(res.cache.lengths_B, [10])
+
+
+def test_prefill_then_continuation_matches_one_long_prefill():
+  dense, mqa = make_pair()
+  x = mt.random_hidden(16, (1, 3 * TOPK, dense.config.hidden_size))
+  for layer in (dense, mqa):
+    whole = _run(layer, x)
+    first = _run(layer, x[:, :TOPK - 4])
+    rest = call(layer, x[:, TOPK - 4:], first.cache)
+    joined = jnp.concatenate([first.out_BTD, rest.out_BTD], axis=1)
+    assert mt.relative_error(joined, whole.out_BTD) < 1e-5
+    chex.assert_trees_all_close(rest.cache, whole.cache, rtol=1e-6, atol=1e-6)
+
+
+def test_cached_prefix_counts_toward_the_dense_bound():
+  dense, _ = make_pair()
+  x = mt.random_hidden(17, (1, TOPK, dense.config.hidden_size))
+  first = _run(dense, x[:, :6])
+  short = call(dense, x[:, 6:10], first.cache)  # 10 <= topk: dense with 6 cached rows
+  long = call(dense, x[:, 6:], first.cache)     # 16 <= topk: still dense
+  assert short.topk_BTK is None and long.topk_BTK is None
+  ref = mt.mla_attention_reference(mt.numpy_params(dense), dense.config, np.asarray(x[0]))
+  assert mt.relative_error(long.out_BTD[0], ref[6:]) < 1e-5
+  past = call(dense, mt.random_hidden(18, (1, 11, dense.config.hidden_size)), first.cache)
+  assert past.topk_BTK is not None  # 6 + 11 > topk: sparse
+
+
+def test_ragged_batch_equals_each_sequence_alone():
+  _, mqa = make_pair()
+  x = mt.random_hidden(19, (2, 2 * TOPK, mqa.config.hidden_size))
+  lens = jnp.array([2 * TOPK, TOPK + 3], jnp.int32)
+  both = call(mqa, x, fresh_cache(mqa.config, 2), new_lens=lens)
+  alone = _run(mqa, x[1:, :TOPK + 3])
+  assert mt.relative_error(both.out_BTD[1, :TOPK + 3], alone.out_BTD[0]) < 1e-5
+  np.testing.assert_array_equal(both.cache.lengths_B, lens)
+  np.testing.assert_array_equal(both.cache.latent_BSL[1, TOPK + 3:], 0.0)  # padding not written
+
+
+def test_chunked_scoring_selects_the_same_indices():
+  _, mqa = make_pair()
+  chunked = m.DeepseekV32Attention(mqa.config, rngs=nnx.Rngs(0), backend="xla",
+                                   index_chunk_size=7)
+  nnx.update(chunked, nnx.state(mqa, nnx.Param))
+  x = mt.random_hidden(20, (2, 3 * TOPK + 1, mqa.config.hidden_size))
+  a, b = _run(mqa, x), _run(chunked, x)
+  chex.assert_trees_all_equal(a.topk_BTK, b.topk_BTK)
+  chex.assert_trees_all_close(a.out_BTD, b.out_BTD, rtol=1e-6, atol=1e-6)
+
+
+def test_hadamard_rotation_leaves_fp32_selection_unchanged():
+  cfg = m.tiny()
+  plain = dataclasses.replace(cfg, indexer=dataclasses.replace(cfg.indexer, use_hadamard=False))
+  _, with_h = make_pair(cfg)
+  without_h = m.DeepseekV32Attention(plain, rngs=nnx.Rngs(0), backend="xla")
+  nnx.update(without_h, nnx.state(with_h, nnx.Param))
+  x = mt.random_hidden(21, (1, 4 * TOPK, cfg.hidden_size))
+  a, b = _run(with_h, x), _run(without_h, x)
+  assert (np.asarray(a.topk_BTK) == np.asarray(b.topk_BTK)).mean() > 0.99
+  assert mt.relative_error(a.out_BTD, b.out_BTD) < 1e-3
+
+
+def test_two_runs_are_bitwise_equal():
+  _, mqa = make_pair()
+  x = mt.random_hidden(22, (2, 3 * TOPK, mqa.config.hidden_size))
+  a, b = _run(mqa, x), _run(mqa, x)
+  chex.assert_trees_all_equal(a, b)
+
+
+class JitVariantsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(("short", TOPK), ("long", 2 * TOPK + 3))
+  def test_variants_agree_with_reference(self, length):
+    dense, mqa = make_pair()
+    x = mt.random_hidden(23, (1, length, dense.config.hidden_size))
+    ref = mt.mla_attention_reference(mt.numpy_params(dense), dense.config, np.asarray(x[0]))
+    for layer in (dense, mqa):
+      graphdef, state = nnx.split(layer)
+
+      def fwd(state, x, cache):
+        return nnx.merge(graphdef, state)(x, cache, num_cached_tokens=0).out_BTD
+
+      out = self.variant(fwd)(state, x, fresh_cache(layer.config))
+      self.assertLess(mt.relative_error(out[0], ref), 1e-5)
+
+
+@pytest.mark.parametrize("make_args, error, match", [
+    (lambda c, x: (x[0], c), ValueError, "batch, tokens"),
+    (lambda c, x: (x[..., :-1], c), ValueError, "batch, tokens"),
+    (lambda c, x: (x[:, :0], c), ValueError, "at least one token"),
+    (lambda c, x: (x.astype(jnp.int32), c), TypeError, "floating"),
+    (lambda c, x: (x, "cache"), TypeError, "LayerCache"),
+    (lambda c, x: (jnp.concatenate([x, x]), c), ValueError, "does not fit"),
+])
+def test_bad_inputs_raise_clearly(make_args, error, match):
+  _, mqa = make_pair()
+  x = mt.random_hidden(24, (1, 5, mqa.config.hidden_size))
+  with pytest.raises(error, match=match):
+    mqa(*make_args(fresh_cache(mqa.config), x))
+
+
+def test_bad_lengths_and_overflow_raise_before_writing():
+  _, mqa = make_pair()
+  cache = fresh_cache(mqa.config, 1, capacity=8)
+  x = mt.random_hidden(25, (1, 5, mqa.config.hidden_size))
+  with pytest.raises(ValueError, match="new_lens"):
+    mqa(x, cache, new_lens_B=jnp.array([6]))
+  with pytest.raises(ValueError, match="new_lens"):
+    mqa(x, cache, new_lens_B=jnp.array([[5]]))
+  first = mqa(x, cache).cache
+  with pytest.raises(ValueError, match="capacity 8"):
+    mqa(x, first)
+  np.testing.assert_array_equal(first.lengths_B, [5])  # the refused step changed nothing
+  with pytest.raises(ValueError, match="num_cached_tokens=2"):
+    mqa(x[:, :1], first, num_cached_tokens=2)
+
+
+def test_cache_mismatch_and_capacity_limits():
+  dense, _ = make_pair()
+  with pytest.raises(ValueError, match="index_keys"):
+    dense(mt.random_hidden(26, (1, 3, 128)), fresh_cache(tiny_no_indexer()))
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    m.init_layer_cache(m.tiny(), 1, m.tiny().max_position_embeddings + 1)
+  with pytest.raises(ValueError, match="capacity"):
+    m.init_layer_cache(m.tiny(), 1, 0)
+
+
+def test_config_type_checked():
+  with pytest.raises(TypeError, match="MLAConfig"):
+    m.MLAAttention({"hidden_size": 3}, rngs=nnx.Rngs(0))

@@ -1,0 +1,101 @@
+"""Compiles each kernel's Triton IR to sm_90a PTX/cubin with pip ``triton``; fails on spills.
+
+No GPU needed (JAX_NOTES.md section 6). XLA compiles the same TTIR with its own Triton fork, so
+this is a close proxy for register pressure, not the final word. Run the report with
+
+    /work/venv311/bin/python tests/test_kernels_compile.py
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import _compat  # noqa: E402
+from pallas_kernels.block_config import (  # noqa: E402
+    DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQAKernelConfig,
+)
+from tests.test_kernels_lowering import indexer_case, mha_case, sparse_case  # noqa: E402
+
+FP8 = jnp.float8_e4m3fn
+# name -> (lowering case, default config the kernel picks for that shape)
+KERNELS = {
+    "sparse_mqa_dsv32_h128_576_512_k2048": (
+        sparse_case(4, 128, 576, 512, 65536, 2048), SparseMQAKernelConfig.default_for(128, 2048, 512)),
+    "indexer_dsv32_g64_i128_bf16": (
+        indexer_case(512, 64, 128, 8192), IndexerLogitsKernelConfig.default_for(512, 8192)),
+    "indexer_dsv32_g64_i128_fp8": (
+        indexer_case(512, 64, 128, 8192, FP8, k_scale=True), IndexerLogitsKernelConfig.default_for(512, 8192)),
+    "dense_mha_dsv32_qk192_v128": (
+        mha_case(2048, 2048, 128, 192, 128), DenseMHAKernelConfig.default_for(2048, 2048, 192, 128)),
+    "dense_mha_glm5_qk256_v256": (
+        mha_case(2048, 2048, 64, 256, 256), DenseMHAKernelConfig.default_for(2048, 2048, 256, 256)),
+}
+
+
+def compile_kernel(case, config):
+  """TTIR -> PTX (pip triton) -> cubin (ptxas-blackwell -v); returns a resource dict."""
+  os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.getcwd(), ".triton_cache"))
+  os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+  fn, args = case
+  with _compat.capture_ttir() as modules:
+    _compat.lower_for_cuda(fn, *args)
+  [(name, ttir)] = modules
+  with tempfile.TemporaryDirectory() as tmp:
+    ttir_path, ptx_path = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.ptx")
+    with open(ttir_path, "w") as f:
+      f.write(ttir)  # triton.compile wants the text form, not bytecode
+    compiled = triton.compile(
+        ttir_path, target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
+    ptx = compiled.asm["ptx"]
+    with open(ptx_path, "w") as f:
+      f.write(ptx)
+    # The wheel's plain ptxas (CUDA 12.9) rejects Triton 3.9's PTX 9.4; ptxas-blackwell reads it.
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    proc = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.path.join(tmp, "kernel.cubin")],
+        capture_output=True, text=True, check=True,
+    )
+  log = proc.stdout + proc.stderr
+  return dict(
+      name=name,
+      registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+      spill_stores=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+      spill_loads=int(re.search(r"(\d+) bytes spill loads", log).group(1)),
+      smem=compiled.metadata.shared,
+      mma="wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
+  )
+
+
+def report_line(label, config, r):
+  blocks = ", ".join(f"{k}={v}" for k, v in vars(config).items())
+  return (f"| {label} | {blocks} | {r['registers']} | {r['smem']} | "
+          f"{r['spill_stores']}/{r['spill_loads']} | {r['mma']} |")
+
+
+REPORT_HEADER = ("| kernel | config | registers | shared mem (B) | spill st/ld (B) | mma |\n"
+                 "|---|---|---|---|---|---|")
+
+
+@pytest.mark.parametrize("label", list(KERNELS))
+def test_compiles_without_spills(label):
+  case, config = KERNELS[label]
+  result = compile_kernel(case, config)
+  print("\n" + report_line(label, config, result))
+  assert result["spill_stores"] == 0 and result["spill_loads"] == 0, result
+  assert result["mma"] != "none", "the dots did not become tensor-core MMAs"
+
+
+if __name__ == "__main__":
+  print(REPORT_HEADER)
+  for label, (case, config) in KERNELS.items():
+    print(report_line(label, config, compile_kernel(case, config)), flush=True)

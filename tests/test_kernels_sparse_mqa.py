@@ -1,0 +1,169 @@
+"""Sparse MQA kernel (interpret mode) vs a float64 NumPy computation and the jnp reference.
+
+Interpret mode fills fresh float outputs with NaN, so "finite everywhere" also proves that
+every output element (padded head rows included) was written by the kernel.
+"""
+
+import functools
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from mla_jax.backends.pallas import PallasTritonBackend
+from mla_jax.backends.xla import XlaBackend
+from pallas_kernels.block_config import SparseMQAKernelConfig
+from pallas_kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
+
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+LSE_ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3}
+
+
+def numpy_sparse_mqa(q, kv, topk, sm_scale, d_v):
+  """float64 ground truth, written independently of the jnp reference."""
+  q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
+  T, H, _ = q.shape
+  out, lse = np.zeros((T, H, d_v)), np.full((T, H), np.inf)
+  for t in range(T):
+    rows = [i for i in np.asarray(topk[t]) if 0 <= i < kv.shape[0]]
+    if not rows:
+      continue
+    logits = q[t] @ kv[rows].T * sm_scale
+    m = logits.max(-1, keepdims=True)
+    p = np.exp(logits - m)
+    out[t] = p @ kv[rows, :d_v] / p.sum(-1, keepdims=True)
+    lse[t] = (m + np.log(p.sum(-1, keepdims=True)))[:, 0]
+  return out, lse
+
+
+def make_inputs(seed, T, H, K, S, D, dtype, pattern="random"):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((T, H, D)), dtype)
+  kv = jnp.asarray(rng.standard_normal((S, D)), dtype)
+  if pattern == "random":  # includes -1 padding and out-of-range indices
+    topk = rng.integers(-1, S + 3, (T, K))
+  elif pattern == "valid":
+    topk = rng.integers(0, S, (T, K))
+  elif pattern == "padded":  # causal-style: a valid prefix, then -1
+    topk = np.where(np.arange(K)[None, :] < rng.integers(1, K + 1, (T, 1)), rng.integers(0, S, (T, K)), -1)
+  elif pattern == "empty_rows":  # every other row has no valid index (-1 and >= S mixed)
+    topk = rng.integers(0, S, (T, K))
+    topk[::2] = np.where(np.arange(K) % 2 == 0, -1, S + np.arange(K))[None, :]
+  else:
+    raise ValueError(pattern)
+  return q, kv, jnp.asarray(topk, jnp.int32)
+
+
+def assert_matches(test, out, lse, q, kv, topk, sm_scale, d_v, dtype):
+  ref_out, ref_lse = numpy_sparse_mqa(q, kv, topk, sm_scale, d_v)
+  out64 = np.asarray(out, np.float64)
+  chex.assert_tree_all_finite(out)  # NaN-poisoned outputs: every element was written
+  test.assertFalse(np.isnan(np.asarray(lse)).any())
+  norm = np.linalg.norm(ref_out)
+  if norm == 0:
+    np.testing.assert_array_equal(out64, 0.0)
+  else:
+    test.assertLess(np.linalg.norm(out64 - ref_out) / norm, RTOL[dtype])
+  lse = np.asarray(lse, np.float64)
+  np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+  empty = np.isinf(ref_lse)
+  np.testing.assert_array_equal(out64[empty], 0.0)
+  np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=LSE_ATOL[dtype], atol=LSE_ATOL[dtype])
+
+
+CASES = (
+    dict(testcase_name="t1_h1_k1_s1", T=1, H=1, K=1, S=1, pattern="valid"),
+    dict(testcase_name="t3_h4_k7_s100", T=3, H=4, K=7, S=100),
+    dict(testcase_name="t3_h5_k7_s100_head_overhang", T=3, H=5, K=7, S=100),
+    dict(testcase_name="t64_h16_k64_s1000", T=64, H=16, K=64, S=1000),
+    dict(testcase_name="t3_h128_k200_s1000", T=3, H=128, K=200, S=1000, pattern="padded"),
+    dict(testcase_name="t257_h4_k64_s100", T=257, H=4, K=64, S=100),
+    dict(testcase_name="t1_h16_k200_s100_kv_smaller_than_topk", T=1, H=16, K=200, S=100),
+    dict(testcase_name="t4_h16_k64_s1000_empty_rows", T=4, H=16, K=64, S=1000, pattern="empty_rows"),
+)
+
+# bf16 reruns only where the rounding path differs; each case costs a fresh interpret compile.
+BF16_CASES = ("t3_h4_k7_s100", "t64_h16_k64_s1000", "t4_h16_k64_s1000_empty_rows")
+
+
+class SparseMQAKernelTest(chex.TestCase):
+
+  @parameterized.named_parameters(
+      dict(c, testcase_name=f"{c['testcase_name']}_{dt.__name__}", dtype=dt)
+      for c in CASES for dt in (jnp.float32, jnp.bfloat16)
+      if dt == jnp.float32 or c["testcase_name"] in BF16_CASES
+  )
+  def test_matches_float64_and_reference(self, T, H, K, S, dtype, pattern="random"):
+    D, d_v, sm_scale = 80, 64, 0.11  # tiny MLA: 64 latent + 16 rope
+    q, kv, topk = make_inputs(T * 7 + K, T, H, K, S, D, dtype, pattern)
+    out, lse = sparse_mqa(q, kv, topk, sm_scale=sm_scale, d_v=d_v, interpret=True)
+    chex.assert_shape(out, (T, H, d_v))
+    chex.assert_type(out, dtype)
+    chex.assert_shape(lse, (T, H))
+    assert_matches(self, out, lse, q, kv, topk, sm_scale, d_v, dtype)
+    ref_out, ref_lse = sparse_mqa_reference(q, kv, topk, sm_scale=sm_scale, d_v=d_v)
+    chex.assert_trees_all_close(
+        (out.astype(jnp.float32), lse), (ref_out.astype(jnp.float32), ref_lse),
+        rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5, atol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
+    )
+
+  def test_deepseek_widths_bf16(self):
+    # 576 = 512 latent + 64 rope; the default config of the real shape (block_h 32, block_k 32).
+    q, kv, topk = make_inputs(5, 2, 40, 100, 300, 576, jnp.bfloat16)
+    out, lse = sparse_mqa(q, kv, topk, sm_scale=576**-0.5, d_v=512, interpret=True)
+    assert_matches(self, out, lse, q, kv, topk, 576**-0.5, 512, jnp.bfloat16)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_deterministic_and_variants(self):
+    q, kv, topk = make_inputs(1, 3, 4, 7, 100, 80, jnp.float32)
+    fn = self.variant(functools.partial(sparse_mqa, sm_scale=0.1, d_v=64, interpret=True))
+    chex.assert_trees_all_equal(fn(q, kv, topk), fn(q, kv, topk))
+
+  def test_explicit_config(self):
+    q, kv, topk = make_inputs(2, 3, 20, 50, 100, 80, jnp.float32)
+    config = SparseMQAKernelConfig(block_h=16, block_k=16, num_warps=4, num_stages=1)
+    out, lse = sparse_mqa(q, kv, topk, sm_scale=0.1, d_v=64, config=config, interpret=True)
+    assert_matches(self, out, lse, q, kv, topk, 0.1, 64, jnp.float32)
+
+  def test_backend_batched_matches_xla(self):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 80)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, 50, 80)), jnp.float32)
+    topk = jnp.asarray(rng.integers(-1, 53, (2, 3, 7)), jnp.int32)
+    got = PallasTritonBackend(interpret=True).sparse_mqa(q, kv, topk, sm_scale=0.1, d_v=64)
+    want = XlaBackend().sparse_mqa(q, kv, topk, sm_scale=0.1, d_v=64)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+  @parameterized.named_parameters(
+      ("rank", dict(q=(3, 80)), ValueError, "ranks"),
+      ("width", dict(kv=(50, 64)), ValueError, "width"),
+      ("rows", dict(topk=(4, 7)), ValueError, "rows"),
+      ("d_v", dict(d_v=81), ValueError, "d_v"),
+      ("index_dtype", dict(topk_dtype=jnp.int16), TypeError, "int32"),
+      ("int_q", dict(q_dtype=jnp.int32), TypeError, "float"),
+  )
+  def test_validation(self, change, error, message):
+    args = dict(q=(3, 4, 80), kv=(50, 80), topk=(3, 7), d_v=64, topk_dtype=jnp.int32, q_dtype=jnp.float32)
+    args.update(change)
+    q = jax.ShapeDtypeStruct(args["q"], args["q_dtype"])
+    kv = jax.ShapeDtypeStruct(args["kv"], args["q_dtype"])
+    topk = jax.ShapeDtypeStruct(args["topk"], args["topk_dtype"])
+    with self.assertRaisesRegex(error, message):
+      jax.eval_shape(functools.partial(sparse_mqa, sm_scale=0.1, d_v=args["d_v"]), q, kv, topk)
+
+
+@hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
+@hypothesis.given(
+    T=st.integers(1, 4), H=st.integers(1, 20), K=st.integers(1, 40), S=st.integers(1, 60),
+    pattern=st.sampled_from(["random", "valid", "padded", "empty_rows"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_float64(T, H, K, S, pattern, seed):
+  q, kv, topk = make_inputs(seed, T, H, K, S, 80, jnp.float32, pattern)
+  out, lse = sparse_mqa(q, kv, topk, sm_scale=0.09, d_v=64, interpret=True)
+  assert_matches(parameterized.TestCase(), out, lse, q, kv, topk, 0.09, 64, jnp.float32)
