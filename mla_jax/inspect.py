@@ -35,8 +35,14 @@ def _sub_jaxprs(value) -> Iterator:
         yield from _sub_jaxprs(inner)
 
 
-class ProgramSummary(collections.namedtuple("ProgramSummary", "scopes primitives kernels")):
-  """scopes: frozenset of scope names; primitives: Counter; kernels: tuple of kernel names."""
+class ProgramSummary(collections.namedtuple(
+    "ProgramSummary", "scopes primitives kernels kernel_primitives")):
+  """What a traced program contains.
+
+  scopes: frozenset of scope names; primitives: Counter of primitives outside kernel bodies
+  (where a ``cond`` would be runtime routing); kernels: tuple of Pallas kernel names;
+  kernel_primitives: Counter of primitives inside kernel bodies (their own loops and guards).
+  """
 
 
 def _kernel_name(eqn) -> str:
@@ -51,22 +57,24 @@ def _kernel_name(eqn) -> str:
 
 def summarize_jaxpr(jaxpr) -> ProgramSummary:
   """Scopes, primitive counts and kernel names of a (Closed)Jaxpr and everything inside it."""
-  scopes, prims, kernels = set(), collections.Counter(), []
+  scopes, kernels = set(), []
+  prims, kernel_prims = collections.Counter(), collections.Counter()
 
-  def walk(jx):
+  def walk(jx, in_kernel):
     for eqn in jx.eqns:
-      prims[eqn.primitive.name] += 1
+      (kernel_prims if in_kernel else prims)[eqn.primitive.name] += 1
       stack = str(eqn.source_info.name_stack)
       if stack:
         scopes.update(stack.split("/"))
-      if eqn.primitive.name == "pallas_call":
+      is_kernel = eqn.primitive.name == "pallas_call"
+      if is_kernel:
         kernels.append(_kernel_name(eqn))
       for value in eqn.params.values():
         for sub in _sub_jaxprs(value):
-          walk(sub)
+          walk(sub, in_kernel or is_kernel)
 
-  walk(jaxpr.jaxpr if isinstance(jaxpr, _ClosedJaxpr) else jaxpr)
-  return ProgramSummary(frozenset(scopes), prims, tuple(kernels))
+  walk(jaxpr.jaxpr if isinstance(jaxpr, _ClosedJaxpr) else jaxpr, False)
+  return ProgramSummary(frozenset(scopes), prims, tuple(kernels), kernel_prims)
 
 
 def summarize(fn, *args, **kwargs) -> ProgramSummary:

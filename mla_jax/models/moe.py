@@ -27,11 +27,11 @@ def route_tokens(logits_TE, bias_E, config: MoEConfig):
   select_TE = scores_TE + bias_E.astype(jnp.float32)
 
   if config.topk_group < config.n_group:
-    select_TGP = select_TE.reshape(num_tokens, config.n_group, per_group)
-    group_score_TG = jax.lax.top_k(select_TGP, min(2, per_group))[0].sum(-1)
-    _, keep_TG = jax.lax.top_k(group_score_TG, config.topk_group)
+    select_TGE = select_TE.reshape(num_tokens, config.n_group, per_group)
+    group_score_TG = jax.lax.top_k(select_TGE, min(2, per_group))[0].sum(-1)
+    _, top_groups = jax.lax.top_k(group_score_TG, config.topk_group)  # [T, topk_group]
     kept_TG = jnp.zeros((num_tokens, config.n_group), bool)
-    kept_TG = kept_TG.at[jnp.arange(num_tokens)[:, None], keep_TG].set(True)
+    kept_TG = kept_TG.at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
     # -inf, as in the DeepSeek reference: HF's 0.0 fill lets a dropped group win whenever the
     # biased scores in the kept groups are negative.
     select_TE = jnp.where(jnp.repeat(kept_TG, per_group, axis=1), select_TE, -jnp.inf)

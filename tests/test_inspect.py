@@ -1,0 +1,119 @@
+"""The traced program is the route: assert on scopes, primitives and kernels."""
+
+import jax
+import pytest
+from flax import nnx
+
+import mla_jax as m
+from mla_jax import testing as mt
+from mla_jax.inspect import summarize, traced_kernels, traced_scopes
+from tests.conftest import module_backends
+from tests.helpers import XlaNoDenseBackend, fresh_cache, make_pair, tiny_no_indexer
+
+TOPK = m.tiny().indexer.topk
+LENGTHS = (1, TOPK - 1, TOPK, TOPK + 1, 4 * TOPK)
+ROUTE_SCOPES = {"mla_dense_mha", "mla_sparse_mqa", "mla_dense_mqa", "indexer_score",
+                "indexer_cache_update"}
+
+
+def _nnx_jit_prefill(layer, x, cache):
+  return nnx.jit(lambda layer, x, cache: layer(x, cache, num_cached_tokens=0))(layer, x, cache)
+
+
+def _jax_jit_prefill(layer):
+  graphdef, state = nnx.split(layer)
+  return jax.jit(lambda state, x, cache: nnx.merge(graphdef, state)(
+      x, cache, num_cached_tokens=0)), state
+
+
+def _summaries(layer, length):
+  x = mt.random_hidden(0, (1, length, layer.config.hidden_size))
+  cache = fresh_cache(layer.config)
+  jitted, state = _jax_jit_prefill(layer)
+  return [summarize(_nnx_jit_prefill, layer, x, cache), summarize(jitted, state, x, cache)]
+
+
+def _no_runtime_routing(summary):
+  return summary.primitives["cond"] == 0 and summary.primitives["switch"] == 0
+
+
+@pytest.mark.parametrize("backend", module_backends())
+@pytest.mark.parametrize("length", LENGTHS)
+def test_mqa_only_layer_never_compiles_dense_mha(backend, length):
+  _, mqa = make_pair(backend=backend)
+  for summary in _summaries(mqa, length):
+    assert summary.scopes & ROUTE_SCOPES == {"indexer_cache_update", "indexer_score",
+                                             "mla_sparse_mqa"}
+    assert _no_runtime_routing(summary)
+    assert "dense_mha_prefill" not in summary.kernels
+    if backend.name == "pallas_triton":
+      assert set(summary.kernels) == {"indexer_logits", "sparse_mqa_attention"}
+
+
+@pytest.mark.parametrize("backend", module_backends())
+@pytest.mark.parametrize("length", LENGTHS)
+def test_dense_capable_layer_scores_only_when_sparse(backend, length):
+  dense, _ = make_pair(backend=backend)
+  short = length <= TOPK
+  expected = ({"indexer_cache_update", "mla_dense_mha"} if short else
+              {"indexer_cache_update", "indexer_score", "mla_sparse_mqa"})
+  for summary in _summaries(dense, length):
+    assert summary.scopes & ROUTE_SCOPES == expected
+    assert _no_runtime_routing(summary)
+    if backend.name == "pallas_triton":
+      assert set(summary.kernels) == ({"dense_mha_prefill"} if short else
+                                      {"indexer_logits", "sparse_mqa_attention"})
+
+
+def test_backend_without_dense_kernel_keeps_dense_capable_layer_sparse():
+  dense, _ = make_pair(backend=XlaNoDenseBackend())
+  for summary in _summaries(dense, 3):
+    assert summary.scopes & ROUTE_SCOPES == {"indexer_cache_update", "indexer_score",
+                                             "mla_sparse_mqa"}
+
+
+def test_forced_mqa_and_decode_score():
+  dense, _ = make_pair()
+  x = mt.random_hidden(1, (1, 3, dense.config.hidden_size))
+  forced = traced_scopes(lambda x, c: dense(x, c, num_cached_tokens=0, force_mqa=True), x,
+                         fresh_cache(dense.config))
+  decode = traced_scopes(nnx.jit(lambda layer, x, c: layer(x, c)), dense, x,
+                         fresh_cache(dense.config))  # traced lengths: unknown, so MQA
+  for scopes in (forced, decode):
+    assert "indexer_score" in scopes and "mla_dense_mha" not in scopes
+
+
+def test_dense_mqa_scope_without_indexer():
+  layer = m.MLAAttention(tiny_no_indexer(), rngs=nnx.Rngs(0), backend=XlaNoDenseBackend())
+  scopes = traced_scopes(lambda x, c: layer(x, c), mt.random_hidden(2, (1, 5, 128)),
+                         fresh_cache(layer.config))
+  assert scopes & ROUTE_SCOPES == {"mla_dense_mqa"}
+
+
+def test_traced_kernels_empty_on_xla():
+  dense, _ = make_pair()
+  x = mt.random_hidden(3, (1, 5, dense.config.hidden_size))
+  assert traced_kernels(lambda x, c: dense(x, c), x, fresh_cache(dense.config)) == ()
+
+
+def test_walker_sees_inside_cond_scan_and_custom_vjp():
+  @jax.custom_vjp
+  def f(x):
+    with jax.named_scope("in_custom_vjp"):
+      return x * 2
+
+  f.defvjp(lambda x: (f(x), None), lambda _, g: (g,))
+
+  def program(x):
+    def body(carry, _):
+      with jax.named_scope("in_scan"):
+        return carry + 1, None
+
+    y, _ = jax.lax.scan(body, x, None, length=2)
+    y = jax.lax.cond(y.sum() > 0, lambda v: v, lambda v: -v, y)
+    with jax.named_scope("outer"):
+      return f(jax.jit(lambda v: v * 3)(y))
+
+  summary = summarize(program, jax.numpy.ones(3))
+  assert {"in_custom_vjp", "in_scan", "outer"} <= summary.scopes
+  assert summary.primitives["cond"] == 1
