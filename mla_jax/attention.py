@@ -67,7 +67,18 @@ class MLAAttentionBase(nnx.Module):
                       "implements no forward_mha (dense MHA prefill path)")
 
   def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
-               param_dtype=jnp.float32, index_chunk_size: int = 2048):
+               param_dtype=jnp.float32, index_chunk_size: int = 2048,
+               shares_topk: bool = False):
+    """
+    Args:
+      config: the layer's dims; ``config.indexer`` makes it a sparse (DSA) layer.
+      rngs: parameter initialization.
+      backend: ``"auto" | "xla" | "pallas"`` or a ``Backend`` instance.
+      param_dtype: parameter dtype (the indexer's ``weights_proj`` stays float32).
+      index_chunk_size: query rows scored per block of indexer logits.
+      shares_topk: an IndexShare "shared" layer (GLM-5.2): no indexer weights or key cache of
+        its own; it attends over the top-k of the previous full layer of the same step.
+    """
     if not isinstance(config, MLAConfig):
       raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
     if not isinstance(index_chunk_size, int) or index_chunk_size <= 0:
@@ -95,8 +106,11 @@ class MLAAttentionBase(nnx.Module):
                             rngs=rngs, param_dtype=param_dtype)
     self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, rngs=rngs,
                          param_dtype=param_dtype)
+    if shares_topk and c.indexer is None:
+      raise ValueError("shares_topk requires config.indexer (a sparse layer)")
+    self.shares_topk = shares_topk
     self.indexer = (Indexer(c, rngs=rngs, param_dtype=param_dtype)
-                    if c.indexer is not None else None)
+                    if c.indexer is not None and not shares_topk else None)
 
   # ---- routing -------------------------------------------------------------------------
 
@@ -145,7 +159,7 @@ class MLAAttentionBase(nnx.Module):
                        f"{x_BTD.shape} (expected [{x_BTD.shape[0]}, capacity, {c.latent_dim}])")
     if (cache.index_keys_BSI is None) != (self.indexer is None):
       raise ValueError("cache.index_keys_BSI must be present exactly when the layer has an "
-                       "indexer")
+                       "indexer of its own")
     if new_lens_B.shape != (x_BTD.shape[0],) or not jnp.issubdtype(new_lens_B.dtype,
                                                                     jnp.integer):
       raise ValueError(f"new_lens must be int [{x_BTD.shape[0]}], got {new_lens_B.shape} "
@@ -169,7 +183,7 @@ class MLAAttentionBase(nnx.Module):
     return num_cached_tokens
 
   def __call__(self, x_BTD, cache: LayerCache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa: bool = False) -> AttentionOutput:
+               force_mqa: bool = False, shared_topk_BTK=None) -> AttentionOutput:
     """Attends ``x_BTD`` (after the layer's input norm) and appends it to ``cache``.
 
     Args:
@@ -179,6 +193,8 @@ class MLAAttentionBase(nnx.Module):
       num_cached_tokens: static upper bound on ``cache.lengths_B``. When None it is read
         from concrete lengths; under ``jit`` it is unknown and the route is MQA (decode).
       force_mqa: never take the dense-MHA route.
+      shared_topk_BTK: for a ``shares_topk`` layer, the indices its full layer selected in
+        this same step; required on the sparse route, unused on the dense one.
     """
     c = self.config
     if getattr(x_BTD, "ndim", None) != 3:
@@ -222,7 +238,12 @@ class MLAAttentionBase(nnx.Module):
         o_BTHV = self.forward_mha(q_nope_BTHN, q_pe_BTHR, latent_BSL[:, :num_keys],
                                   cache.lengths_B, kv_len_B)
     else:
-      if route.needs_topk:
+      if route.needs_topk and self.shares_topk:
+        if shared_topk_BTK is None:
+          raise ValueError("this shared-indexer layer takes the sparse route but was given no "
+                           "top-k from a full layer of the same step")
+        topk_BTK = shared_topk_BTK
+      elif route.needs_topk:
         with jax.named_scope("indexer_score"):
           topk_BTK = self.indexer.select(x_BTD, q_resid_BTC, positions_BT, keys_BSI,
                                          self.backend, chunk_size=self.index_chunk_size)

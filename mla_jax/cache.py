@@ -39,9 +39,12 @@ class LayerCache:
     return self.latent_BSL.shape[1]
 
 
-def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int,
-                     dtype=jnp.float32) -> LayerCache:
-  """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens."""
+def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype=jnp.float32, *,
+                     index_keys: bool = True) -> LayerCache:
+  """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens.
+
+  ``index_keys=False`` is for a layer that shares another layer's top-k (no key cache).
+  """
   if not isinstance(batch_size, int) or batch_size <= 0:
     raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
   if not isinstance(capacity, int) or capacity <= 0:
@@ -50,7 +53,7 @@ def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int,
     raise ValueError(f"capacity {capacity} exceeds max_position_embeddings "
                      f"{config.max_position_embeddings}")
   keys = None
-  if config.indexer is not None:
+  if config.indexer is not None and index_keys:
     keys = jnp.zeros((batch_size, capacity, config.indexer.head_dim), dtype)
   return LayerCache(latent_BSL=jnp.zeros((batch_size, capacity, config.latent_dim), dtype),
                     index_keys_BSI=keys, lengths_B=jnp.zeros((batch_size,), jnp.int32))

@@ -47,7 +47,8 @@ class ModelConfig:
   Layers ``< first_k_dense_replace`` (and every layer when ``moe`` is None) use the dense
   SwiGLU MLP. ``attention`` picks the attention class: ``"mqa-only"`` is
   ``DeepseekV32Attention`` (the reference engine's choice), ``"dense-capable"`` is
-  ``MLAAttention``.
+  ``MLAAttention``. ``indexer_types`` (GLM-5.2's IndexShare) marks each layer "full" (runs
+  its indexer) or "shared" (reuses the previous full layer's top-k); None means all full.
   """
 
   mla: MLAConfig
@@ -58,6 +59,7 @@ class ModelConfig:
   first_k_dense_replace: int = 0
   attention: str = "mqa-only"
   rms_norm_eps: float = 1e-6
+  indexer_types: tuple[str, ...] | None = None
 
   def __post_init__(self):
     _require(isinstance(self.mla, MLAConfig), "mla", self.mla, "an MLAConfig")
@@ -70,6 +72,17 @@ class ModelConfig:
     _require(self.attention in ATTENTION_KINDS, "attention", self.attention,
              f"one of {ATTENTION_KINDS}")
     _positive_float("rms_norm_eps", self.rms_norm_eps)
+    if self.indexer_types is not None:
+      types = self.indexer_types
+      _require(isinstance(types, tuple) and len(types) == self.num_layers
+               and set(types) <= {"full", "shared"}, "indexer_types", types,
+               f"a tuple of {self.num_layers} 'full'/'shared' entries")
+      _require(types[0] == "full", "indexer_types", types, "starting with a 'full' layer")
+      _require(self.mla.indexer is not None, "indexer_types", types,
+               "None for a model without an indexer")
+
+  def shares_topk(self, layer: int) -> bool:
+    return self.indexer_types is not None and self.indexer_types[layer] == "shared"
 
   def uses_moe(self, layer: int) -> bool:
     return self.moe is not None and layer >= self.first_k_dense_replace

@@ -1,0 +1,193 @@
+"""Jit-compiled generation: one prefill program and one decode-step program.
+
+The decode step is compiled once per (model structure, batch, capacity, sampling settings)
+and reused for every token, so a generation never retraces per token. Prefill takes the
+route its layers resolve for a fresh cache (dense MHA only where both the layer class and
+the backend allow it); every decode step is MQA, because the cached length is traced.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mla_jax.progress import ProgressBar
+from mla_jax.routing import PrefillRoute
+
+trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  temperature: float = 0.0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+    if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+def sample(logits_BV, key, sampling: SamplingConfig):
+  """Greedy at temperature 0; otherwise nucleus sampling over ``logits / temperature``."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV / sampling.temperature
+  if sampling.top_p < 1:
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
+    keep_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < sampling.top_p
+    cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
+    logits_BV = jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
+  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
+def _prefill(graphdef, state, caches, ids_BT, lens_B, key, *, sampling):
+  trace_counts["prefill"] += 1
+  model = nnx.merge(graphdef, state)
+  logits_BTV, caches = model(ids_BT, caches, new_lens_B=lens_B, num_cached_tokens=0)
+  last_BV = jnp.take_along_axis(logits_BTV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
+  return sample(last_BV, key, sampling), logits_BTV, caches
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
+def _decode_step(graphdef, state, caches, tokens_B, active_B, key, *, sampling):
+  trace_counts["decode"] += 1
+  model = nnx.merge(graphdef, state)
+  logits_B1V, caches = model(tokens_B[:, None], caches, new_lens_B=active_B.astype(jnp.int32))
+  return sample(logits_B1V[:, 0], key, sampling), logits_B1V[:, 0], caches
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """Generated ids per sequence (ending at eos when it was produced) and measurements."""
+
+  tokens: list[list[int]]
+  prefill_routes: list[PrefillRoute]
+  compile_s: float
+  prefill_s: float
+  decode_s: float
+  prefill_tokens: int
+  decode_tokens: int
+  step_logits: np.ndarray | None = None  # [B, steps, vocab] when ``return_logits``
+
+  @property
+  def prefill_tokens_per_s(self) -> float:
+    return self.prefill_tokens / max(self.prefill_s, 1e-9)
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.decode_tokens / max(self.decode_s, 1e-9)
+
+
+def _pad_prompts(prompt_ids, vocab_size: int):
+  if isinstance(prompt_ids, (np.ndarray, jax.Array)):
+    prompt_ids = np.asarray(prompt_ids)
+    prompt_ids = [prompt_ids.tolist()] if prompt_ids.ndim == 1 else prompt_ids.tolist()
+  prompts = [list(p) for p in prompt_ids]
+  if not prompts:
+    raise ValueError("prompt_ids holds no prompt")
+  for i, p in enumerate(prompts):
+    if not p:
+      raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+    bad = [t for t in p if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i} has ids outside [0, {vocab_size}): {bad[:5]}")
+  lens = np.array([len(p) for p in prompts], np.int32)
+  ids = np.zeros((len(prompts), lens.max()), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  return jnp.asarray(ids), jnp.asarray(lens)
+
+
+def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             cache_capacity: int | None = None, cache_dtype=jnp.float32,
+             progress: bool = False, return_logits: bool = False) -> GenerationResult:
+  """Generates up to ``max_new_tokens`` after each prompt (a batch of ragged prompts).
+
+  Args:
+    model: a ``CausalLM``.
+    prompt_ids: a list of id lists (any lengths) or an int array [B, T] / [T].
+    max_new_tokens: tokens to generate per sequence (fewer when it emits ``eos_id``).
+    temperature, top_p: 0 is greedy; otherwise nucleus sampling.
+    seed: sampling seed (one key per step, folded from it).
+    eos_id: a sequence stops after emitting it; the others go on.
+    cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
+    progress: draw a progress bar on stderr while decoding.
+    return_logits: keep the logits of every generated token (for tests and notebooks).
+  """
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+  sampling = SamplingConfig(float(temperature), float(top_p))
+  cfg = model.config
+  ids_BT, lens_B = _pad_prompts(prompt_ids, cfg.vocab_size)
+  batch, longest = ids_BT.shape
+  needed = longest + max_new_tokens
+  capacity = needed if cache_capacity is None else cache_capacity
+  if needed > capacity:
+    raise ValueError(f"prompt of {longest} tokens plus {max_new_tokens} new tokens needs "
+                     f"{needed} cache rows, more than cache_capacity {capacity}")
+  if capacity > cfg.mla.max_position_embeddings:
+    raise ValueError(f"{needed} positions exceed max_position_embeddings "
+                     f"{cfg.mla.max_position_embeddings}")
+
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(batch, capacity, cache_dtype)
+  key = jax.random.key(seed)
+  active_B = jnp.ones((batch,), bool)
+  args = (graphdef, state, caches, ids_BT, lens_B, jax.random.fold_in(key, 0))
+  t0 = time.perf_counter()
+  prefill = _prefill.lower(*args, sampling=sampling).compile()
+  step = _decode_step.lower(graphdef, state, caches, lens_B, active_B, key,
+                            sampling=sampling).compile()
+  compile_s = time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  tokens_B, _, caches = prefill(*args[1:])
+  tokens_B.block_until_ready()
+  prefill_s = time.perf_counter() - t0
+
+  out = [tokens_B]
+  logits = []
+  done_B = tokens_B == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
+  bar = ProgressBar(max_new_tokens, "decode") if progress else None
+  t0 = time.perf_counter()
+  for i in range(1, max_new_tokens):
+    if eos_id is not None and bool(done_B.all()):
+      break
+    active_B = ~done_B
+    next_B, step_logits, caches = step(state, caches, tokens_B, active_B,
+                                       jax.random.fold_in(key, i))
+    tokens_B = jnp.where(active_B, next_B, tokens_B)
+    out.append(jnp.where(active_B, next_B, -1))
+    if return_logits:
+      logits.append(step_logits)
+    if eos_id is not None:
+      done_B = done_B | (tokens_B == eos_id)
+    if bar:
+      bar.update(i + 1)
+  tokens_B.block_until_ready()
+  decode_s = time.perf_counter() - t0
+  if bar:
+    if bar.count != len(out):
+      bar.update(len(out))
+    bar.close()
+
+  rows = np.stack([np.asarray(t) for t in out], axis=1)
+  tokens = [[int(t) for t in row if t >= 0] for row in rows]
+  return GenerationResult(
+      tokens=tokens, prefill_routes=model.prefill_routes(longest, 0), compile_s=compile_s,
+      prefill_s=prefill_s, decode_s=decode_s, prefill_tokens=int(np.asarray(lens_B).sum()),
+      decode_tokens=sum(len(t) for t in tokens) - batch,
+      step_logits=np.stack([np.asarray(x) for x in logits], 1) if return_logits else None)
