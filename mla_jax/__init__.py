@@ -12,10 +12,14 @@ from mla_jax.backends import Backend, XlaBackend, get_backend
 from mla_jax.cache import LayerCache, init_layer_cache
 from mla_jax.config import (IndexerConfig, MLAConfig, RopeConfig, YarnConfig, deepseek_v3,
                             deepseek_v32, glm5, tiny)
+from mla_jax.generation import GenerationResult, generate
+from mla_jax.models.config import ModelConfig, MoEConfig
+from mla_jax.models.lm import CausalLM
 from mla_jax.routing import PrefillRoute, resolve_prefill_route
 
 __all__ = [
-    "AttentionOutput", "Backend", "DeepseekV32Attention", "IndexerConfig", "LayerCache",
+    "AttentionOutput", "Backend", "CausalLM", "DeepseekV32Attention", "GenerationResult",
+    "ModelConfig", "MoEConfig", "generate", "IndexerConfig", "LayerCache",
     "MLAAttention", "MLAAttentionBase", "MLAConfig", "PrefillRoute", "RopeConfig", "XlaBackend",
     "YarnConfig", "deepseek_v3", "deepseek_v32", "get_backend", "glm5", "init_layer_cache",
     "resolve_prefill_route", "tiny",

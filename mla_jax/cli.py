@@ -42,7 +42,7 @@ def _prompt_ids(args, vocab_size: int) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-  from mla_jax.generate import generate
+  from mla_jax.generation import generate
 
   t0 = time.perf_counter()
   model = _build_model(args)

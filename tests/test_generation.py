@@ -1,0 +1,171 @@
+"""Decode against full forwards, greedy agreement of the two attention classes, generation."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mla_jax as m
+from mla_jax import generation
+from mla_jax import testing as mt
+from mla_jax.models.config import tiny_lm
+from mla_jax.routing import PrefillRoute
+
+TOPK = tiny_lm().mla.indexer.topk
+VOCAB = tiny_lm().vocab_size
+
+
+@functools.lru_cache(maxsize=None)
+def _models():
+  """Both attention classes with identical random weights (built once per test session)."""
+  mqa = m.CausalLM(tiny_lm("mqa-only"), rngs=nnx.Rngs(0), backend="xla")
+  mt.randomize_params(mqa, 7)
+  dense = m.CausalLM(tiny_lm("dense-capable"), rngs=nnx.Rngs(0), backend="xla")
+  nnx.update(dense, nnx.state(mqa, nnx.Param))
+  return {"mqa-only": mqa, "dense-capable": dense}
+
+
+@functools.partial(nnx.jit, static_argnames=("num_cached_tokens",))
+def _forward(model, ids, caches, num_cached_tokens):
+  return model(ids, caches, num_cached_tokens=num_cached_tokens)
+
+
+@nnx.jit
+def _step(model, ids, caches):
+  return model(ids, caches)  # traced lengths: the decode (MQA) route
+
+
+def _ids(seed, length):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, size=(1, length)), jnp.int32)
+
+
+@pytest.mark.parametrize("attention", ["mqa-only", "dense-capable"])
+@pytest.mark.parametrize("prompt_len", [1, TOPK - 1, TOPK, TOPK + 1, 3 * TOPK])
+def test_decode_logits_equal_full_forward(attention, prompt_len):
+  model, steps = _models()[attention], 4
+  ids = _ids(prompt_len, prompt_len + steps)
+  full, _ = _forward(model, ids, model.init_cache(1, 64), 0)
+  logits, caches = _forward(model, ids[:, :prompt_len], model.init_cache(1, 64), 0)
+  expect_dense = attention == "dense-capable" and prompt_len <= TOPK
+  assert (model.prefill_routes(prompt_len)[0] is PrefillRoute.DENSE_MHA) == expect_dense
+  assert mt.relative_error(logits, full[:, :prompt_len]) < 1e-5
+  for i in range(steps):
+    step_logits, caches = _step(model, ids[:, prompt_len + i:prompt_len + i + 1], caches)
+    assert mt.relative_error(step_logits[:, 0], full[:, prompt_len + i]) < 1e-5, i
+  np.testing.assert_array_equal(caches[0].lengths_B, [prompt_len + steps])
+
+
+def test_multi_token_decode_step_equals_full_forward():
+  """An MTP / speculative step verifies 3 tokens at once on the MQA route."""
+  model = _models()["dense-capable"]
+  ids = _ids(3, 2 * TOPK + 3)
+  full, _ = _forward(model, ids, model.init_cache(1, 64), 0)
+  _, caches = _forward(model, ids[:, :2 * TOPK], model.init_cache(1, 64), 0)
+  logits, _ = _step(model, ids[:, 2 * TOPK:], caches)
+  assert mt.relative_error(logits, full[:, 2 * TOPK:]) < 1e-5
+
+
+@pytest.mark.parametrize("prompt_len", [TOPK // 2, TOPK, 2 * TOPK])
+def test_greedy_generations_of_both_classes_are_identical(prompt_len):
+  prompt = np.random.default_rng(prompt_len).integers(0, 256, size=prompt_len).tolist()
+  outs = {name: m.generate(model, [prompt], 12).tokens for name, model in _models().items()}
+  assert outs["mqa-only"] == outs["dense-capable"]
+  assert len(outs["mqa-only"][0]) == 12
+
+
+def test_ragged_batch_matches_each_prompt_alone():
+  rng = np.random.default_rng(11)
+  prompts = [rng.integers(0, 256, size=n).tolist() for n in (3, TOPK + 5, 2 * TOPK)]
+  model = _models()["mqa-only"]
+  batch = m.generate(model, prompts, 10).tokens
+  for prompt, tokens in zip(prompts, batch):
+    assert m.generate(model, [prompt], 10).tokens[0] == tokens
+
+
+def test_decode_is_traced_once_for_a_long_generation():
+  model = _models()["mqa-only"]
+  before = generation.trace_counts["decode"]
+  result = m.generate(model, [[5, 6, 7]], 64, cache_capacity=97)  # a capacity no test uses
+  assert generation.trace_counts["decode"] - before == 1
+  assert len(result.tokens[0]) == 64 and result.decode_tokens == 63
+
+
+def test_eos_stops_one_sequence_while_the_other_continues():
+  model = _models()["mqa-only"]
+  prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
+  free = m.generate(model, prompts, 10).tokens
+  eos = free[0][3]
+  if eos in free[1][:4]:
+    pytest.skip("both sequences emit the chosen token early with this seed")
+  stopped = m.generate(model, prompts, 10, eos_id=eos).tokens
+  assert stopped[0] == free[0][:free[0].index(eos) + 1]
+  assert stopped[1][:len(stopped[1])] == free[1][:len(stopped[1])]
+  assert len(stopped[1]) > len(stopped[0])
+
+
+def test_sampling_is_seeded_and_tiny_top_p_is_greedy():
+  model = _models()["mqa-only"]
+  a = m.generate(model, [[1, 2, 3]], 8, temperature=1.0, seed=3).tokens
+  b = m.generate(model, [[1, 2, 3]], 8, temperature=1.0, seed=3).tokens
+  c = m.generate(model, [[1, 2, 3]], 8, temperature=1.0, seed=4).tokens
+  greedy = m.generate(model, [[1, 2, 3]], 8).tokens
+  nucleus = m.generate(model, [[1, 2, 3]], 8, temperature=0.7, top_p=1e-6, seed=5).tokens
+  assert a == b and a != c
+  assert nucleus == greedy
+
+
+def test_nucleus_keeps_the_smallest_prefix_reaching_top_p():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  cfg = generation.SamplingConfig(temperature=1.0, top_p=0.7)
+  draws = {int(generation.sample(logits, jax.random.key(i), cfg)[0]) for i in range(200)}
+  assert draws == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_ids=[[]], max_new_tokens=4), "empty"),
+    (dict(prompt_ids=[], max_new_tokens=4), "no prompt"),
+    (dict(prompt_ids=[[1, VOCAB]], max_new_tokens=4), "outside"),
+    (dict(prompt_ids=[[1, -3]], max_new_tokens=4), "outside"),
+    (dict(prompt_ids=[[1, 2]], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[[1, 2]], max_new_tokens=8, cache_capacity=5), "cache_capacity"),
+    (dict(prompt_ids=[[1, 2]], max_new_tokens=5000), "max_position_embeddings"),
+    (dict(prompt_ids=[[1, 2]], max_new_tokens=4, temperature=-1.0), "temperature"),
+    (dict(prompt_ids=[[1, 2]], max_new_tokens=4, top_p=0.0), "top_p"),
+])
+def test_bad_generation_requests_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    m.generate(_models()["mqa-only"], **kwargs)
+
+
+def test_full_cache_refuses_a_step_and_keeps_the_cache():
+  model = _models()["mqa-only"]
+  _, caches = _forward(model, _ids(1, 6), model.init_cache(1, 6), 0)
+  with pytest.raises(ValueError, match="capacity 6"):
+    model(_ids(2, 1), caches)
+  chex.assert_trees_all_equal(caches, _forward(model, _ids(1, 6), model.init_cache(1, 6), 0)[1])
+  with pytest.raises(ValueError, match="token ids"):
+    model(jnp.array([[1, 999]]), model.init_cache(1, 6))
+  with pytest.raises(ValueError, match="token ids"):
+    model(jnp.array([1.0, 2.0]), model.init_cache(1, 6))
+
+
+def test_generation_is_deterministic():
+  model = _models()["mqa-only"]
+  a = m.generate(model, [[3, 1, 4, 1, 5]], 10, return_logits=True)
+  b = m.generate(model, [[3, 1, 4, 1, 5]], 10, return_logits=True)
+  assert a.tokens == b.tokens
+  np.testing.assert_array_equal(a.step_logits, b.step_logits)
+
+
+@pytest.mark.slow
+def test_pallas_backend_generates_the_same_tokens():
+  pallas = m.CausalLM(tiny_lm("dense-capable"), rngs=nnx.Rngs(0),
+                      backend=m.backends.get_backend("pallas"))
+  nnx.update(pallas, nnx.state(_models()["dense-capable"], nnx.Param))
+  for prompt in ([1, 2, 3], list(range(40, 40 + TOPK + 4))):
+    assert (m.generate(pallas, [prompt], 6).tokens
+            == m.generate(_models()["dense-capable"], [prompt], 6).tokens)
