@@ -55,22 +55,18 @@ def _rms(x, w, eps):
   return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
 
-def _rope_complex(x, positions, rope: RopeConfig, inv_freq, *, interleaved: bool):
-  """Rotation as complex multiplication; pairs adjacent (interleaved) or half-split."""
+def _rotate_pairs(x, positions, inv_freq, *, interleaved: bool):
+  """Rotates each (first, second) index pair by ``position * theta_k``, pair by pair."""
   half = x.shape[-1] // 2
-  if interleaved:
-    z = x[..., 0::2] + 1j * x[..., 1::2]
-  else:
-    z = x[..., :half] + 1j * x[..., half:]
-  angle = positions[:, None] * inv_freq[None, :]
-  if x.ndim == 3:
-    angle = angle[:, None, :]
-  z = z * np.exp(1j * angle)
-  out = np.empty_like(x)
-  if interleaved:
-    out[..., 0::2], out[..., 1::2] = z.real, z.imag
-  else:
-    out[..., :half], out[..., half:] = z.real, z.imag
+  out = x.copy()
+  for k in range(half):
+    first, second = (2 * k, 2 * k + 1) if interleaved else (k, k + half)
+    angle = positions * inv_freq[k]
+    if x.ndim == 3:  # [T, heads, R]
+      angle = angle[:, None]
+    cos, sin = np.cos(angle), np.sin(angle)
+    out[..., first] = x[..., first] * cos - x[..., second] * sin
+    out[..., second] = x[..., first] * sin + x[..., second] * cos
   return out
 
 
@@ -122,10 +118,10 @@ def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_
     mag = ms(c.rope.yarn.mscale) / ms(c.rope.yarn.mscale_all_dim)
   q_resid = _rms(x @ p["q_a_proj.weight"].T, p["q_a_layernorm.weight"], c.rms_norm_eps)
   q = (q_resid @ p["q_b_proj.weight"].T).reshape(t, h, n + r)
-  q_pe = _rope_complex(q[..., n:], pos, c.rope, inv_freq, interleaved=True) * mag
+  q_pe = _rotate_pairs(q[..., n:], pos, inv_freq, interleaved=True) * mag
   kv = x @ p["kv_a_proj_with_mqa.weight"].T
   c_kv = _rms(kv[:, :a], p["kv_a_layernorm.weight"], c.rms_norm_eps)
-  k_pe = _rope_complex(kv[:, a:], pos, c.rope, inv_freq, interleaved=True) * mag
+  k_pe = _rotate_pairs(kv[:, a:], pos, inv_freq, interleaved=True) * mag
   w_kvb = p["kv_b_proj.weight"].reshape(h, n + v, a)
   k_nope = np.einsum("sa,hna->shn", c_kv, w_kvb[:, :n])
   val = np.einsum("sa,hva->shv", c_kv, w_kvb[:, n:])
@@ -138,10 +134,8 @@ def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_
     ki = x @ p["indexer.wk.weight"].T
     ki = (ki - ki.mean(-1, keepdims=True)) / np.sqrt(ki.var(-1, keepdims=True) + ic.norm_eps)
     ki = ki * p["indexer.k_norm.weight"] + p["indexer.k_norm.bias"]
-    qi[..., :r] = _rope_complex(qi[..., :r], pos, c.rope, inv_freq,
-                                interleaved=ic.rope_interleave) * mag
-    ki[..., :r] = _rope_complex(ki[..., :r], pos, c.rope, inv_freq,
-                                interleaved=ic.rope_interleave) * mag
+    qi[..., :r] = _rotate_pairs(qi[..., :r], pos, inv_freq, interleaved=ic.rope_interleave) * mag
+    ki[..., :r] = _rotate_pairs(ki[..., :r], pos, inv_freq, interleaved=ic.rope_interleave) * mag
     w = (x @ p["indexer.weights_proj.weight"].T) * ic.num_heads**-0.5
     dots = np.einsum("tgi,si->tgs", qi, ki) * ic.head_dim**-0.5
     scores = np.einsum("tg,tgs->ts", w, np.maximum(dots, 0.0))
