@@ -12,4 +12,4 @@ VENV="${VENV:-.venv}"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[test]" ${JAX_PIN:+"$JAX_PIN"}
 "$VENV/bin/python" -c "import jax, flax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
-exec "$VENV/bin/python" -m pytest -q "$@"
+exec "$VENV/bin/python" -m pytest -q -n 2 "$@"

@@ -133,8 +133,11 @@ class MLAAttentionBase(nnx.Module):
     """Absorb W_UK into q, attend over the selected latent rows, apply W_UV: [B, T, H, V]."""
     w_uk_HNA, w_uv_HVA = self._kv_b_heads()
     dtype = q_nope_BTHN.dtype
-    q_lat_BTHA = jnp.einsum("bthn,hna->btha", q_nope_BTHN, w_uk_HNA.astype(dtype),
-                            preferred_element_type=jnp.float32).astype(dtype)
+    # Heads-major operands: XLA:CPU has no bf16 x bf16 -> f32 kernel for this batched dot
+    # when the batch axis sits between the free axes ("bthn,hna" fails on jax 0.10-0.12).
+    q_lat_HBTA = jnp.einsum("hbtn,hna->hbta", jnp.moveaxis(q_nope_BTHN, 2, 0),
+                            w_uk_HNA.astype(dtype), preferred_element_type=jnp.float32)
+    q_lat_BTHA = jnp.moveaxis(q_lat_HBTA, 0, 2).astype(dtype)
     q_BTHL = jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
     out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL.astype(dtype), topk_BTK,
                                               sm_scale=self.config.softmax_scale,
