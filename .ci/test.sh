@@ -3,6 +3,8 @@
 #   PYTHON   interpreter to build the venv from (default python3)
 #   JAX_PIN  optional pip requirement for jax, e.g. "jax==0.10.2" (the oldest supported)
 #   VENV     where to build it (default .venv)
+#   EXTRAS   pip extras to install (default "test"; CI adds "compile-check" for the Triton
+#            compile check, which skips cleanly without it)
 # Extra arguments go to pytest (e.g. -m slow, -k routing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +12,6 @@ PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[test]" ${JAX_PIN:+"$JAX_PIN"}
+"$VENV/bin/python" -m pip install -q -e ".[${EXTRAS:-test}]" ${JAX_PIN:+"$JAX_PIN"}
 "$VENV/bin/python" -c "import jax, flax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
 exec "$VENV/bin/python" -m pytest -q -n 2 "$@"

@@ -45,6 +45,14 @@ def causal_indices(positions_BT, num_rows: int):
   return jnp.where(s_S[None, None, :] <= positions_BT[..., None], s_S, -1)
 
 
+def _check_rows_attend(attends_BT) -> None:
+  attends_BT = np.asarray(attends_BT)
+  if not attends_BT.all():
+    b, t = np.argwhere(~attends_BT)[0]
+    raise ValueError(f"query row {t} of sequence {b} has no valid top-k index: its attention "
+                     "output would silently be zero (was the indexer skipped?)")
+
+
 def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
@@ -68,7 +76,7 @@ class MLAAttentionBase(nnx.Module):
 
   def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
                param_dtype=jnp.float32, index_chunk_size: int = 2048,
-               shares_topk: bool = False):
+               shares_topk: bool = False, debug_checks: bool = False):
     """
     Args:
       config: the layer's dims; ``config.indexer`` makes it a sparse (DSA) layer.
@@ -78,6 +86,8 @@ class MLAAttentionBase(nnx.Module):
       index_chunk_size: query rows scored per block of indexer logits.
       shares_topk: an IndexShare "shared" layer (GLM-5.2): no indexer weights or key cache of
         its own; it attends over the top-k of the previous full layer of the same step.
+      debug_checks: verify at run time that every real query row attends to at least one
+        index (SPEC.md 8.4); an all -1 row raises instead of silently giving zeros.
     """
     if not isinstance(config, MLAConfig):
       raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
@@ -109,6 +119,7 @@ class MLAAttentionBase(nnx.Module):
     if shares_topk and c.indexer is None:
       raise ValueError("shares_topk requires config.indexer (a sparse layer)")
     self.shares_topk = shares_topk
+    self.debug_checks = debug_checks
     self.indexer = (Indexer(c, rngs=rngs, param_dtype=param_dtype)
                     if c.indexer is not None and not shares_topk else None)
 
@@ -252,6 +263,9 @@ class MLAAttentionBase(nnx.Module):
                                          self.backend, chunk_size=self.index_chunk_size)
       else:
         topk_BTK = causal_indices(positions_BT, cache.capacity)
+      if self.debug_checks:
+        real_BT = jnp.arange(t)[None, :] < new_lens_B[:, None]
+        jax.debug.callback(_check_rows_attend, (topk_BTK >= 0).any(-1) | ~real_BT)
       with jax.named_scope(route.scope):
         o_BTHV = self.forward_mqa(q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK)
     out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))

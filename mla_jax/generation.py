@@ -60,18 +60,25 @@ def _prefill(graphdef, state, caches, ids_BT, lens_B, key, *, sampling):
   return sample(last_BV, key, sampling), logits_BTV, caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
-def _decode_step(graphdef, state, caches, tokens_B, active_B, key, *, sampling):
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id"))
+def _decode_step(graphdef, state, caches, tokens_B, done_B, key, step, *, sampling, eos_id):
+  """One token for every unfinished sequence; finished ones keep their cache unchanged."""
   trace_counts["decode"] += 1
+  key = jax.random.fold_in(key, step)
   model = nnx.merge(graphdef, state)
+  active_B = ~done_B
   logits_B1V, caches = model(tokens_B[:, None], caches, new_lens_B=active_B.astype(jnp.int32))
-  return sample(logits_B1V[:, 0], key, sampling), logits_B1V[:, 0], caches
+  next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, sampling), tokens_B)
+  emitted_B = jnp.where(active_B, next_B, -1)
+  if eos_id is not None:
+    done_B = done_B | (next_B == eos_id)
+  return next_B, emitted_B, done_B, logits_B1V[:, 0], caches
 
 
 _executables: dict = {}
 
 
-def _compiled(fn, args, sampling: SamplingConfig):
+def _compiled(fn, args, **static):
   """Ahead-of-time compiles ``fn`` once per model structure, shapes and sampling settings.
 
   Compiling explicitly (rather than on the first call) lets ``generate`` report compile time
@@ -79,9 +86,10 @@ def _compiled(fn, args, sampling: SamplingConfig):
   """
   graphdef, *arrays = args
   signature = tuple((leaf.shape, str(leaf.dtype)) for leaf in jax.tree_util.tree_leaves(arrays))
-  key = (fn, graphdef, jax.tree_util.tree_structure(arrays), signature, sampling)
+  key = (fn, graphdef, jax.tree_util.tree_structure(arrays), signature,
+         tuple(sorted(static.items())))
   if key not in _executables:
-    _executables[key] = fn.lower(*args, sampling=sampling).compile()
+    _executables[key] = fn.lower(*args, **static).compile()
   return _executables[key]
 
 
@@ -162,11 +170,12 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   graphdef, state = nnx.split(model)
   caches = model.init_cache(batch, capacity, cache_dtype)
   key = jax.random.key(seed)
-  active_B = jnp.ones((batch,), bool)
+  done_B = jnp.zeros((batch,), bool)
   args = (graphdef, state, caches, ids_BT, lens_B, jax.random.fold_in(key, 0))
   t0 = time.perf_counter()
-  prefill = _compiled(_prefill, args, sampling)
-  step = _compiled(_decode_step, (graphdef, state, caches, lens_B, active_B, key), sampling)
+  prefill = _compiled(_prefill, args, sampling=sampling)
+  step = _compiled(_decode_step, (graphdef, state, caches, lens_B, done_B, key, np.int32(1)),
+                   sampling=sampling, eos_id=eos_id)
   compile_s = time.perf_counter() - t0
 
   t0 = time.perf_counter()
@@ -174,23 +183,20 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   tokens_B.block_until_ready()
   prefill_s = time.perf_counter() - t0
 
-  out = [tokens_B]
-  logits = []
-  done_B = tokens_B == eos_id if eos_id is not None else jnp.zeros((batch,), bool)
+  out, logits = [tokens_B], []
+  if eos_id is not None:
+    done_B = tokens_B == eos_id
   bar = ProgressBar(max_new_tokens, "decode") if progress else None
   t0 = time.perf_counter()
   for i in range(1, max_new_tokens):
-    if eos_id is not None and bool(done_B.all()):
+    # Checking for eos syncs with the device, so only every 8 steps (finished rows idle).
+    if eos_id is not None and i % 8 == 0 and bool(done_B.all()):
       break
-    active_B = ~done_B
-    next_B, step_logits, caches = step(state, caches, tokens_B, active_B,
-                                       jax.random.fold_in(key, i))
-    tokens_B = jnp.where(active_B, next_B, tokens_B)
-    out.append(jnp.where(active_B, next_B, -1))
+    tokens_B, emitted_B, done_B, step_logits, caches = step(state, caches, tokens_B, done_B,
+                                                            key, np.int32(i))
+    out.append(emitted_B)
     if return_logits:
       logits.append(step_logits)
-    if eos_id is not None:
-      done_B = done_B | (tokens_B == eos_id)
     if bar:
       bar.update(i + 1)
   tokens_B.block_until_ready()

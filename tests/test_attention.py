@@ -261,3 +261,20 @@ def test_bfloat16_layers_match_float64_reference(length):
       rows = (np.sort(np.asarray(res.topk_BTK[0])) == ref_topk).all(-1)
       assert rows.mean() > 0.75
     assert mt.relative_error(res.out_BTD[0][rows], ref[rows]) < 2e-2, type(layer).__name__
+
+
+def test_debug_checks_catch_an_all_minus_one_buffer():
+  """The #52512 symptom made loud: a shared layer handed an unfilled buffer raises."""
+  cfg = m.tiny()
+  layer = m.DeepseekV32Attention(cfg, rngs=nnx.Rngs(0), backend="xla", shares_topk=True,
+                                 debug_checks=True)
+  x = mt.random_hidden(28, (1, 5, cfg.hidden_size))
+  cache = m.init_layer_cache(cfg, 1, 16, index_keys=False)
+  unfilled = jnp.full((1, 5, TOPK), -1, jnp.int32)
+  with pytest.raises(Exception, match="no valid top-k index"):
+    jax.block_until_ready(layer(x, cache, shared_topk_BTK=unfilled).out_BTD)
+  filled = jnp.where(jnp.arange(TOPK) <= jnp.arange(5)[:, None], jnp.arange(TOPK), -1)[None]
+  out = layer(x, cache, shared_topk_BTK=filled.astype(jnp.int32)).out_BTD
+  chex.assert_tree_all_finite(out)
+  with pytest.raises(ValueError, match="no top-k"):
+    layer(x, cache)
