@@ -1,0 +1,47 @@
+"""The ``mla-jax`` command: the main job, checkpoints through the loader, errors."""
+
+import pytest
+from flax import nnx
+
+import mla_jax as m
+from mla_jax import cli
+from mla_jax.checkpoints import save_pretrained
+from mla_jax.models.config import tiny_lm
+
+
+def test_generate_prints_routes_and_throughput(capsys):
+  assert cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "4", "--quiet",
+                   "--attention", "dense-capable", "--backend", "xla"]) == 0
+  out = capsys.readouterr().out
+  assert "prefill route, layer 0: dense_mha" in out  # 3 prompt tokens <= index_topk 16
+  assert "generated text:" in out and "decode: 3 tokens" in out
+  assert "compile time:" in out and "tokens/s" in out
+
+
+def test_generate_from_a_checkpoint(tmp_path, capsys):
+  model = m.CausalLM(tiny_lm(), rngs=nnx.Rngs(3), backend="xla")
+  save_pretrained(model, tmp_path)
+  assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt-len", "20",
+                   "--max-new-tokens", "3", "--quiet", "--backend", "xla"]) == 0
+  out = capsys.readouterr().out
+  assert "prefill route, layer 1: sparse_mqa" in out and "prompt: 20 tokens" in out
+
+
+def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
+  assert cli.main(["generate", "--checkpoint", str(tmp_path), "--quiet"]) == 2
+  assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "--max-new-tokens", "0"],
+                                  ["generate", "--prompt-len", "0"],
+                                  ["generate", "--backend", "cuda"]])
+def test_bad_arguments_exit(argv):
+  with pytest.raises(SystemExit):
+    cli.main(argv)
+
+
+def test_routes_demo(capsys):
+  assert cli.main(["routes"]) == 0
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1")]
+  assert any("dense_mha | no | sparse_mqa | yes" in row for row in rows)
+  assert any(row.startswith("| 17 | sparse_mqa | yes | sparse_mqa | yes | 0.00e+00") for row in rows)
