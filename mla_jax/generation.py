@@ -198,6 +198,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     if return_logits:
       logits.append(step_logits)
     if bar:
+      emitted_B.block_until_ready()  # count finished tokens, not merely dispatched ones
       bar.update(i + 1)
   tokens_B.block_until_ready()
   decode_s = time.perf_counter() - t0

@@ -117,3 +117,21 @@ def test_walker_sees_inside_cond_scan_and_custom_vjp():
   summary = summarize(program, jax.numpy.ones(3))
   assert {"in_custom_vjp", "in_scan", "outer"} <= summary.scopes
   assert summary.primitives["cond"] == 1
+
+
+def test_pallas_backend_without_dense_kernel_compiles_only_sparse_kernels():
+  import dataclasses
+  from typing import ClassVar
+
+  from mla_jax.backends.pallas import PallasTritonBackend
+
+  @dataclasses.dataclass(frozen=True)
+  class PallasSparseOnly(PallasTritonBackend):
+    name: ClassVar[str] = "pallas_sparse_only"
+    supports_dense_mha_prefill: ClassVar[bool] = False
+
+  dense, _ = make_pair(backend=PallasSparseOnly(interpret=True))
+  assert dense.dense_prefill_backend is None
+  for summary in _summaries(dense, 3):
+    assert set(summary.kernels) == {"indexer_logits", "sparse_mqa_attention"}
+    assert "mla_dense_mha" not in summary.scopes
