@@ -7,7 +7,6 @@ import logging
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -11,24 +11,9 @@ from absl.testing import parameterized
 from mla_jax.backends.pallas import PallasTritonBackend
 from mla_jax.backends.xla import XlaBackend
 from pallas_kernels.dense_mha import dense_mha, dense_mha_reference
+from tests.numpy_kernels import assert_attention_matches, numpy_dense_mha
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len):
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  T, H, _ = q.shape
-  out, lse = np.zeros((T, H, v.shape[-1])), np.full((T, H), np.inf)
-  for t in range(T):
-    n = min(q_offset + t + 1, kv_len, k.shape[0])
-    if n <= 0:
-      continue
-    logits = np.einsum("hd,shd->hs", q[t], k[:n]) * sm_scale
-    m = logits.max(-1, keepdims=True)
-    p = np.exp(logits - m)
-    out[t] = np.einsum("hs,shv->hv", p, v[:n]) / p.sum(-1, keepdims=True)
-    lse[t] = (m + np.log(p.sum(-1, keepdims=True)))[:, 0]
-  return out, lse
 
 
 def make_inputs(seed, T, S, H, D, V, dtype):
@@ -38,19 +23,9 @@ def make_inputs(seed, T, S, H, D, V, dtype):
   )
 
 
-def assert_matches(test, out, lse, q, k, v, sm_scale, q_offset, kv_len, dtype):
-  ref_out, ref_lse = numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len)
-  chex.assert_tree_all_finite(out)  # NaN-poisoned outputs: every element was written
-  out = np.asarray(out, np.float64)
-  norm = np.linalg.norm(ref_out)
-  if norm == 0:
-    np.testing.assert_array_equal(out, 0.0)
-  else:
-    test.assertLess(np.linalg.norm(out - ref_out) / norm, RTOL[dtype])
-  lse = np.asarray(lse, np.float64)
-  np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
-  finite = np.isfinite(ref_lse)
-  np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+def assert_matches(out, lse, q, k, v, sm_scale, q_offset, kv_len, dtype):
+  assert_attention_matches(out, lse, *numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len),
+                           rtol=RTOL[dtype], lse_rtol=1e-5, lse_atol=1e-4)
 
 
 # (T, S, H, q_offset, kv_len); the tiny MLA widths are qk 48 = 32 nope + 16 rope, v 32.
@@ -77,7 +52,7 @@ class DenseMHAKernelTest(chex.TestCase):
     out, lse = dense_mha(q, k, v, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len, interpret=True)
     chex.assert_shape((out, lse), ((T, H, V), (T, H)))
     chex.assert_type(out, dtype)
-    assert_matches(self, out, lse, q, k, v, sm_scale, q_offset, kv_len, dtype)
+    assert_matches(out, lse, q, k, v, sm_scale, q_offset, kv_len, dtype)
     ref = dense_mha_reference(q, k, v, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     chex.assert_trees_all_close(
@@ -90,14 +65,14 @@ class DenseMHAKernelTest(chex.TestCase):
   def test_model_widths_bf16(self, D, V):
     q, k, v = make_inputs(0, 40, 70, 2, D, V, jnp.bfloat16)
     out, lse = dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=30, kv_len=70, interpret=True)
-    assert_matches(self, out, lse, q, k, v, D**-0.5, 30, 70, jnp.bfloat16)
+    assert_matches(out, lse, q, k, v, D**-0.5, 30, 70, jnp.bfloat16)
 
   def test_traced_offsets_under_jit(self):
     q, k, v = make_inputs(1, 9, 40, 2, 48, 32, jnp.float32)
     fn = jax.jit(functools.partial(dense_mha, sm_scale=0.2, interpret=True))
     for q_offset, kv_len in ((0, 9), (31, 40), (5, 12)):
       out, lse = fn(q, k, v, q_offset=jnp.int32(q_offset), kv_len=jnp.int32(kv_len))
-      assert_matches(self, out, lse, q, k, v, 0.2, q_offset, kv_len, jnp.float32)
+      assert_matches(out, lse, q, k, v, 0.2, q_offset, kv_len, jnp.float32)
 
   def test_backend_batched_matches_xla(self):
     q, k, v = (jnp.stack([x, x[::-1]]) for x in make_inputs(2, 9, 20, 2, 48, 32, jnp.float32))

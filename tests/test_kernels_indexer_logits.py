@@ -11,19 +11,10 @@ from absl.testing import parameterized
 from mla_jax.backends.pallas import PallasTritonBackend
 from mla_jax.backends.xla import XlaBackend
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference
+from tests.numpy_kernels import numpy_indexer_logits
 
 FP8 = jnp.float8_e4m3fn
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, FP8: 1e-5}  # fp8 vs the dequantized float64 result
-
-
-def numpy_indexer_logits(q, k, w, starts, ends, k_scale):
-  q, k, w = (np.asarray(x, np.float64) for x in (q, k, w))
-  logits = np.einsum("tg,tgs->ts", w, np.maximum(np.einsum("tgi,si->tgs", q, k), 0.0))
-  if k_scale is not None:
-    logits = logits * np.asarray(k_scale, np.float64)[None, :]
-  cols = np.arange(k.shape[0])
-  inside = (cols[None, :] >= np.asarray(starts)[:, None]) & (cols[None, :] < np.asarray(ends)[:, None])
-  return np.where(inside, logits, -np.inf)
 
 
 def make_inputs(seed, T, G, I, S, dtype, window="causal"):

@@ -12,33 +12,16 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from absl.testing import parameterized
 
 from mla_jax.backends.pallas import PallasTritonBackend
 from mla_jax.backends.xla import XlaBackend
 from pallas_kernels.block_config import SparseMQAKernelConfig
 from pallas_kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
+from tests.numpy_kernels import assert_attention_matches, numpy_sparse_mqa
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 LSE_ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3}
-
-
-def numpy_sparse_mqa(q, kv, topk, sm_scale, d_v):
-  """float64 ground truth, written independently of the jnp reference."""
-  q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
-  T, H, _ = q.shape
-  out, lse = np.zeros((T, H, d_v)), np.full((T, H), np.inf)
-  for t in range(T):
-    rows = [i for i in np.asarray(topk[t]) if 0 <= i < kv.shape[0]]
-    if not rows:
-      continue
-    logits = q[t] @ kv[rows].T * sm_scale
-    m = logits.max(-1, keepdims=True)
-    p = np.exp(logits - m)
-    out[t] = p @ kv[rows, :d_v] / p.sum(-1, keepdims=True)
-    lse[t] = (m + np.log(p.sum(-1, keepdims=True)))[:, 0]
-  return out, lse
 
 
 def make_inputs(seed, T, H, K, S, D, dtype, pattern="random"):
@@ -59,21 +42,9 @@ def make_inputs(seed, T, H, K, S, D, dtype, pattern="random"):
   return q, kv, jnp.asarray(topk, jnp.int32)
 
 
-def assert_matches(test, out, lse, q, kv, topk, sm_scale, d_v, dtype):
-  ref_out, ref_lse = numpy_sparse_mqa(q, kv, topk, sm_scale, d_v)
-  out64 = np.asarray(out, np.float64)
-  chex.assert_tree_all_finite(out)  # NaN-poisoned outputs: every element was written
-  test.assertFalse(np.isnan(np.asarray(lse)).any())
-  norm = np.linalg.norm(ref_out)
-  if norm == 0:
-    np.testing.assert_array_equal(out64, 0.0)
-  else:
-    test.assertLess(np.linalg.norm(out64 - ref_out) / norm, RTOL[dtype])
-  lse = np.asarray(lse, np.float64)
-  np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
-  empty = np.isinf(ref_lse)
-  np.testing.assert_array_equal(out64[empty], 0.0)
-  np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=LSE_ATOL[dtype], atol=LSE_ATOL[dtype])
+def assert_matches(out, lse, q, kv, topk, sm_scale, d_v, dtype):
+  assert_attention_matches(out, lse, *numpy_sparse_mqa(q, kv, topk, sm_scale, d_v),
+                           rtol=RTOL[dtype], lse_rtol=LSE_ATOL[dtype], lse_atol=LSE_ATOL[dtype])
 
 
 CASES = (
@@ -105,7 +76,7 @@ class SparseMQAKernelTest(chex.TestCase):
     chex.assert_shape(out, (T, H, d_v))
     chex.assert_type(out, dtype)
     chex.assert_shape(lse, (T, H))
-    assert_matches(self, out, lse, q, kv, topk, sm_scale, d_v, dtype)
+    assert_matches(out, lse, q, kv, topk, sm_scale, d_v, dtype)
     ref_out, ref_lse = sparse_mqa_reference(q, kv, topk, sm_scale=sm_scale, d_v=d_v)
     chex.assert_trees_all_close(
         (out.astype(jnp.float32), lse), (ref_out.astype(jnp.float32), ref_lse),
@@ -116,7 +87,7 @@ class SparseMQAKernelTest(chex.TestCase):
     # 576 = 512 latent + 64 rope; the default config of the real shape (block_h 32, block_k 32).
     q, kv, topk = make_inputs(5, 2, 40, 100, 300, 576, jnp.bfloat16)
     out, lse = sparse_mqa(q, kv, topk, sm_scale=576**-0.5, d_v=512, interpret=True)
-    assert_matches(self, out, lse, q, kv, topk, 576**-0.5, 512, jnp.bfloat16)
+    assert_matches(out, lse, q, kv, topk, 576**-0.5, 512, jnp.bfloat16)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_deterministic_and_variants(self):
@@ -128,7 +99,7 @@ class SparseMQAKernelTest(chex.TestCase):
     q, kv, topk = make_inputs(2, 3, 20, 50, 100, 80, jnp.float32)
     config = SparseMQAKernelConfig(block_h=16, block_k=16, num_warps=4, num_stages=1)
     out, lse = sparse_mqa(q, kv, topk, sm_scale=0.1, d_v=64, config=config, interpret=True)
-    assert_matches(self, out, lse, q, kv, topk, 0.1, 64, jnp.float32)
+    assert_matches(out, lse, q, kv, topk, 0.1, 64, jnp.float32)
 
   def test_backend_batched_matches_xla(self):
     rng = np.random.default_rng(0)
@@ -166,4 +137,4 @@ class SparseMQAKernelTest(chex.TestCase):
 def test_property_matches_float64(T, H, K, S, pattern, seed):
   q, kv, topk = make_inputs(seed, T, H, K, S, 80, jnp.float32, pattern)
   out, lse = sparse_mqa(q, kv, topk, sm_scale=0.09, d_v=64, interpret=True)
-  assert_matches(parameterized.TestCase(), out, lse, q, kv, topk, 0.09, 64, jnp.float32)
+  assert_matches(out, lse, q, kv, topk, 0.09, 64, jnp.float32)

@@ -1,29 +1,13 @@
-"""The kernel references (the XLA backend's math) against float64 NumPy loops."""
+"""The kernel references (the XLA backend's math) against the float64 NumPy ground truth."""
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mla_jax.testing import relative_error
 from pallas_kernels import dense_mha_reference, indexer_logits_reference, sparse_mqa_reference
-
-
-def _np_sparse_mqa(q, kv, idx, scale, d_v):
-  t, h, _ = q.shape
-  out, lse = np.zeros((t, h, d_v)), np.full((t, h), np.inf)
-  for ti in range(t):
-    rows = [int(i) for i in idx[ti] if 0 <= i < kv.shape[0]]
-    if not rows:
-      continue
-    logits = q[ti] @ kv[rows].T * scale  # [H, K]
-    mx = logits.max(-1, keepdims=True)
-    lse[ti] = (mx + np.log(np.exp(logits - mx).sum(-1, keepdims=True)))[:, 0]
-    out[ti] = np.exp(logits - lse[ti][:, None]) @ kv[rows, :d_v]
-  return out, lse
-
-
-def _rel(a, b):
-  return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+from tests.numpy_kernels import numpy_dense_mha, numpy_indexer_logits, numpy_sparse_mqa
 
 
 @pytest.mark.parametrize("t, h, s, k", [(1, 1, 1, 1), (5, 4, 37, 7), (9, 16, 100, 40)])
@@ -35,12 +19,12 @@ def test_sparse_mqa_reference_with_invalid_and_empty_rows(t, h, s, k):
   idx[0] = -1  # an empty row
   out, lse = sparse_mqa_reference(jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32),
                                   jnp.asarray(idx), sm_scale=0.3, d_v=d_v)
-  ref_out, ref_lse = _np_sparse_mqa(q, kv, idx, 0.3, d_v)
+  ref_out, ref_lse = numpy_sparse_mqa(q, kv, idx, 0.3, d_v)
   chex.assert_shape((out, lse), ((t, h, d_v), (t, h)))
   np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
   assert np.isposinf(np.asarray(lse[0])).all()
   if t > 1:
-    assert _rel(out[1:], ref_out[1:]) < 1e-5
+    assert relative_error(out[1:], ref_out[1:]) < 1e-5
     np.testing.assert_allclose(lse[1:], ref_lse[1:], rtol=1e-5)
 
 
@@ -74,14 +58,11 @@ def test_indexer_logits_reference_matches_loop(dtype, tol):
   out = indexer_logits_reference(jnp.asarray(q, dtype), jnp.asarray(k, dtype),
                                  jnp.asarray(w, jnp.float32), jnp.asarray(starts),
                                  jnp.asarray(ends))
-  ref = np.full((t, s), -np.inf)
-  for ti in range(t):
-    for si in range(starts[ti], ends[ti]):
-      ref[ti, si] = sum(w[ti, gi] * max(q[ti, gi] @ k[si], 0.0) for gi in range(g))
+  ref = numpy_indexer_logits(q, k, w, starts, ends, None)
   out = np.asarray(out, np.float64)
   np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
   finite = np.isfinite(ref)
-  assert _rel(out[finite], ref[finite]) < tol
+  assert relative_error(out[finite], ref[finite]) < tol
 
 
 def test_indexer_logits_reference_applies_fp8_key_scales():
@@ -105,12 +86,6 @@ def test_dense_mha_reference_is_causal_from_offset(t, s, offset, kv_len):
   out, lse = dense_mha_reference(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
                                  jnp.asarray(val, jnp.float32), sm_scale=0.25,
                                  q_offset=jnp.int32(offset), kv_len=jnp.int32(kv_len))
-  ref = np.zeros((t, h, v))
-  for ti in range(t):
-    cols = [si for si in range(s) if si <= offset + ti and si < kv_len]
-    for hi in range(h):
-      logits = k[cols, hi] @ q[ti, hi] * 0.25
-      p = np.exp(logits - logits.max())
-      ref[ti, hi] = (p / p.sum()) @ val[cols, hi]
-  assert _rel(out, ref) < 1e-5
+  ref, _ = numpy_dense_mha(q, k, val, 0.25, offset, kv_len)
+  assert relative_error(out, ref) < 1e-5
   chex.assert_tree_all_finite(lse)

@@ -1,0 +1,70 @@
+"""Float64 NumPy ground truth for the three kernels, written independently of the jnp references.
+
+Shared by the kernel tests (interpret mode) and the reference tests (the XLA backend's math).
+"""
+
+import numpy as np
+
+
+def numpy_sparse_mqa(q, kv, topk, sm_scale, d_v):
+  """float64 ground truth, written independently of the jnp reference."""
+  q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
+  T, H, _ = q.shape
+  out, lse = np.zeros((T, H, d_v)), np.full((T, H), np.inf)
+  for t in range(T):
+    rows = [i for i in np.asarray(topk[t]) if 0 <= i < kv.shape[0]]
+    if not rows:
+      continue
+    logits = q[t] @ kv[rows].T * sm_scale
+    m = logits.max(-1, keepdims=True)
+    p = np.exp(logits - m)
+    out[t] = p @ kv[rows, :d_v] / p.sum(-1, keepdims=True)
+    lse[t] = (m + np.log(p.sum(-1, keepdims=True)))[:, 0]
+  return out, lse
+
+
+def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len):
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  T, H, _ = q.shape
+  out, lse = np.zeros((T, H, v.shape[-1])), np.full((T, H), np.inf)
+  for t in range(T):
+    n = min(q_offset + t + 1, kv_len, k.shape[0])
+    if n <= 0:
+      continue
+    logits = np.einsum("hd,shd->hs", q[t], k[:n]) * sm_scale
+    m = logits.max(-1, keepdims=True)
+    p = np.exp(logits - m)
+    out[t] = np.einsum("hs,shv->hv", p, v[:n]) / p.sum(-1, keepdims=True)
+    lse[t] = (m + np.log(p.sum(-1, keepdims=True)))[:, 0]
+  return out, lse
+
+
+def numpy_indexer_logits(q, k, w, starts, ends, k_scale):
+  q, k, w = (np.asarray(x, np.float64) for x in (q, k, w))
+  logits = np.einsum("tg,tgs->ts", w, np.maximum(np.einsum("tgi,si->tgs", q, k), 0.0))
+  if k_scale is not None:
+    logits = logits * np.asarray(k_scale, np.float64)[None, :]
+  cols = np.arange(k.shape[0])
+  inside = (cols[None, :] >= np.asarray(starts)[:, None]) & (cols[None, :] < np.asarray(ends)[:, None])
+  return np.where(inside, logits, -np.inf)
+
+
+def assert_attention_matches(out, lse, ref_out, ref_lse, *, rtol, lse_rtol, lse_atol):
+  """Kernel (out, LSE) against the float64 ground truth, including the empty-row contract.
+
+  Interpret mode poisons fresh outputs with NaN, so "finite everywhere" also proves that every
+  element (padded rows and heads included) was written.
+  """
+  np.testing.assert_array_equal(np.isfinite(np.asarray(out, np.float64)), True)
+  lse = np.asarray(lse, np.float64)
+  assert not np.isnan(lse).any()
+  out = np.asarray(out, np.float64)
+  norm = np.linalg.norm(ref_out)
+  if norm == 0:
+    np.testing.assert_array_equal(out, 0.0)
+  else:
+    assert np.linalg.norm(out - ref_out) / norm < rtol
+  np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+  empty = np.isinf(ref_lse)
+  np.testing.assert_array_equal(out[empty], 0.0)
+  np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=lse_rtol, atol=lse_atol)
