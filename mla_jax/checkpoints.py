@@ -28,7 +28,7 @@ from mla_jax.backends import Backend
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig, YarnConfig
 from mla_jax.models.config import MoEConfig, ModelConfig
 from mla_jax.models.lm import CausalLM
-from mla_jax.params import flat_params
+from mla_jax.params import dotted_name, flat_params
 from mla_jax.rope import rope_attention_factor
 from mla_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
 
@@ -320,6 +320,12 @@ def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str]]:
   raise CheckpointError(f"{path}: no {_SINGLE} or {_INDEX}")
 
 
+def _is_mtp(name: str, num_layers: int) -> bool:
+  """A key of a multi-token-prediction layer (``model.layers.{L}``, L >= num_layers)."""
+  m = _LAYER_KEY.match(name)
+  return m is not None and int(m.group(1)) >= num_layers
+
+
 def _open_tensors(path: Path, num_layers: int) -> dict[str, SafetensorsFile]:
   """Which file holds each tensor; MTP layers (index >= num_layers) are left out."""
   files, weight_map = _checkpoint_files(path)
@@ -327,16 +333,14 @@ def _open_tensors(path: Path, num_layers: int) -> dict[str, SafetensorsFile]:
   for file in files:
     shard = SafetensorsFile(file)
     for name in shard.keys():
-      m = _LAYER_KEY.match(name)
-      if m and int(m.group(1)) >= num_layers:
+      if _is_mtp(name, num_layers):
         continue
       if name in where:
         raise CheckpointError(f"tensor {name!r} appears in both {where[name].path.name} and "
                               f"{file.name}")
       where[name] = shard
   for name, file in sorted(weight_map.items()):
-    m = _LAYER_KEY.match(name)
-    if m and int(m.group(1)) >= num_layers:
+    if _is_mtp(name, num_layers):
       continue
     if name not in where or where[name].path.name != file:
       raise CheckpointError(f"{path / _INDEX} places tensor {name!r} in {file}, which does "
@@ -428,7 +432,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
   abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                              param_dtype=param_dtype))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-  flat = {".".join(str(p) for p in key): (key, var) for key, var in params.flat_state()}
+  flat = {dotted_name(key): (key, var) for key, var in params.flat_state()}
   where = _open_tensors(path, config.num_layers)
   try:
     plan = _plan({name: var for name, (_, var) in flat.items()}, where, block)

@@ -10,18 +10,21 @@ import jax
 from flax import nnx
 
 
+def dotted_name(path) -> str:
+  """``("layers", 0, "q_a_proj", "weight")`` -> ``"layers.0.q_a_proj.weight"``."""
+  return ".".join(str(part) for part in path)
+
+
 def flat_params(module: nnx.Module) -> dict[str, jax.Array]:
   """``{"layers.0.self_attn.q_a_proj.weight": array}`` for every ``nnx.Param``."""
-  flat = {}
-  for path, variable in nnx.state(module, nnx.Param).flat_state():
-    flat[".".join(str(part) for part in path)] = variable[...]
-  return flat
+  return {dotted_name(path): variable[...]
+          for path, variable in nnx.state(module, nnx.Param).flat_state()}
 
 
 def set_flat_params(module: nnx.Module, values: dict[str, jax.Array]) -> None:
   """Replaces the named parameters in place; names and shapes must match exactly."""
   state = nnx.state(module, nnx.Param)
-  current = {".".join(str(p) for p in path): var for path, var in state.flat_state()}
+  current = {dotted_name(path): var for path, var in state.flat_state()}
   unknown = sorted(set(values) - set(current))
   if unknown:
     raise KeyError(f"unknown parameter names: {unknown[:10]}")
