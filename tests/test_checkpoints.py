@@ -20,7 +20,7 @@ from mla_jax.checkpoints import (CheckpointError, config_from_hf, config_to_hf,
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig, YarnConfig
 from mla_jax.models.config import MoEConfig, ModelConfig
 from mla_jax.models.lm import CausalLM
-from mla_jax.params import flat_params
+from mla_jax.params import dotted_name, flat_params
 from mla_jax.routing import PrefillRoute
 from mla_jax.safetensors_io import SafetensorsFile, load_file, save_file
 
@@ -53,7 +53,7 @@ def _random_model(config: ModelConfig, seed: int = 0, round_to=None) -> CausalLM
   rng = np.random.default_rng(seed)
   leaves = []
   for key, var in params.flat_state():
-    name, noise = ".".join(map(str, key)), rng.standard_normal(var.shape)
+    name, noise = dotted_name(key), rng.standard_normal(var.shape)
     if "norm" in name:
       value = (1.0 if name.endswith("weight") else 0.0) + 0.1 * noise
     else:

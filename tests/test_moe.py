@@ -19,6 +19,7 @@ from flax import nnx
 from mla_jax.models.config import MoEConfig, tiny_lm
 from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE, route_tokens
+from mla_jax.params import dotted_name
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -104,7 +105,7 @@ def ref_moe(x, params, cfg: MoEConfig):
 
 def hf_params(module):
   """{HF-style dotted name: value} from the module's NNX state (ShapeDtypeStruct if abstract)."""
-  return {".".join(map(str, path)): v.get_value()
+  return {dotted_name(path): v.get_value()
           for path, v in nnx.to_flat_state(nnx.state(module))}
 
 
