@@ -20,6 +20,7 @@ import os
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -28,7 +29,7 @@ from mla_jax.backends import Backend
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig, YarnConfig
 from mla_jax.models.config import MoEConfig, ModelConfig
 from mla_jax.models.lm import CausalLM
-from mla_jax.params import dotted_name, flat_params
+from mla_jax.models import hf_layout
 from mla_jax.rope import rope_attention_factor
 from mla_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
 
@@ -432,17 +433,24 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
   abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                              param_dtype=param_dtype))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-  flat = {dotted_name(key): (key, var) for key, var in params.flat_state()}
+  expected = {name: jax.ShapeDtypeStruct(shape, dtype)
+              for name, (shape, dtype) in hf_layout.hf_shapes(config, params).items()}
   where = _open_tensors(path, config.num_layers)
   try:
-    plan = _plan({name: var for name, (_, var) in flat.items()}, where, block)
+    plan = _plan(expected, where, block)
   except CheckpointError as e:
     raise CheckpointError(f"{path}: {e}") from None
-  loaded = []
-  for name, (key, var) in flat.items():
+
+  def read(name, tail):
     value = where[name].get(name)
     if plan[name] is not None:
       value = dequantize_fp8_blocks(value, where[plan[name]].get(plan[name]), block)
+    return value[tail]
+
+  layouts = hf_layout.param_layouts(config, params)
+  loaded = []
+  for key, var in params.flat_state():
+    value = hf_layout.assemble(layouts[key], var.shape, (), read)
     loaded.append((key, var.replace(jnp.asarray(value.astype(var.dtype)))))
   return nnx.merge(graphdef, nnx.State.from_flat_path(loaded), rest)
 
@@ -454,7 +462,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, model_type: str
   hf = config_to_hf(model.config, model_type)
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  tensors = {name: np.asarray(value) for name, value in flat_params(model).items()}
+  tensors = hf_layout.to_hf(model.config, nnx.state(model, nnx.Param))
   # Stale weights from an earlier save would shadow or mix with the new ones on load.
   for old in [path / _SINGLE, path / _INDEX, *path.glob("model-*-of-*.safetensors")]:
     old.unlink(missing_ok=True)

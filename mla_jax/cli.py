@@ -47,7 +47,7 @@ def cmd_generate(args) -> int:
   model = _build_model(args)
   build_s = time.perf_counter() - t0
   prompt = _prompt_ids(args, model.config.vocab_size)
-  print(f"model: {type(model.model.layers[0].self_attn).__name__} x "
+  print(f"model: {type(model.layer_module(0).self_attn).__name__} x "
         f"{model.config.num_layers} layers, backend {model.backend.name}, "
         f"index_topk {model.config.mla.indexer.topk if model.config.mla.indexer else '-'}, "
         f"built in {build_s:.2f}s")

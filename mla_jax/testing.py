@@ -33,8 +33,8 @@ def randomize_params(module: nnx.Module, seed: int, *, norm_jitter: float = 0.1)
     noise = jax.random.normal(key, leaf.shape, jnp.float32)
     if "norm" in name:  # RMSNorm / LayerNorm weights near 1, LayerNorm bias near 0
       value = (1.0 if name.endswith("weight") else 0.0) + norm_jitter * noise
-    elif leaf.ndim == 2:
-      value = noise * leaf.shape[1] ** -0.5
+    elif leaf.ndim >= 2:  # [..., out, in] matrices, possibly stacked over layers or experts
+      value = noise * leaf.shape[-1] ** -0.5
     else:
       value = noise * 0.1
     new[name] = value.astype(leaf.dtype)

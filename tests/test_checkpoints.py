@@ -20,7 +20,8 @@ from mla_jax.checkpoints import (CheckpointError, config_from_hf, config_to_hf,
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig, YarnConfig
 from mla_jax.models.config import MoEConfig, ModelConfig
 from mla_jax.models.lm import CausalLM
-from mla_jax.params import dotted_name, flat_params
+from mla_jax.models.hf_layout import hf_params
+from mla_jax.params import dotted_name
 from mla_jax.routing import PrefillRoute
 from mla_jax.safetensors_io import SafetensorsFile, load_file, save_file
 
@@ -57,7 +58,8 @@ def _random_model(config: ModelConfig, seed: int = 0, round_to=None) -> CausalLM
     if "norm" in name:
       value = (1.0 if name.endswith("weight") else 0.0) + 0.1 * noise
     else:
-      value = noise * (var.shape[1] ** -0.5 if len(var.shape) == 2 else 0.1)
+      value = noise * (var.shape[-1] ** -0.5 if "proj" in name or "weight" in name and
+                       len(var.shape) >= 2 else 0.1)
     value = value.astype(round_to or np.float32).astype(var.dtype)
     leaves.append((key, var.replace(jnp.asarray(value))))
   return nnx.merge(graphdef, nnx.State.from_flat_path(leaves), rest)
@@ -77,7 +79,7 @@ def _ids(t=12, seed=0):
 
 
 def _assert_same_params(a, b):
-  fa, fb = flat_params(a), flat_params(b)
+  fa, fb = hf_params(a), hf_params(b)
   assert sorted(fa) == sorted(fb)
   for name in fa:
     assert fa[name].dtype == fb[name].dtype, name
@@ -135,7 +137,7 @@ def test_handwritten_glm52_style_config_with_mtp_keys(tmp_path):
   }
   assert config_from_hf(hf) == expected
   source = _random_model(expected, seed=2, round_to=ml_dtypes.bfloat16)
-  tensors = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in flat_params(source).items()}
+  tensors = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in hf_params(source).items()}
   assert not any(".1.self_attn.indexer." in k for k in tensors)  # shared: no indexer weights
   tensors["model.layers.3.eh_proj.weight"] = np.ones((64, 128), ml_dtypes.bfloat16)
   tensors["model.layers.3.self_attn.indexer.wk.weight"] = np.ones((7,), ml_dtypes.bfloat16)
@@ -166,7 +168,7 @@ def test_sharded_checkpoint(tmp_path, ds32_dir):
 def test_dtype_cast_keeps_router_and_weights_proj_fp32(tmp_path, ds32_dir):
   _, path = ds32_dir
   model = load_pretrained(path, dtype=jnp.bfloat16)
-  dtypes = {name: value.dtype for name, value in flat_params(model).items()}
+  dtypes = {name: value.dtype for name, value in hf_params(model).items()}
   fp32 = {name for name, d in dtypes.items() if d == jnp.float32}
   assert fp32 == {n for n in dtypes if n.endswith(("weights_proj.weight", "mlp.gate.weight",
                                                    "e_score_correction_bias"))}
@@ -223,7 +225,7 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path, ds32_dir):
   hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
   (tmp_path / "config.json").write_text(json.dumps(hf))
   save_file(tensors, tmp_path / "model.safetensors")
-  loaded = flat_params(load_pretrained(tmp_path))
+  loaded = hf_params(load_pretrained(tmp_path))
   for name, value in expected.items():
     np.testing.assert_array_equal(np.asarray(loaded[name]), value, err_msg=name)
   del tensors["lm_head.weight"]
@@ -431,7 +433,8 @@ def _unrolled(model, ids):
   for substitute in (False, True):
     caches = model.init_cache(ids.shape[0], 16)
     h, topk = model.model.embed_tokens(ids), None
-    for layer, cache in zip(model.model.layers, caches):
+    for i in range(model.config.num_layers):
+      layer, cache = model.layer_module(i), caches.layer(i)
       shared = layer.self_attn.shares_topk
       given = causal_indices(jnp.arange(ids.shape[1])[None], 16) if shared and substitute \
           else topk
@@ -446,7 +449,8 @@ def _unrolled(model, ids):
 def test_glm_shared_layers_use_the_full_layers_topk(tmp_path):
   save_pretrained(_random_model(_config("glm"), seed=3), tmp_path)
   model = load_pretrained(tmp_path)
-  assert [layer.self_attn.indexer is None for layer in model.model.layers] == [False, True, False]
+  assert [model.layer_module(i).self_attn.indexer is None for i in range(3)] == [False, True,
+                                                                                False]
   ids = _ids(12, seed=4)
   own_topk, all_rows = (np.asarray(x) for x in _unrolled(model, ids))
   logits = _logits(model, ids)

@@ -18,7 +18,8 @@ from flax import nnx
 
 from mla_jax.models.config import MoEConfig, tiny_lm
 from mla_jax.models.mlp import MLP
-from mla_jax.models.moe import MoE, route_tokens
+from mla_jax.backends import XlaBackend
+from mla_jax.models.moe import MoE, route_tokens, routed_experts
 from mla_jax.params import dotted_name
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -104,9 +105,22 @@ def ref_moe(x, params, cfg: MoEConfig):
 # ---------------------------------------------------------------- helpers
 
 def hf_params(module):
-  """{HF-style dotted name: value} from the module's NNX state (ShapeDtypeStruct if abstract)."""
-  return {dotted_name(path): v.get_value()
-          for path, v in nnx.to_flat_state(nnx.state(module))}
+  """{HF name: value} from the module's NNX state (ShapeDtypeStruct if abstract).
+
+  The stacked experts ``experts.gate_proj`` [E, F, D] are split into HF's per-expert
+  ``experts.{e}.gate_proj.weight`` here, independently of ``mla_jax.models.hf_layout``.
+  """
+  out = {}
+  for path, v in nnx.to_flat_state(nnx.state(module)):
+    name, value = dotted_name(path), v.get_value()
+    if name.startswith("experts."):
+      for e in range(value.shape[0]):
+        out[f"experts.{e}.{name.split('.')[1]}.weight"] = (
+            jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
+            if isinstance(value, jax.ShapeDtypeStruct) else value[e])
+    else:
+      out[name] = value
+  return out
 
 
 def float64_params(module):
@@ -158,9 +172,11 @@ def random_module(make, seed=0):
   return module
 
 
-def make_moe(cfg: MoEConfig, dtype=jnp.float32, seed=0):
-  moe = random_module(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), param_dtype=dtype), seed)
-  x = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(2, 8, HIDDEN)), dtype)
+def make_moe(cfg: MoEConfig, dtype=jnp.float32, seed=0, impl="tiled", tokens=8):
+  backend = XlaBackend(grouped_matmul=impl)
+  moe = random_module(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), backend=backend,
+                                  param_dtype=dtype), seed)
+  x = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(2, tokens, HIDDEN)), dtype)
   return moe, x
 
 
@@ -267,10 +283,13 @@ class RouterTest(chex.TestCase):
     chex.assert_trees_all_equal(route(logits, bias, config=cfg), route(logits, bias, config=cfg))
 
 
+IMPLS = ("tiled", "ragged_dot")
+
+
 class MoETest(chex.TestCase):
 
-  def check_against_reference(self, cfg, dtype, fn=jit_apply):
-    moe, x = make_moe(cfg, dtype)
+  def check_against_reference(self, cfg, dtype, fn=jit_apply, impl="tiled", moe_x=None):
+    moe, x = moe_x or make_moe(cfg, dtype, impl=impl)
     out = run_module(moe, x, fn)
     chex.assert_shape(out, x.shape)
     chex.assert_type(out, dtype)
@@ -286,11 +305,65 @@ class MoETest(chex.TestCase):
     self.check_against_reference(cfg, jnp.float32, self.variant(apply, static_argnums=0))
 
   @parameterized.named_parameters(
-      (f"{name}_{jnp.dtype(dtype).name}", cfg, dtype)
+      (f"{name}_{jnp.dtype(dtype).name}_{impl}", cfg, dtype, impl)
       for name, cfg in {**MOE_CASES, **MORE_MOE_CASES}.items()
-      for dtype in (jnp.float32, jnp.bfloat16))
-  def test_matches_reference_jit(self, cfg, dtype):
-    self.check_against_reference(cfg, dtype)
+      for dtype in (jnp.float32, jnp.bfloat16) for impl in IMPLS)
+  def test_matches_reference_jit(self, cfg, dtype, impl):
+    self.check_against_reference(cfg, dtype, impl=impl)
+
+  @parameterized.named_parameters(*((impl, impl) for impl in IMPLS))
+  def test_crowded_and_empty_experts(self, impl):
+    """Every token routed to experts 0 and 1 (bias drives selection): two large groups,
+    six experts with no token at all; the weights stay the unbiased scores."""
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    n_shared_experts=1, moe_intermediate_size=32)
+    moe, x = make_moe(cfg, impl=impl, tokens=16)
+    moe.gate.e_score_correction_bias[...] = jnp.array([50.0, 40.0] + [0.0] * 6)
+    idx, _ = moe.gate(x.reshape(-1, HIDDEN))
+    assert set(np.unique(np.asarray(idx))) == {0, 1}
+    self.check_against_reference(cfg, jnp.float32, moe_x=(moe, x))
+
+  @parameterized.named_parameters(*((impl, impl) for impl in IMPLS))
+  def test_expert_shards_add_up_to_the_whole(self, impl):
+    """What each expert-parallel shard computes (its own experts only) sums to the whole."""
+    rng = np.random.default_rng(3)
+    num_experts, tokens, top, ffn = 8, 12, 3, 16
+    x = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(num_experts, top, replace=False)
+                                for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(num_experts, ffn, HIDDEN)) / 8, jnp.float32)
+                for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(num_experts, HIDDEN, ffn)) / 4, jnp.float32)
+    whole = routed_experts(x, idx, w, gate, up, down, impl=impl)
+    parts = sum(routed_experts(x, idx, w, gate[s:s + 2], up[s:s + 2], down[s:s + 2],
+                               first_expert=s, impl=impl) for s in range(0, num_experts, 2))
+    params = {f"experts.{e}.{n}_proj.weight": np.asarray(v[e], np.float64)
+              for e in range(num_experts) for n, v in (("gate", gate), ("up", up),
+                                                       ("down", down))}
+    expected = np.zeros((tokens, HIDDEN))
+    for t in range(tokens):
+      for e, weight in zip(np.asarray(idx[t]), np.asarray(w[t], np.float64)):
+        expected[t] += weight * ref_mlp(np.asarray(x[t], np.float64), params, f"experts.{e}.")
+    assert rel_err(whole, expected) < 1e-5
+    assert rel_err(parts, expected) < 1e-5
+
+  def test_tiled_cost_follows_routed_rows_not_experts(self):
+    """XLA's cost analysis of the MoE layer: ~flat from 8 to 64 experts, ~linear in top-k."""
+
+    def flops(num_experts, top):
+      cfg = MoEConfig(num_experts=num_experts, num_experts_per_tok=top, n_group=1,
+                      topk_group=1, n_shared_experts=0, moe_intermediate_size=64)
+      moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0),
+                                       backend=XlaBackend(grouped_matmul="tiled")))
+      graphdef, state = nnx.split(moe)
+      x = jax.ShapeDtypeStruct((1, 64, HIDDEN), jnp.float32)
+      cost = jit_apply.lower(graphdef, state, x).compile().cost_analysis()
+      return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    base = flops(8, 2)
+    assert flops(64, 2) < 1.5 * base
+    assert flops(8, 4) > 1.7 * base
 
   def test_deterministic(self):
     moe, x = make_moe(MOE_CASES["tiny"])
@@ -301,7 +374,13 @@ class MoETest(chex.TestCase):
     cfg = MoEConfig(num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                     n_shared_experts=2, moe_intermediate_size=16)
     # eval_shape: names, shapes and dtypes without running any initializer.
-    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), param_dtype=dtype))
+    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), backend=XlaBackend(),
+                                     param_dtype=dtype))
+    stacked = {dotted_name(p): v.shape for p, v in nnx.to_flat_state(nnx.state(moe))
+               if dotted_name(p).startswith("experts.")}
+    self.assertEqual(stacked, {"experts.gate_proj": (4, 16, HIDDEN),
+                               "experts.up_proj": (4, 16, HIDDEN),
+                               "experts.down_proj": (4, HIDDEN, 16)})
     params = hf_params(moe)
     ffn, shared = cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
     expected = {"gate.weight": (4, HIDDEN), "gate.e_score_correction_bias": (4,)}
@@ -317,7 +396,7 @@ class MoETest(chex.TestCase):
 
   def test_no_shared_experts(self):
     cfg = MORE_MOE_CASES["no_shared"]
-    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0)))
+    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), backend=XlaBackend()))
     self.assertIsNone(moe.shared_experts)
     self.assertFalse(any(k.startswith("shared_experts") for k in hf_params(moe)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from mla_jax.config import (IndexerConfig, MLAConfig, RopeConfig, YarnConfig, _positive_float,
-                            _positive_int, _require)
+                            _positive_int, _require, deepseek_v3, deepseek_v32, glm5)
 
 ATTENTION_KINDS = ("mqa-only", "dense-capable")
 
@@ -87,6 +87,55 @@ class ModelConfig:
   def uses_moe(self, layer: int) -> bool:
     return self.moe is not None and layer >= self.first_k_dense_replace
 
+  def layer_kind(self, layer: int) -> tuple[bool, bool]:
+    """What makes two decoder layers structurally different: (MoE MLP?, shared top-k?)."""
+    return self.uses_moe(layer), self.shares_topk(layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+  """``reps`` consecutive repetitions of a unit of ``unit_len`` layers, from layer ``first``.
+
+  Layer ``first + r * unit_len + u`` is position u of repetition r; a group runs as one
+  ``scan`` over its repetitions, whose parameters are stacked on a leading axis.
+  """
+
+  first: int
+  unit_len: int
+  reps: int
+
+  def layer(self, rep: int, position: int) -> int:
+    return self.first + rep * self.unit_len + position
+
+  @property
+  def end(self) -> int:
+    return self.first + self.unit_len * self.reps
+
+
+def layer_groups(config: ModelConfig, max_unit_len: int = 8) -> tuple[LayerGroup, ...]:
+  """Consecutive layers split into groups of identically structured repeating units.
+
+  Greedy from the first layer: the unit (up to ``max_unit_len`` layers) that repeats over the
+  most layers wins, ties to the shorter unit; a layer that starts no repetition is a group of
+  its own. DeepSeek-V3.2 gives [dense] x 3 + [MoE] x 58;
+  GLM-5.2's indexer pattern F F F S S S (F S S S) x 18 S S S gives three groups, so compile
+  time follows the number of groups, not the depth.
+  """
+  kinds = [config.layer_kind(i) for i in range(config.num_layers)]
+  groups, start = [], 0
+  while start < len(kinds):
+    best = (1, 1)
+    for unit_len in range(1, min(max_unit_len, len(kinds) - start) + 1):
+      unit = kinds[start:start + unit_len]
+      reps = 1
+      while kinds[start + reps * unit_len:start + (reps + 1) * unit_len] == unit:
+        reps += 1
+      if reps > 1 and unit_len * reps > best[0] * best[1]:
+        best = (unit_len, reps)
+    groups.append(LayerGroup(start, *best))
+    start += best[0] * best[1]
+  return tuple(groups)
+
 
 def tiny_lm(attention: str = "mqa-only", *, moe: bool = True) -> ModelConfig:
   """The built-in CPU model: 2 layers (dense MLP then MoE), byte-level vocabulary."""
@@ -100,6 +149,21 @@ def tiny_lm(attention: str = "mqa-only", *, moe: bool = True) -> ModelConfig:
                      moe=moe_cfg, first_k_dense_replace=1, attention=attention)
 
 
+def tiny_moe_lm(attention: str = "mqa-only") -> ModelConfig:
+  """A tiny MoE model whose widths split 8 ways: 8 heads, 8 experts, vocabulary 264.
+
+  For sharding tests on up to 8 devices (any of data / tensor / expert up to 8).
+  """
+  mla = MLAConfig(hidden_size=128, num_heads=8, q_lora_rank=64, kv_lora_rank=64,
+                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                  rope=RopeConfig(theta=10000.0), max_position_embeddings=4096,
+                  indexer=IndexerConfig(num_heads=4, head_dim=32, topk=16))
+  return ModelConfig(mla=mla, vocab_size=264, num_layers=3, intermediate_size=256,
+                     moe=MoEConfig(num_experts=8, num_experts_per_tok=2, n_group=4,
+                                   topk_group=2, moe_intermediate_size=64),
+                     first_k_dense_replace=1, attention=attention)
+
+
 def small_lm(attention: str = "mqa-only") -> ModelConfig:
   """A larger CPU-sized config for benchmarks: 4 layers, 256 wide, top-k 64, YaRN RoPE."""
   mla = MLAConfig(hidden_size=256, num_heads=8, q_lora_rank=128, kv_lora_rank=128,
@@ -108,7 +172,31 @@ def small_lm(attention: str = "mqa-only") -> ModelConfig:
                                                                  original_max_position_embeddings=1024)),
                   max_position_embeddings=8192,
                   indexer=IndexerConfig(num_heads=8, head_dim=64, topk=64))
-  return ModelConfig(mla=mla, vocab_size=260, num_layers=4, intermediate_size=512,
+  return ModelConfig(mla=mla, vocab_size=264, num_layers=4, intermediate_size=512,
                      moe=MoEConfig(num_experts=16, num_experts_per_tok=4, n_group=4,
                                    topk_group=2, moe_intermediate_size=128),
                      first_k_dense_replace=1, attention=attention)
+
+
+def deepseek_v32_lm(attention: str = "mqa-only") -> ModelConfig:
+  """DeepSeek-V3.2 at full size (671B parameters; for plans and lowering, not for CPUs)."""
+  return ModelConfig(mla=deepseek_v32(), vocab_size=129280, num_layers=61,
+                     intermediate_size=18432, moe=MoEConfig(), first_k_dense_replace=3,
+                     attention=attention, rms_norm_eps=1e-6)
+
+
+def glm5_lm(attention: str = "mqa-only") -> ModelConfig:
+  """GLM-5 at full size: 78 layers, 256 experts (top-8, one group), every layer indexed."""
+  return ModelConfig(mla=glm5(), vocab_size=154880, num_layers=78, intermediate_size=12288,
+                     moe=MoEConfig(n_group=1, topk_group=1), first_k_dense_replace=3,
+                     attention=attention, rms_norm_eps=1e-5)
+
+
+def deepseek_v3_lm(attention: str = "dense-capable") -> ModelConfig:
+  """DeepSeek-V3 at full size: MLA without an indexer."""
+  return ModelConfig(mla=deepseek_v3(), vocab_size=129280, num_layers=61,
+                     intermediate_size=18432, moe=MoEConfig(), first_k_dense_replace=3,
+                     attention=attention, rms_norm_eps=1e-6)
+
+
+FULL_SIZE = {"deepseek_v32": deepseek_v32_lm, "glm5": glm5_lm, "deepseek_v3": deepseek_v3_lm}

@@ -1,29 +1,60 @@
 """A complete decoder-only causal LM in the DeepSeek-V3.2 / GLM-5 shape.
 
-Parameter paths follow Hugging Face (``model.layers.{i}.self_attn.q_a_proj.weight``,
-``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ``lm_head.weight``), so checkpoint
-loading is a mapping.
+Consecutive layers of identical structure form groups (``layer_groups``: the dense-MLP
+prefix, the MoE body, a repeating full/shared indexer pattern); each group's parameters are
+stacked on a leading axis and the group runs as one ``lax.scan``, so compile time follows the
+number of groups rather than the depth. Checkpoints keep Hugging Face's per-layer names
+(``mla_jax.models.hf_layout`` maps them).
+
+Routes stay static and model-wide per step: they are resolved in Python before the scan, and
+every repetition of a unit traces the same route.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mla_jax import sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, init_layer_cache
+from mla_jax.cache import LayerCache, check_fits, init_layer_cache
 from mla_jax.layers import Linear, RMSNorm
-from mla_jax.models.config import ModelConfig
+from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE
 from mla_jax.routing import PrefillRoute
 
 ATTENTION_CLASSES = {"mqa-only": DeepseekV32Attention, "dense-capable": MLAAttention}
 
-ModelCache = tuple[LayerCache, ...]
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCache:
+  """Every layer's cache: per group, per unit position, a ``LayerCache`` stacked over reps."""
+
+  groups: tuple[tuple[LayerCache, ...], ...]
+  layout: tuple[LayerGroup, ...] = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def lengths_B(self):
+    return self.groups[0][0].lengths_B[0]
+
+  @property
+  def num_layers(self) -> int:
+    return self.layout[-1].end
+
+  def layer(self, index: int) -> LayerCache:
+    """Layer ``index``'s cache (a slice of its group's stacked cache)."""
+    for g, group in enumerate(self.layout):
+      if group.first <= index < group.end:
+        rep, position = divmod(index - group.first, group.unit_len)
+        return jax.tree.map(lambda a: a[rep], self.groups[g][position])
+    raise IndexError(f"layer {index} out of range for {self.num_layers} layers")
 
 
 class Embed(nnx.Module):
@@ -46,46 +77,154 @@ class DecoderLayer(nnx.Module):
         shares_topk=config.shares_topk(layer_idx))
     self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
     if config.uses_moe(layer_idx):
-      self.mlp = MoE(d, config.moe, rngs=rngs, param_dtype=param_dtype)
+      self.mlp = MoE(d, config.moe, rngs=rngs, backend=backend, param_dtype=param_dtype)
     else:
       self.mlp = MLP(d, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+    self.mesh = backend.mesh
 
   def __call__(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK):
     attn = self.self_attn(self.input_layernorm(h_BTD), cache, new_lens_B=new_lens_B,
                           num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
                           shared_topk_BTK=shared_topk_BTK)
-    h_BTD = h_BTD + attn.out_BTD
-    h_BTD = h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+    h_BTD = sharding.constrain(h_BTD + attn.out_BTD, self.mesh)
+    h_BTD = sharding.constrain(h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), self.mesh)
     return h_BTD, attn.cache, attn.topk_BTK
+
+
+class LayerUnit(nnx.Module):
+  """One repetition of a group's unit: ``unit_len`` consecutive decoder layers."""
+
+  def __init__(self, config: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs,
+               backend: Backend, param_dtype):
+    self.layers = nnx.List([DecoderLayer(config, group.layer(0, u), rngs=rngs, backend=backend,
+                                         param_dtype=param_dtype)
+                            for u in range(group.unit_len)])
+
+
+class LayerStack(nnx.Module):
+  """A group: its unit's parameters stacked over ``reps``, run by one ``lax.scan``."""
+
+  def __init__(self, config: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs,
+               backend: Backend, param_dtype):
+    graphdef = None
+
+    def init(key):
+      nonlocal graphdef
+      unit = LayerUnit(config, group, rngs=nnx.Rngs(params=key), backend=backend,
+                       param_dtype=param_dtype)
+      graphdef, state = nnx.split(unit)
+      return state
+
+    state = jax.vmap(init)(jax.random.split(rngs.params(), group.reps))
+    self.unit = nnx.merge(graphdef, state)
+    self.group = group
+
+  def __call__(self, h_BTD, topk_BTK, caches, *, new_lens_B, num_cached_tokens, force_mqa):
+    """Runs every repetition; ``topk_BTK`` carries the last full layer's top-k (or None)."""
+    graphdef, state = nnx.split(self.unit)
+
+    def body(carry, xs):
+      h_BTD, topk_BTK = carry
+      unit_state, unit_caches = xs
+      unit = nnx.merge(graphdef, unit_state)
+      new_caches = []
+      for layer, cache in zip(unit.layers, unit_caches):
+        h_BTD, cache, layer_topk = layer(h_BTD, cache, new_lens_B=new_lens_B,
+                                         num_cached_tokens=num_cached_tokens,
+                                         force_mqa=force_mqa, shared_topk_BTK=topk_BTK)
+        if topk_BTK is not None and not layer.self_attn.shares_topk:
+          topk_BTK = layer_topk
+        new_caches.append(cache)
+      return (h_BTD, topk_BTK), tuple(new_caches)
+
+    (h_BTD, topk_BTK), caches = jax.lax.scan(body, (h_BTD, topk_BTK), (state, caches))
+    return h_BTD, topk_BTK, caches
 
 
 class Model(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: Backend, param_dtype):
     self.embed_tokens = Embed(config.vocab_size, config.mla.hidden_size, rngs=rngs,
                               param_dtype=param_dtype)
-    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, backend=backend,
-                                         param_dtype=param_dtype)
-                            for i in range(config.num_layers)])
+    self.groups = nnx.List([LayerStack(config, group, rngs=rngs, backend=backend,
+                                       param_dtype=param_dtype)
+                            for group in layer_groups(config)])
     self.norm = RMSNorm(config.mla.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
 
-class CausalLM(nnx.Module):
-  """``logits, caches = lm(ids_BT, caches)``; see ``MLAAttentionBase.__call__`` for routing."""
+class _Parts(nnx.Module):
+  """What ``CausalLM`` holds, built from one key (so that it can be built under ``jit``)."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
-               param_dtype=jnp.float32):
-    if not isinstance(config, ModelConfig):
-      raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-    self.config = config
-    self.backend = get_backend(backend)
-    self.model = Model(config, rngs=rngs, backend=self.backend, param_dtype=param_dtype)
+  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype):
+    rngs = nnx.Rngs(params=key)
+    self.model = Model(config, rngs=rngs, backend=backend, param_dtype=param_dtype)
     self.lm_head = Linear(config.mla.hidden_size, config.vocab_size, rngs=rngs,
                           param_dtype=param_dtype)
 
+
+class CausalLM(nnx.Module):
+  """``logits, caches = lm(ids_BT, caches)``; see ``MLAAttentionBase.__call__`` for routing.
+
+  With ``mesh`` (or a backend that carries one) the model is created already sharded by
+  ``mla_jax.sharding``'s rules: each device computes and holds only its own shards, and no
+  full copy of a parameter ever sits on one device. The same ``rngs`` give the same weights
+  with and without a mesh.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
+               param_dtype=jnp.float32, mesh=None):
+    if not isinstance(config, ModelConfig):
+      raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    backend = get_backend(backend)
+    mesh = backend.mesh if mesh is None else mesh
+    if mesh is not None:
+      check_mesh(config, mesh)
+      backend = backend.on_mesh(mesh)
+    self.config = config
+    self.backend = backend
+    key = rngs.params()
+    build = lambda k: _Parts(config, k, backend, param_dtype)
+    parts = build(key) if mesh is None else _build_sharded(config, build, key, mesh)
+    self.model, self.lm_head = parts.model, parts.lm_head
+
+  @property
+  def mesh(self):
+    return self.backend.mesh
+
+  @property
+  def layer_groups(self) -> tuple[LayerGroup, ...]:
+    return tuple(stack.group for stack in self.model.groups)
+
+  def layer_module(self, index: int) -> DecoderLayer:
+    """Layer ``index`` as a module of its own (its parameters sliced out of its group)."""
+    for stack in self.model.groups:
+      group = stack.group
+      if group.first <= index < group.end:
+        rep, position = divmod(index - group.first, group.unit_len)
+        graphdef, state = nnx.split(stack.unit.layers[position])
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[rep], state))
+    raise IndexError(f"layer {index} out of range for {self.config.num_layers} layers")
+
   def init_cache(self, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelCache:
-    return tuple(init_layer_cache(self.config.mla, batch_size, capacity, dtype,
-                                  index_keys=not self.config.shares_topk(i))
-                 for i in range(self.config.num_layers))
+    """Empty caches for every layer, placed by the cache rules on the model's mesh."""
+
+    def build():
+      groups = []
+      for group in self.layer_groups:
+        unit = []
+        for u in range(group.unit_len):
+          layer = init_layer_cache(self.config.mla, batch_size, capacity, dtype,
+                                   index_keys=not self.config.shares_topk(group.layer(0, u)))
+          unit.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (group.reps, *a.shape)),
+                                   layer))
+        groups.append(tuple(unit))
+      return ModelCache(tuple(groups), self.layer_groups)
+
+    if self.mesh is None:
+      return build()
+    if batch_size % sharding.axis_size(self.mesh, sharding.DATA):
+      raise ValueError(f"batch_size {batch_size} cannot be split over mesh axis 'data' of "
+                       f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
+    return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), self.mesh))()
 
   def prefill_routes(self, num_new_tokens: int, num_cached_tokens: int | None = 0, *,
                      force_mqa: bool = False) -> list[PrefillRoute]:
@@ -94,9 +233,9 @@ class CausalLM(nnx.Module):
     The dense/skip decision is model-wide: unless every layer can take the dense route, all
     take MQA, so a shared-indexer layer never follows a full layer that skipped scoring.
     """
-    routes = [layer.self_attn.prefill_route(num_new_tokens, num_cached_tokens,
-                                            force_mqa=force_mqa)
-              for layer in self.model.layers]
+    routes = [self.layer_module(i).self_attn.prefill_route(num_new_tokens, num_cached_tokens,
+                                                           force_mqa=force_mqa)
+              for i in range(self.config.num_layers)]
     if PrefillRoute.DENSE_MHA in routes and set(routes) != {PrefillRoute.DENSE_MHA}:
       return self.prefill_routes(num_new_tokens, num_cached_tokens, force_mqa=True)
     return routes
@@ -105,30 +244,90 @@ class CausalLM(nnx.Module):
     if getattr(ids_BT, "ndim", None) != 2 or not jnp.issubdtype(ids_BT.dtype, jnp.integer):
       raise ValueError(f"token ids must be an int array [batch, tokens], got "
                        f"{getattr(ids_BT, 'dtype', type(ids_BT))} {getattr(ids_BT, 'shape', '')}")
-    if len(caches) != self.config.num_layers:
-      raise ValueError(f"expected {self.config.num_layers} layer caches, got {len(caches)}")
+    if not isinstance(caches, ModelCache) or caches.layout != self.layer_groups:
+      raise ValueError("caches must be the ModelCache of this model's init_cache (layer groups "
+                       f"{self.layer_groups}), got {type(caches).__name__}")
     if not isinstance(ids_BT, jax.core.Tracer):
-      ids = np.asarray(ids_BT)
+      ids = sharding.fetch(ids_BT)
       if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
         raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got "
                          f"[{ids.min()}, {ids.max()}]")
 
   def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, num_cached_tokens=None,
                force_mqa: bool = False):
-    """Float32 logits [B, T, vocab] and the updated per-layer caches."""
+    """Float32 logits [B, T, vocab] and the updated caches."""
     self._check_ids(ids_BT, caches)
-    if num_cached_tokens is None and not isinstance(caches[0].lengths_B, jax.core.Tracer):
-      num_cached_tokens = int(np.asarray(caches[0].lengths_B).max())
-    routes = self.prefill_routes(ids_BT.shape[1], num_cached_tokens, force_mqa=force_mqa)
+    b, t = ids_BT.shape
+    if new_lens_B is None:
+      new_lens_B = jnp.full((b,), t, jnp.int32)
+    lengths_B = caches.lengths_B
+    if not isinstance(lengths_B, jax.core.Tracer):
+      check_fits(caches.layer(0), new_lens_B)
+      if num_cached_tokens is None:
+        num_cached_tokens = int(sharding.fetch(lengths_B).max())
+    routes = self.prefill_routes(t, num_cached_tokens, force_mqa=force_mqa)
     force_mqa = force_mqa or PrefillRoute.DENSE_MHA not in routes
-    h_BTD = self.model.embed_tokens(ids_BT)
-    new_caches, topk_BTK = [], None
-    for layer, cache in zip(self.model.layers, caches):
-      h_BTD, cache, layer_topk = layer(h_BTD, cache, new_lens_B=new_lens_B,
-                                       num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
-                                       shared_topk_BTK=topk_BTK)
-      if not layer.self_attn.shares_topk:
-        topk_BTK = layer_topk  # None after a dense step: nothing stale to reuse
-      new_caches.append(cache)
+    # Shared-indexer layers read the top-k of the last full layer, carried through the scans.
+    topk_BTK = None
+    if self.config.indexer_types is not None and routes[0].needs_topk:
+      topk_BTK = jnp.full((b, t, self.config.mla.indexer.topk), -1, jnp.int32)
+    h_BTD = sharding.constrain(self.model.embed_tokens(ids_BT), self.mesh)
+    new_groups = []
+    for stack, group_caches in zip(self.model.groups, caches.groups):
+      h_BTD, topk_BTK, group_caches = stack(h_BTD, topk_BTK, group_caches, new_lens_B=new_lens_B,
+                                            num_cached_tokens=num_cached_tokens,
+                                            force_mqa=force_mqa)
+      new_groups.append(group_caches)
     logits_BTV = self.lm_head(self.model.norm(h_BTD)).astype(jnp.float32)
-    return logits_BTV, tuple(new_caches)
+    return logits_BTV, ModelCache(tuple(new_groups), caches.layout)
+
+
+def check_mesh(config: ModelConfig, mesh) -> None:
+  """Refuses, before anything is allocated, a mesh the model cannot be split over."""
+  tensor, expert = (sharding.axis_size(mesh, a) for a in (sharding.TENSOR, sharding.EXPERT))
+  mla = config.mla
+  if mla.num_heads % tensor:
+    raise ValueError(f"{mla.num_heads} attention heads cannot be split over mesh axis "
+                     f"'tensor' of size {tensor}")
+  if config.moe is not None and config.moe.num_experts % expert:
+    raise ValueError(f"{config.moe.num_experts} routed experts cannot be split over mesh axis "
+                     f"'expert' of size {expert}")
+
+
+def state_shardings(config: ModelConfig, state: nnx.State, mesh):
+  """A ``NamedSharding`` for every leaf of ``state`` (parameters by the partition rules)."""
+  from mla_jax.models.hf_layout import param_layouts
+
+  layouts = param_layouts(config, state)
+
+  def spec(path, leaf):
+    layout = layouts.get(path)
+    if layout is None:
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    spec = sharding.param_spec(layout.rule_name, layout.leading, len(leaf.shape))
+    sharding.check_divisible(layout.template, leaf.shape, spec, mesh)
+    return jax.sharding.NamedSharding(mesh, spec)
+
+  flat = [(path, spec(path, leaf)) for path, leaf in state.flat_state()]
+  return nnx.State.from_flat_path(flat)
+
+
+def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
+  """A ``NamedSharding`` per cache leaf: batch over ``data``, replicated elsewhere."""
+
+  def layer(c: LayerCache) -> LayerCache:
+    named = lambda field, a: (None if a is None else jax.sharding.NamedSharding(
+        mesh, sharding.cache_spec(field, a.ndim)))
+    return LayerCache(*(named(f.name, getattr(c, f.name)) for f in dataclasses.fields(c)))
+
+  return ModelCache(tuple(tuple(layer(c) for c in unit) for unit in cache.groups), cache.layout)
+
+
+def _build_sharded(config: ModelConfig, build, key, mesh):
+  """``build(key)`` compiled with every parameter's output sharding: each device makes only
+  its own shards (random init included), so no full copy exists anywhere."""
+  abstract = nnx.eval_shape(lambda: build(key))
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = state_shardings(config, abstract_state, mesh)
+  state = jax.jit(lambda k: nnx.split(build(k))[1], out_shardings=shardings)(key)
+  return nnx.merge(graphdef, state)

@@ -1,8 +1,16 @@
-"""DeepSeek mixture of experts (SPEC.md section 11): sigmoid router, group-limited top-k.
+"""DeepSeek mixture of experts: sigmoid router, group-limited top-k, stacked routed experts.
 
-Parameter names match the Hugging Face state dict (SPEC.md 10.2): ``gate.weight`` [E, D],
-``gate.e_score_correction_bias`` [E], ``experts.{e}.{gate,up,down}_proj.weight`` and
-``shared_experts.{gate,up,down}_proj.weight``.
+The routed experts are stored stacked (``experts.gate_proj`` / ``up_proj`` [E, F, D],
+``experts.down_proj`` [E, D, F]) and computed as a grouped matmul: token-expert pairs are
+sorted by expert, each expert multiplies only the rows routed to it, the rows are unsorted
+and combined with the router weights. Nothing is dropped, so the result is exact, and the
+work grows with tokens x top-k rather than with the number of experts. Checkpoints keep
+Hugging Face's per-expert keys (``mlp.experts.{e}.gate_proj.weight``); the mapping lives in
+``mla_jax.models.hf_layout``.
+
+Under a mesh the experts are split over the ``expert`` axis (and their intermediate width
+over ``tensor``): each shard runs its local experts on the pairs routed to them and a
+``psum`` adds the partial outputs.
 """
 
 from __future__ import annotations
@@ -10,9 +18,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from mla_jax.backends import Backend
 from mla_jax.models.config import MoEConfig
 from mla_jax.models.mlp import MLP
+from mla_jax.sharding import DATA, EXPERT, TENSOR
 
 
 def route_tokens(logits_TE, bias_E, config: MoEConfig):
@@ -59,40 +70,134 @@ class TopkRouter(nnx.Module):
     return route_tokens(logits_TE, self.e_score_correction_bias[...], self.config)
 
 
-class MoE(nnx.Module):
-  """Routed experts plus optional shared experts.
-
-  Every expert runs on every token and unchosen experts get weight 0: exact and simple,
-  meant for small configs, not for DeepSeek-sized E.
-  """
+class StackedExperts(nnx.Module):
+  """The routed experts' SwiGLU weights, one leading expert axis per matrix ([out, in] each)."""
 
   def __init__(self, hidden_size: int, config: MoEConfig, *, rngs: nnx.Rngs,
                param_dtype=jnp.float32):
+    e, f, d = config.num_experts, config.moe_intermediate_size, hidden_size
+
+    def init(shape, fan_in):
+      value = jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in**-0.5
+      return nnx.Param(value.astype(param_dtype))
+
+    self.gate_proj = init((e, f, d), d)
+    self.up_proj = init((e, f, d), d)
+    self.down_proj = init((e, d, f), f)
+
+
+def _contract_last(lhs_MX, rhs_GYX, group_sizes_G, impl: str):
+  """Row m of ``lhs`` times ``rhs[g]^T`` for the group g its (sorted) row falls in: [M, Y].
+
+  Rows past ``sum(group_sizes)`` give 0. ``impl`` picks the grouped matmul: ``"ragged_dot"``
+  is XLA's (a grouped GEMM where the platform has one; XLA:CPU expands it over every group),
+  ``"tiled"`` pads each group to a multiple of a row tile and runs one small matmul per tile,
+  so its cost follows the number of rows, not the number of groups.
+  """
+  if impl == "ragged_dot":
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(lhs_MX, rhs_GYX, group_sizes_G, dims,
+                                      preferred_element_type=jnp.float32)
+  return _tiled_grouped_matmul(lhs_MX, rhs_GYX, group_sizes_G)
+
+
+def _tiled_grouped_matmul(lhs_MX, rhs_GYX, group_sizes_G):
+  """The ``"tiled"`` grouped matmul: rows grouped into tiles of ``m`` that share one group.
+
+  With ``m = M // min(G, M)`` rounded down to a power of two, padding adds at most
+  ``min(G, M) * (m - 1) <= M`` rows, so at most 2M rows are multiplied and at most
+  ``2M / m`` weight matrices gathered: bounded by the rows, whatever G is.
+  """
+  (m_rows, _), num_groups = lhs_MX.shape, rhs_GYX.shape[0]
+  tile = 1 << max((m_rows // min(num_groups, m_rows)).bit_length() - 1, 0)
+  num_tiles = -(-m_rows // tile) + min(num_groups, m_rows)
+  tiles_G = -(-group_sizes_G // tile)
+  tile_start_G = jnp.cumsum(tiles_G) - tiles_G
+  row_start_G = jnp.cumsum(group_sizes_G) - group_sizes_G
+  rows_M = jnp.arange(m_rows, dtype=jnp.int32)
+  # Sorted rows: the group of row r is the last group starting at or before it.
+  group_M = jnp.searchsorted(row_start_G + group_sizes_G, rows_M, side="right")
+  in_group_M = group_M < num_groups
+  group_M = jnp.minimum(group_M, num_groups - 1)
+  slot_M = tile_start_G[group_M] * tile + rows_M - row_start_G[group_M]
+  slot_M = jnp.where(in_group_M, slot_M, num_tiles * tile)  # dropped by the scatter below
+  padded_RX = jnp.zeros((num_tiles * tile, lhs_MX.shape[1]), lhs_MX.dtype)
+  padded_RX = padded_RX.at[slot_M].set(lhs_MX, mode="drop")
+  tile_group_N = jnp.searchsorted(tile_start_G + tiles_G, jnp.arange(num_tiles), side="right")
+  weights_NYX = rhs_GYX[jnp.minimum(tile_group_N, num_groups - 1)]
+  out_NmY = jnp.einsum("nmx,nyx->nmy", padded_RX.reshape(num_tiles, tile, -1), weights_NYX,
+                       preferred_element_type=jnp.float32)
+  out_RY = out_NmY.reshape(num_tiles * tile, -1)
+  return jnp.where(in_group_M[:, None], out_RY[jnp.minimum(slot_M, num_tiles * tile - 1)], 0.0)
+
+
+def routed_experts(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF, *, first_expert=0,
+                   impl: str = "ragged_dot"):
+  """``sum_k weights[t, k] * expert_{idx[t, k]}(x[t])`` over the experts held here: [T, D] f32.
+
+  ``gate/up/down`` hold experts ``first_expert .. first_expert + E_local - 1``; pairs routed to
+  other experts contribute 0 (another shard adds them). Pairs are sorted by expert (stable,
+  so a token's pairs keep their order), multiplied group by group, then scattered back.
+  """
+  num_tokens, top = idx_TK.shape
+  num_local = gate_EFD.shape[0]
+  local_P = idx_TK.reshape(-1) - first_expert
+  held_P = (local_P >= 0) & (local_P < num_local)
+  # Pairs held elsewhere sort last, as an extra group that no matmul reads.
+  group_P = jnp.where(held_P, local_P, num_local)
+  order_P = jnp.argsort(group_P, stable=True)
+  token_P = order_P // top
+  group_sizes_G = jnp.bincount(group_P, length=num_local + 1)[:num_local].astype(jnp.int32)
+  dtype = x_TD.dtype
+  x_PD = x_TD[token_P]
+  gate_PF = _contract_last(x_PD, gate_EFD.astype(dtype), group_sizes_G, impl)
+  up_PF = _contract_last(x_PD, up_EFD.astype(dtype), group_sizes_G, impl)
+  h_PF = (jax.nn.silu(gate_PF) * up_PF).astype(dtype)
+  out_PD = _contract_last(h_PF, down_EDF.astype(dtype), group_sizes_G, impl)
+  weight_P = jnp.where(held_P, weights_TK.reshape(-1), 0.0)[order_P]
+  # where, not a multiply: a pair held elsewhere must add exactly nothing here.
+  out_PD = jnp.where(weight_P[:, None] != 0, out_PD * weight_P[:, None], 0.0)
+  return jnp.zeros((num_tokens, x_TD.shape[1]), jnp.float32).at[token_P].add(out_PD)
+
+
+class MoE(nnx.Module):
+  """Routed experts (grouped matmul) plus optional shared experts."""
+
+  def __init__(self, hidden_size: int, config: MoEConfig, *, rngs: nnx.Rngs, backend: Backend,
+               param_dtype=jnp.float32):
     self.gate = TopkRouter(hidden_size, config, rngs=rngs)
-    self.experts = nnx.List([
-        MLP(hidden_size, config.moe_intermediate_size, rngs=rngs, param_dtype=param_dtype)
-        for _ in range(config.num_experts)])
+    self.experts = StackedExperts(hidden_size, config, rngs=rngs, param_dtype=param_dtype)
     self.shared_experts = (
         MLP(hidden_size, config.moe_intermediate_size * config.n_shared_experts, rngs=rngs,
             param_dtype=param_dtype) if config.n_shared_experts else None)
-    self.num_experts = config.num_experts
+    self.backend = backend
+
+  def _routed(self, x_TD, idx_TK, weights_TK):
+    experts, impl, mesh = self.experts, self.backend.grouped_matmul, self.backend.mesh
+    weights = (experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...])
+    if mesh is None:
+      return routed_experts(x_TD, idx_TK, weights_TK, *weights, impl=impl)
+
+    def local(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF):
+      first = jax.lax.axis_index(EXPERT) * gate_EFD.shape[0]
+      out_TD = routed_experts(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF,
+                              first_expert=first, impl=impl)
+      return jax.lax.psum(out_TD, (EXPERT, TENSOR))
+
+    tokens = P(DATA, None)
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(tokens, tokens, tokens, P(EXPERT, TENSOR, None), P(EXPERT, TENSOR, None),
+                  P(EXPERT, None, TENSOR)),
+        out_specs=tokens, check_vma=False)(x_TD, idx_TK, weights_TK, *weights)
 
   def __call__(self, x_BTD):
     dtype = x_BTD.dtype
     x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
     idx_TK, weights_TK = self.gate(x_TD)
-    combine_TE = jnp.zeros((x_TD.shape[0], self.num_experts), jnp.float32)
-    combine_TE = combine_TE.at[jnp.arange(x_TD.shape[0])[:, None], idx_TK].set(weights_TK)
-
-    w_gate_EFD = jnp.stack([e.gate_proj.weight[...] for e in self.experts]).astype(dtype)
-    w_up_EFD = jnp.stack([e.up_proj.weight[...] for e in self.experts]).astype(dtype)
-    w_down_EDF = jnp.stack([e.down_proj.weight[...] for e in self.experts]).astype(dtype)
-    gate_TEF = jnp.einsum("td,efd->tef", x_TD, w_gate_EFD, preferred_element_type=jnp.float32)
-    up_TEF = jnp.einsum("td,efd->tef", x_TD, w_up_EFD, preferred_element_type=jnp.float32)
-    # down() is linear, so weighting its input equals weighting each expert's output.
-    h_TEF = jax.nn.silu(gate_TEF) * up_TEF * combine_TE[:, :, None]
-    out_TD = jnp.einsum("tef,edf->td", h_TEF.astype(dtype), w_down_EDF,
-                        preferred_element_type=jnp.float32)
+    out_TD = self._routed(x_TD, idx_TK, weights_TK)
     if self.shared_experts is not None:
       out_TD = out_TD + self.shared_experts(x_TD).astype(jnp.float32)
     return out_TD.astype(dtype).reshape(x_BTD.shape)

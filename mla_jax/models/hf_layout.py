@@ -1,0 +1,126 @@
+"""The model's parameter layout <-> Hugging Face tensor names.
+
+Inside ``CausalLM`` the decoder layers of a group are stacked on a leading "layer" axis (one
+``scan`` runs them) and the routed experts on a leading "expert" axis (one grouped matmul
+runs them). Checkpoints keep HF's names, one tensor per layer and expert:
+
+    model.groups.1.unit.layers.0.mlp.experts.gate_proj      [reps, E, F, D]
+      element [r, e]  <->  model.layers.{first + r * unit_len}.mlp.experts.{e}.gate_proj.weight
+
+``param_layouts`` describes every parameter this way; loading, saving and the partition
+rules all go through it, so the mapping exists once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from flax import nnx
+
+from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
+from mla_jax.params import dotted_name
+
+LAYER, EXPERT = "layer", "expert"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+  """One parameter: the HF tensors it stacks and along which leading axes.
+
+  Attributes:
+    path: the parameter's path in the model's state.
+    template: the HF name, with ``{layer}`` / ``{expert}`` fields for stacked axes.
+    leading: kinds of the stacked leading axes, outermost first (``"layer"``, ``"expert"``).
+    group, position: for a stacked layer axis, the group and the position in its unit.
+  """
+
+  path: tuple
+  template: str
+  leading: tuple[str, ...] = ()
+  group: LayerGroup | None = None
+  position: int = 0
+
+  def hf_name(self, index: tuple[int, ...] = ()) -> str:
+    """The HF tensor at ``index`` of the leading axes."""
+    fields = {}
+    for kind, i in zip(self.leading, index):
+      fields[kind] = self.group.layer(i, self.position) if kind == LAYER else i
+    return self.template.format(**fields)
+
+  @property
+  def rule_name(self) -> str:
+    """An HF name of this parameter, for the partition rules (any stacked index will do)."""
+    return self.hf_name((0,) * len(self.leading))
+
+  def indices(self, shape) -> Iterator[tuple[int, ...]]:
+    """Every index of the leading axes of a parameter of ``shape``."""
+    return itertools.product(*(range(n) for n in shape[:len(self.leading)]))
+
+
+def _layout(path: tuple, groups: tuple[LayerGroup, ...]) -> ParamLayout:
+  names = [str(p) for p in path]
+  if names[:2] != ["model", "groups"]:
+    return ParamLayout(path, dotted_name(path))
+  group, position, rest = groups[int(names[2])], int(names[5]), names[6:]
+  leading = (LAYER,)
+  if rest[:2] == ["mlp", "experts"]:  # stacked [E, ...]; HF: one ``.weight`` per expert
+    rest = ["mlp", "experts", "{expert}", *rest[2:], "weight"]
+    leading += (EXPERT,)
+  template = ".".join(["model", "layers", "{layer}", *rest])
+  return ParamLayout(path, template, leading, group, position)
+
+
+def param_layouts(config: ModelConfig, state: nnx.State) -> dict[tuple, ParamLayout]:
+  """The layout of every ``nnx.Param`` in ``state`` (a ``CausalLM``'s, possibly abstract)."""
+  groups = layer_groups(config)
+  return {path: _layout(path, groups)
+          for path, _ in nnx.state(state, nnx.Param).flat_state()}
+
+
+def hf_shapes(config: ModelConfig, state: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:
+  """``{hf_name: (shape, dtype name)}`` of every HF tensor the parameters in ``state`` hold."""
+  flat = dict(nnx.state(state, nnx.Param).flat_state())
+  out = {}
+  for path, layout in param_layouts(config, state).items():
+    value = flat[path]
+    shape = tuple(value.shape)
+    for index in layout.indices(shape):
+      out[layout.hf_name(index)] = (shape[len(layout.leading):], str(np.dtype(value.dtype)))
+  return out
+
+
+def to_hf(config: ModelConfig, state: nnx.State,
+          fetch: Callable = np.asarray) -> dict[str, np.ndarray]:
+  """Every HF tensor of ``state`` as a host array (``fetch`` gathers one parameter)."""
+  flat = dict(nnx.state(state, nnx.Param).flat_state())
+  out = {}
+  for path, layout in param_layouts(config, state).items():
+    value = fetch(flat[path][...])
+    for index in layout.indices(value.shape):
+      out[layout.hf_name(index)] = np.ascontiguousarray(value[index])
+  return out
+
+
+def hf_params(model) -> dict[str, np.ndarray]:
+  """A ``CausalLM``'s parameters as HF tensors on the host (what ``save_pretrained`` writes)."""
+  from mla_jax.sharding import fetch
+
+  return to_hf(model.config, nnx.state(model, nnx.Param), fetch)
+
+
+def assemble(layout: ParamLayout, shape: tuple[int, ...], index: tuple[slice, ...],
+             read: Callable[[str, tuple[slice, ...]], np.ndarray]) -> np.ndarray:
+  """The ``index`` piece of a parameter of ``shape``, read HF tensor by HF tensor.
+
+  ``read(hf_name, tail)`` returns the ``tail`` slice of one HF tensor, so a caller can read
+  only what one device holds (``jax.make_array_from_callback`` passes such an ``index``).
+  """
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  num_leading = len(layout.leading)
+  head, tail = index[:num_leading], index[num_leading:]
+  ranges = [range(*s.indices(n)) for s, n in zip(head, shape[:num_leading])]
+  pieces = np.stack([read(layout.hf_name(i), tail) for i in itertools.product(*ranges)])
+  return pieces.reshape(*map(len, ranges), *pieces.shape[1:])

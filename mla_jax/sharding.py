@@ -1,0 +1,168 @@
+"""Device meshes and partition rules: where each parameter, cache and activation lives.
+
+A mesh has three named axes: ``data`` (the batch of sequences), ``tensor`` (attention heads,
+MLP intermediate width, vocabulary) and ``expert`` (routed experts). One table,
+``PARTITION_RULES``, maps Hugging Face parameter names to how each tensor is split; stacked
+axes that the model adds in front of an HF tensor (scanned layers, stacked experts) are
+split as ``LEADING_AXIS_SPECS`` says. Nothing else in the package knows the axis names'
+meaning: modules ask this module for specs, and routing never depends on the mesh.
+
+Choices that every shard must agree on:
+
+* The latent cache row [c_kv | k_pe] is one "head" shared by all query heads, so the latent
+  and indexer-key caches are split over ``data`` (batch) and replicated over ``tensor``.
+* The indexer is replicated: every tensor/expert shard scores the same keys with the same
+  weights, so every shard selects the same top-k (no cross-shard reduction before top_k).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA, TENSOR, EXPERT = "data", "tensor", "expert"
+AXES = (DATA, TENSOR, EXPERT)
+
+# HF parameter name (regex, searched) -> PartitionSpec of that HF tensor. First match wins.
+PARTITION_RULES: tuple[tuple[str, P], ...] = (
+    (r"embed_tokens\.weight$", P(TENSOR, None)),          # vocab rows
+    (r"lm_head\.weight$", P(TENSOR, None)),               # vocab rows
+    (r"self_attn\.q_b_proj\.weight$", P(TENSOR, None)),   # rows are heads x (N + R)
+    (r"self_attn\.kv_b_proj\.weight$", P(TENSOR, None)),  # rows are heads x (N + V)
+    (r"self_attn\.o_proj\.weight$", P(None, TENSOR)),     # columns are heads x V
+    (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight$", P(TENSOR, None)),
+    (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight$", P(None, TENSOR)),
+    # Everything else is replicated: norms, q_a / kv_a projections, the indexer, the router.
+    (r".", P()),
+)
+# Axes the model stacks in front of HF tensors: scanned layers stay whole on every device,
+# stacked routed experts are split over ``expert``.
+LEADING_AXIS_SPECS = {"layer": None, "expert": EXPERT}
+
+# Caches and activations (leading stacked-layer axes get None in front).
+CACHE_SPECS = {"latent_BSL": P(DATA, None, None), "index_keys_BSI": P(DATA, None, None),
+               "lengths_B": P(DATA)}
+TOKENS_SPEC = P(DATA)  # [B, T, ...] activations: batch over data, replicated otherwise
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+  """``"data=1,tensor=2,expert=4"`` -> ``{"data": 1, "tensor": 2, "expert": 4}``.
+
+  Axes left out have size 1. Unknown or repeated axis names and sizes that are not positive
+  ints are ``ValueError``s naming the offending part.
+  """
+  if not isinstance(spec, str) or not spec.strip():
+    raise ValueError(f"mesh spec must be a string like 'data=1,tensor=2,expert=4', got {spec!r}")
+  sizes = dict.fromkeys(AXES, 1)
+  seen = set()
+  for part in spec.split(","):
+    name, sep, value = part.strip().partition("=")
+    name = name.strip()
+    if not sep:
+      raise ValueError(f"mesh spec part {part.strip()!r} is not of the form axis=size")
+    if name not in AXES:
+      raise ValueError(f"unknown mesh axis {name!r} in {spec!r}; axes are {', '.join(AXES)}")
+    if name in seen:
+      raise ValueError(f"mesh axis {name!r} is given twice in {spec!r}")
+    seen.add(name)
+    if not re.fullmatch(r"\s*\d+\s*", value) or int(value) < 1:
+      raise ValueError(f"mesh axis {name!r} needs a positive int size, got {value.strip()!r}")
+    sizes[name] = int(value)
+  return sizes
+
+
+def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
+  """A ``Mesh`` with axes (data, tensor, expert) over ``devices`` (default: all devices).
+
+  The product of the sizes must equal the number of devices (all processes' devices in a
+  multi-process run). Axes are ``Auto``: XLA propagates shardings between the annotated
+  parameters, caches and layer boundaries.
+  """
+  sizes = parse_mesh_spec(spec) if isinstance(spec, str) else {**dict.fromkeys(AXES, 1), **spec}
+  if set(sizes) != set(AXES):
+    raise ValueError(f"mesh axes must be {AXES}, got {tuple(sizes)}")
+  devices = jax.devices() if devices is None else list(devices)
+  shape = tuple(sizes[a] for a in AXES)
+  if math.prod(shape) != len(devices):
+    raise ValueError(f"mesh {_describe(sizes)} needs {math.prod(shape)} devices but "
+                     f"{len(devices)} are available")
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def abstract_mesh(spec: str | dict[str, int]) -> AbstractMesh:
+  """A device-less mesh of any size, for plans and lowering without the hardware."""
+  sizes = parse_mesh_spec(spec) if isinstance(spec, str) else spec
+  return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _describe(sizes) -> str:
+  return ",".join(f"{a}={sizes[a]}" for a in AXES)
+
+
+def axis_size(mesh, axis: str) -> int:
+  return mesh.shape[axis] if mesh is not None else 1
+
+
+def hf_rule(hf_name: str) -> P:
+  """The PartitionSpec of the HF tensor ``hf_name`` (first matching rule)."""
+  for pattern, spec in PARTITION_RULES:
+    if re.search(pattern, hf_name):
+      return spec
+  raise AssertionError("the catch-all rule matches every name")
+
+
+def param_spec(hf_name: str, leading_axes: tuple[str, ...], ndim: int) -> P:
+  """Spec of a parameter that stacks ``leading_axes`` in front of the HF tensor ``hf_name``."""
+  rule = tuple(hf_rule(hf_name))
+  rule += (None,) * (ndim - len(leading_axes) - len(rule))
+  return P(*(LEADING_AXIS_SPECS[a] for a in leading_axes), *rule)
+
+
+def check_divisible(name: str, shape, spec: P, mesh) -> None:
+  """Every split dimension must divide evenly over its mesh axes (no padded shards)."""
+  for dim, axes in zip(shape, spec):
+    if axes is None:
+      continue
+    ways = math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+    if dim % ways:
+      raise ValueError(f"{name}: dimension {dim} of shape {tuple(shape)} cannot be split "
+                       f"{ways} ways over mesh axis {axes!r}")
+
+
+def cache_spec(field: str, ndim: int) -> P:
+  """Spec of a cache field, with ``None`` for leading stacked-layer axes."""
+  spec = CACHE_SPECS[field]
+  return P(*(None,) * (ndim - len(spec)), *spec)
+
+
+def constrain(x, mesh, spec: P = TOKENS_SPEC):
+  """``with_sharding_constraint`` on a mesh; the identity without one."""
+  if mesh is None:
+    return x
+  spec = P(*spec, *(None,) * (x.ndim - len(spec)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def put(array, mesh, spec: P = P()):
+  """A host array placed on ``mesh`` with ``spec``; each process supplies only its own shards.
+
+  Works with several processes as long as every process holds the same host array.
+  """
+  array = np.asarray(array)
+  spec = P(*spec, *(None,) * (array.ndim - len(spec)))
+  return jax.make_array_from_callback(array.shape, NamedSharding(mesh, spec),
+                                      lambda index: array[index])
+
+
+def fetch(array) -> np.ndarray:
+  """The whole value of a (possibly multi-process) array on the host."""
+  if getattr(array, "is_fully_addressable", True):
+    return np.asarray(array)
+  from jax.experimental import multihost_utils
+
+  return np.asarray(multihost_utils.process_allgather(array, tiled=True))
