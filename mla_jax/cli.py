@@ -1,9 +1,11 @@
-"""``mla-jax`` command line: ``generate`` (the main job) and ``routes`` (the route demo)."""
+"""``mla-jax`` command line: ``generate`` (the main job), ``routes`` (the route demo) and
+``plan`` (full-size memory plans on a named mesh, nothing allocated)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -11,14 +13,37 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax import tokenizer
+from mla_jax import sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
-from mla_jax.models.config import ATTENTION_KINDS, small_lm, tiny_lm
+from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
-PRESETS = {"tiny": tiny_lm, "small": small_lm}
+PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}
 
 
-def _build_model(args):
+def _start_processes(args) -> None:
+  """Joins a multi-process run (``jax.distributed``) before anything touches a device."""
+  flags = (args.coordinator, args.num_processes, args.process_id)
+  if all(f is None for f in flags):
+    return
+  if any(f is None for f in flags):
+    raise SystemExit("error: --coordinator, --num-processes and --process-id go together")
+  if args.num_processes < 1:
+    raise SystemExit(f"error: --num-processes must be >= 1, got {args.num_processes}")
+  if not 0 <= args.process_id < args.num_processes:
+    raise SystemExit(f"error: --process-id must be in [0, {args.num_processes}), got "
+                     f"{args.process_id}")
+  host, _, port = args.coordinator.rpartition(":")
+  if not host or not port.isdigit():
+    raise SystemExit(f"error: --coordinator must be HOST:PORT, got {args.coordinator!r}")
+  import jax
+
+  # CPU devices of different processes talk through gloo; GPUs use their own collectives.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes, process_id=args.process_id)
+
+
+def _build_model(args, mesh):
   from mla_jax.models.lm import CausalLM
 
   if args.checkpoint:
@@ -26,7 +51,7 @@ def _build_model(args):
 
     return load_pretrained(args.checkpoint, attention=args.attention, backend=args.backend)
   return CausalLM(PRESETS[args.preset](args.attention), rngs=nnx.Rngs(args.seed),
-                  backend=args.backend)
+                  backend=args.backend, mesh=mesh)
 
 
 def _prompt_ids(args, vocab_size: int) -> list[int]:
@@ -41,20 +66,31 @@ def _prompt_ids(args, vocab_size: int) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+  mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
+  _start_processes(args)
+  import jax
+
   from mla_jax.generation import generate
 
+  mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
+  if jax.process_index() != 0:  # every process computes; the first one reports
+    sys.stdout = open(os.devnull, "w")
   t0 = time.perf_counter()
-  model = _build_model(args)
+  model = _build_model(args, mesh)
   build_s = time.perf_counter() - t0
   prompt = _prompt_ids(args, model.config.vocab_size)
   print(f"model: {type(model.layer_module(0).self_attn).__name__} x "
         f"{model.config.num_layers} layers, backend {model.backend.name}, "
         f"index_topk {model.config.mla.indexer.topk if model.config.mla.indexer else '-'}, "
         f"built in {build_s:.2f}s")
+  if mesh is not None:
+    print(f"mesh: {args.mesh} over {jax.device_count()} devices in "
+          f"{jax.process_count()} process(es)")
   print(f"prompt: {len(prompt)} tokens")
   eos = tokenizer.EOS_ID if args.stop_at_eos else None
-  result = generate(model, [prompt], args.max_new_tokens, temperature=args.temperature,
-                    top_p=args.top_p, seed=args.seed, eos_id=eos, progress=not args.quiet)
+  result = generate(model, [prompt] * args.batch, args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_id=eos,
+                    progress=not args.quiet and jax.process_index() == 0)
   for i, route in enumerate(result.prefill_routes):
     print(f"prefill route, layer {i}: {route.value}")
   ids = result.tokens[0]
@@ -99,6 +135,26 @@ def cmd_routes(args) -> int:
   return 0
 
 
+def cmd_plan(args) -> int:
+  from mla_jax import plan
+
+  plans = [plan.make_plan(args.model, mesh, args.dtype, args.batch, args.context,
+                          args.cache_dtype) for mesh in args.mesh]
+  print(f"{args.model}: {plans[0].total_param_bytes / 2**30:,.1f} GiB of {args.dtype} "
+        f"parameters in total; per device (busiest), from nnx.eval_shape and the rules below:")
+  print(plan.format_plans(plans))
+  print(f"fits: parameters + caches <= {plan.FIT_FRACTION:.0%} of the GPU's memory "
+        "(the rest is left for activations and XLA's workspace)")
+  print("\npartition rules:")
+  print(plan.format_rules())
+  if args.lower:
+    for mesh in args.mesh:
+      collectives, kernels, partitions = plan.lower_decode_step(args.model, mesh)
+      print(f"\ndecode step lowered for CUDA on an abstract {partitions}-GPU mesh ({mesh}): "
+            f"{kernels} Triton kernel calls, collectives in the program: {collectives}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -118,11 +174,32 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--top-p", type=float, default=1.0)
   gen.add_argument("--stop-at-eos", action="store_true", help="stop at the tokenizer's EOS id")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
+  gen.add_argument("--batch", type=int, default=1, help="sequences (copies of the prompt)")
+  gen.add_argument("--mesh", metavar="SPEC",
+                   help="shard over a device mesh, e.g. data=1,tensor=2,expert=2 (the product "
+                        "must equal the number of devices of all processes)")
+  gen.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-process run: the jax.distributed coordinator (process 0's host)")
+  gen.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
+  gen.add_argument("--process-id", type=int, help="multi-process run: this process, 0-based")
   gen.set_defaults(func=cmd_generate)
   routes = sub.add_parser("routes", help="route demo: which route each module class takes")
   routes.add_argument("--backend", choices=BACKEND_NAMES, default="xla")
   routes.add_argument("--seed", type=int, default=0)
   routes.set_defaults(func=cmd_routes)
+  plan = sub.add_parser("plan", help="per-device bytes of a full-size model on a mesh "
+                                     "(nothing is allocated)")
+  plan.add_argument("--model", choices=sorted(FULL_SIZE), default="deepseek_v32")
+  plan.add_argument("--mesh", action="append", required=True, metavar="SPEC",
+                    help="e.g. data=1,tensor=2,expert=4 (repeat for several meshes)")
+  plan.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="parameter storage (fp8: 128x128 block-scaled e4m3 projections)")
+  plan.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16")
+  plan.add_argument("--batch", type=int, default=1)
+  plan.add_argument("--context", type=int, default=131072, help="tokens per sequence")
+  plan.add_argument("--lower", action="store_true",
+                    help="also lower one decode step for CUDA on the abstract mesh")
+  plan.set_defaults(func=cmd_plan)
   return parser
 
 
@@ -133,6 +210,8 @@ def main(argv=None) -> int:
     raise SystemExit("error: --prompt-len must be >= 1")
   if getattr(args, "max_new_tokens", 1) < 1:
     raise SystemExit("error: --max-new-tokens must be >= 1")
+  if getattr(args, "batch", 1) < 1:
+    raise SystemExit("error: --batch must be >= 1")
   try:
     return args.func(args)
   except (ValueError, TypeError, OSError) as err:

@@ -18,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
+from mla_jax import sharding
 from mla_jax.progress import ProgressBar
 from mla_jax.routing import PrefillRoute
 
@@ -52,8 +55,9 @@ def sample(logits_BV, key, sampling: SamplingConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
-def _prefill(graphdef, state, caches, ids_BT, lens_B, key, *, sampling):
+def _prefill(graphdef, state, caches, ids_BT, lens_B, seed, *, sampling):
   trace_counts["prefill"] += 1
+  key = jax.random.fold_in(jax.random.key(seed), 0)
   model = nnx.merge(graphdef, state)
   logits_BTV, caches = model(ids_BT, caches, new_lens_B=lens_B, num_cached_tokens=0)
   last_BV = jnp.take_along_axis(logits_BTV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
@@ -61,10 +65,10 @@ def _prefill(graphdef, state, caches, ids_BT, lens_B, key, *, sampling):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id"))
-def _decode_step(graphdef, state, caches, tokens_B, done_B, key, step, *, sampling, eos_id):
+def _decode_step(graphdef, state, caches, tokens_B, done_B, seed, step, *, sampling, eos_id):
   """One token for every unfinished sequence; finished ones keep their cache unchanged."""
   trace_counts["decode"] += 1
-  key = jax.random.fold_in(key, step)
+  key = jax.random.fold_in(jax.random.key(seed), step)
   model = nnx.merge(graphdef, state)
   active_B = ~done_B
   logits_B1V, caches = model(tokens_B[:, None], caches, new_lens_B=active_B.astype(jnp.int32))
@@ -132,7 +136,12 @@ def _pad_prompts(prompt_ids, vocab_size: int):
   ids = np.zeros((len(prompts), lens.max()), np.int32)
   for i, p in enumerate(prompts):
     ids[i, :len(p)] = p
-  return jnp.asarray(ids), jnp.asarray(lens)
+  return ids, lens
+
+
+def _place(array, mesh, spec=P(sharding.DATA)):
+  """A host array on the model's mesh (batch over ``data``), or on the default device."""
+  return jnp.asarray(array) if mesh is None else sharding.put(array, mesh, spec)
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
@@ -154,6 +163,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   """
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+    raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
   sampling = SamplingConfig(float(temperature), float(top_p))
   cfg = model.config
   ids_BT, lens_B = _pad_prompts(prompt_ids, cfg.vocab_size)
@@ -169,12 +180,15 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
 
   graphdef, state = nnx.split(model)
   caches = model.init_cache(batch, capacity, cache_dtype)
-  key = jax.random.key(seed)
-  done_B = jnp.zeros((batch,), bool)
-  args = (graphdef, state, caches, ids_BT, lens_B, jax.random.fold_in(key, 0))
+  mesh = model.mesh
+  ids_BT, lens_B = _place(ids_BT, mesh), _place(lens_B, mesh)
+  done_B = _place(np.zeros((batch,), bool), mesh)
+  seed = _place(np.uint32(seed), mesh, P())
+  step_index = lambda i: _place(np.int32(i), mesh, P())
+  args = (graphdef, state, caches, ids_BT, lens_B, seed)
   t0 = time.perf_counter()
   prefill = _compiled(_prefill, args, sampling=sampling)
-  step = _compiled(_decode_step, (graphdef, state, caches, lens_B, done_B, key, np.int32(1)),
+  step = _compiled(_decode_step, (graphdef, state, caches, lens_B, done_B, seed, step_index(1)),
                    sampling=sampling, eos_id=eos_id)
   compile_s = time.perf_counter() - t0
 
@@ -185,15 +199,15 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
 
   out, logits = [tokens_B], []
   if eos_id is not None:
-    done_B = tokens_B == eos_id
+    done_B = _place(sharding.fetch(tokens_B) == eos_id, mesh)
   bar = ProgressBar(max_new_tokens, "decode") if progress else None
   t0 = time.perf_counter()
   for i in range(1, max_new_tokens):
     # Checking for eos syncs with the device, so only every 8 steps (finished rows idle).
-    if eos_id is not None and i % 8 == 0 and bool(done_B.all()):
+    if eos_id is not None and i % 8 == 0 and sharding.fetch(done_B).all():
       break
     tokens_B, emitted_B, done_B, step_logits, caches = step(state, caches, tokens_B, done_B,
-                                                            key, np.int32(i))
+                                                            seed, step_index(i))
     out.append(emitted_B)
     if return_logits:
       logits.append(step_logits)
@@ -207,10 +221,10 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       bar.update(len(out))
     bar.close()
 
-  rows = np.stack([np.asarray(t) for t in out], axis=1)
+  rows = np.stack([sharding.fetch(t) for t in out], axis=1)
   tokens = [[int(t) for t in row if t >= 0] for row in rows]
   return GenerationResult(
       tokens=tokens, prefill_routes=model.prefill_routes(longest, 0), compile_s=compile_s,
-      prefill_s=prefill_s, decode_s=decode_s, prefill_tokens=int(np.asarray(lens_B).sum()),
+      prefill_s=prefill_s, decode_s=decode_s, prefill_tokens=int(sharding.fetch(lens_B).sum()),
       decode_tokens=sum(len(t) for t in tokens) - batch,
-      step_logits=np.stack([np.asarray(x) for x in logits], 1) if return_logits else None)
+      step_logits=np.stack([sharding.fetch(x) for x in logits], 1) if return_logits else None)

@@ -1,0 +1,199 @@
+"""Full-size deployment plans without the hardware: bytes per device, fit, lowered collectives.
+
+Everything here works on abstract values (``nnx.eval_shape``, ``AbstractMesh``): a 671B
+model is described, split by the partition rules and lowered for CUDA on a laptop, and
+nothing of its size is ever allocated.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mla_jax import sharding
+from mla_jax.backends import XlaBackend
+from mla_jax.models.config import FULL_SIZE, ModelConfig
+from mla_jax.models.hf_layout import param_layouts
+from mla_jax.models.lm import CausalLM, cache_shardings, check_mesh, state_shardings
+
+# Memory that nvidia-smi reports for each GPU (MiB).
+GPUS = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20}
+# Parameters, caches and their sharding must leave room for activations and XLA's workspace.
+FIT_FRACTION = 0.9
+# What DeepSeek's fp8 releases store as float8_e4m3 with 128 x 128 float32 block scales:
+# every projection except the router, the indexer's head weights, embeddings and lm_head.
+FP8_WEIGHTS = re.compile(r"(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|wq_b|wk|"
+                         r"gate_proj|up_proj|down_proj)\.weight$")
+FP8_BLOCK = 128
+# Bytes per cached token per layer: latent row + indexer key (SPEC layouts).
+CACHE_BYTES = {"bf16": (576 * 2, 128 * 2), "fp8": (656, 132)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-device bytes of one model on one mesh."""
+
+  model: str
+  mesh: str
+  dtype: str
+  batch: int
+  context: int
+  param_bytes: int     # per device
+  cache_bytes: int     # per device
+  total_param_bytes: int
+
+  @property
+  def device_bytes(self) -> int:
+    return self.param_bytes + self.cache_bytes
+
+  def fits(self, gpu: str) -> bool:
+    return self.device_bytes <= FIT_FRACTION * GPUS[gpu]
+
+
+def abstract_model(config: ModelConfig, param_dtype=jnp.bfloat16) -> CausalLM:
+  """The model as shapes only (no parameter is allocated)."""
+  return nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=XlaBackend(),
+                                         param_dtype=param_dtype))
+
+
+def _shard_bytes(shape, spec, mesh, itemsize: float) -> float:
+  return math.prod(NamedSharding(mesh, spec).shard_shape(tuple(shape))) * itemsize
+
+
+def param_bytes(config: ModelConfig, state, mesh, dtype: str) -> tuple[int, int]:
+  """(bytes on the busiest device, bytes in total) of every parameter for ``dtype``.
+
+  bf16: every parameter in bfloat16 except what HF keeps in float32 (router, indexer head
+  weights). fp8: ``FP8_WEIGHTS`` as 1-byte values plus one float32 scale per 128 x 128 block
+  of each HF tensor (a device holds the scales of the blocks it holds).
+  """
+  shardings = dict(state_shardings(config, state, mesh).flat_state())
+  layouts = param_layouts(config, state)
+  per_device = total = 0.0
+  for path, leaf in nnx.state(state, nnx.Param).flat_state():
+    shape, spec = tuple(leaf.shape), shardings[path].spec
+    layout = layouts[path]
+    itemsize = np.dtype(leaf.dtype).itemsize
+    if dtype == "fp8" and FP8_WEIGHTS.search(layout.rule_name):
+      itemsize = 1
+      shard = NamedSharding(mesh, spec).shard_shape(shape)
+      lead = len(layout.leading)
+      blocks = lambda s: math.prod(s[:lead]) * math.prod(-(-d // FP8_BLOCK) for d in s[lead:])
+      per_device += blocks(shard) * 4
+      total += blocks(shape) * 4
+    per_device += _shard_bytes(shape, spec, mesh, itemsize)
+    total += math.prod(shape) * itemsize
+  return int(per_device), int(total)
+
+
+def cache_bytes(config: ModelConfig, mesh, batch: int, context: int, cache_dtype: str) -> int:
+  """Per-device bytes of every layer's latent and indexer-key caches (batch over ``data``)."""
+  latent, key = CACHE_BYTES[cache_dtype]
+  indexed = 0 if config.mla.indexer is None else sum(
+      not config.shares_topk(i) for i in range(config.num_layers))
+  per_sequence = context * (config.num_layers * latent + indexed * key)
+  return per_sequence * -(-batch // mesh.shape[sharding.DATA])
+
+
+def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
+              context: int = 4096, cache_dtype: str = "bf16") -> Plan:
+  """Bytes per device for a named full-size model (``FULL_SIZE``) on an abstract mesh."""
+  if model not in FULL_SIZE:
+    raise ValueError(f"model must be one of {sorted(FULL_SIZE)}, got {model!r}")
+  if dtype not in ("bf16", "fp8"):
+    raise ValueError(f"dtype must be 'bf16' or 'fp8', got {dtype!r}")
+  if cache_dtype not in CACHE_BYTES:
+    raise ValueError(f"cache dtype must be one of {sorted(CACHE_BYTES)}, got {cache_dtype!r}")
+  for name, value in (("batch", batch), ("context", context)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  config = FULL_SIZE[model]()
+  if context > config.mla.max_position_embeddings:
+    raise ValueError(f"context {context} exceeds {model}'s max_position_embeddings "
+                     f"{config.mla.max_position_embeddings}")
+  mesh = sharding.abstract_mesh(mesh_spec)
+  check_mesh(config, mesh)
+  if batch % mesh.shape[sharding.DATA]:
+    raise ValueError(f"batch {batch} cannot be split over mesh axis 'data' of size "
+                     f"{mesh.shape[sharding.DATA]}")
+  state = nnx.state(abstract_model(config))
+  per_device, total = param_bytes(config, state, mesh, dtype)
+  return Plan(model, mesh_spec, dtype, batch, context, per_device,
+              cache_bytes(config, mesh, batch, context, cache_dtype), total)
+
+
+def format_plans(plans: list[Plan]) -> str:
+  """A markdown table, one row per plan."""
+  gib = lambda b: f"{b / 2**30:,.1f}"
+  lines = ["| model | mesh | weights | batch x context | params GiB/device | caches GiB/device "
+           "| total GiB/device | " + " | ".join(f"fits {g}" for g in GPUS) + " |",
+           "|---" * (7 + len(GPUS)) + "|"]
+  for p in plans:
+    fits = " | ".join("yes" if p.fits(g) else "no" for g in GPUS)
+    lines.append(f"| {p.model} | {p.mesh} | {p.dtype} | {p.batch} x {p.context} | "
+                 f"{gib(p.param_bytes)} | {gib(p.cache_bytes)} | {gib(p.device_bytes)} | "
+                 f"{fits} |")
+  return "\n".join(lines)
+
+
+def format_rules() -> str:
+  lines = ["| HF parameter (regex) | PartitionSpec |", "|---|---|"]
+  lines += [f"| `{pattern}` | `{spec}` |" for pattern, spec in sharding.PARTITION_RULES]
+  lines += [f"| stacked {kind} axis | `{axis}` |"
+            for kind, axis in sharding.LEADING_AXIS_SPECS.items()]
+  return "\n".join(lines)
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                "collective_permute", "collective_broadcast")
+
+
+def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int = 4096):
+  """Lowers one full-size bf16 decode step for CUDA on an abstract GPU mesh (nothing runs).
+
+  Returns ``(collective counts, Triton kernel calls, num_partitions)`` of the StableHLO. The
+  collectives counted are those the program states itself (the MoE's ``psum`` under
+  ``shard_map``); XLA's SPMD partitioner adds the rest when it compiles for the devices.
+  """
+  from mla_jax.backends.pallas import PallasTritonBackend
+  from mla_jax.generation import SamplingConfig, _decode_step
+
+  config = FULL_SIZE[model]()
+  sizes = sharding.parse_mesh_spec(mesh_spec)
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = AbstractMesh(tuple(sizes[a] for a in sharding.AXES), sharding.AXES,
+                      axis_types=(AxisType.Auto,) * 3, abstract_device=device)
+  check_mesh(config, mesh)
+  backend = PallasTritonBackend(mesh=mesh, grouped_matmul="ragged_dot")
+  with jax.sharding.use_abstract_mesh(mesh):
+    lm = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
+                                         param_dtype=jnp.bfloat16))
+    graphdef, state = nnx.split(lm)
+    caches = jax.eval_shape(lambda: lm.init_cache(batch, context, jnp.bfloat16))
+
+    def placed(tree, shardings):
+      return jax.tree.map(lambda s, sub: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub), shardings, tree)
+
+    batch_spec, replicated = NamedSharding(mesh, P(sharding.DATA)), NamedSharding(mesh, P())
+    args = (placed(state, state_shardings(config, state, mesh)),
+            placed(caches, cache_shardings(caches, mesh)),
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_spec),
+            jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_spec),
+            jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    text = _decode_step.trace(graphdef, *args, sampling=SamplingConfig(), eos_id=None).lower(
+        lowering_platforms=("cuda",)).as_text()
+  counts = collections.Counter(re.findall(r"stablehlo\.(" + "|".join(_COLLECTIVES) + r")\b",
+                                          text))
+  partitions = re.search(r"mhlo\.num_partitions = (\d+)", text)
+  return dict(counts), text.count("__gpu$xla.gpu.triton"), int(partitions.group(1))
