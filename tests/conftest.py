@@ -1,8 +1,13 @@
-"""Shared fixtures: CPU only, float32 defaults, and the backends every module test runs on."""
+"""Shared fixtures: CPU only, 8 host devices, and the backends every module test runs on."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Sharding tests need several devices; the flag must be set before jax creates its backend.
+# Everything else runs on device 0 as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
 
 import logging
 

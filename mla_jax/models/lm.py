@@ -194,15 +194,20 @@ class CausalLM(nnx.Module):
   def layer_groups(self) -> tuple[LayerGroup, ...]:
     return tuple(stack.group for stack in self.model.groups)
 
-  def layer_module(self, index: int) -> DecoderLayer:
-    """Layer ``index`` as a module of its own (its parameters sliced out of its group)."""
+  def _locate(self, index: int) -> tuple[DecoderLayer, int]:
+    """The stacked module holding layer ``index`` and the layer's repetition in it."""
     for stack in self.model.groups:
       group = stack.group
       if group.first <= index < group.end:
         rep, position = divmod(index - group.first, group.unit_len)
-        graphdef, state = nnx.split(stack.unit.layers[position])
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[rep], state))
+        return stack.unit.layers[position], rep
     raise IndexError(f"layer {index} out of range for {self.config.num_layers} layers")
+
+  def layer_module(self, index: int) -> DecoderLayer:
+    """Layer ``index`` as a module of its own (its parameters sliced out of its group)."""
+    stacked, rep = self._locate(index)
+    graphdef, state = nnx.split(stacked)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[rep], state))
 
   def init_cache(self, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelCache:
     """Empty caches for every layer, placed by the cache rules on the model's mesh."""
@@ -233,8 +238,9 @@ class CausalLM(nnx.Module):
     The dense/skip decision is model-wide: unless every layer can take the dense route, all
     take MQA, so a shared-indexer layer never follows a full layer that skipped scoring.
     """
-    routes = [self.layer_module(i).self_attn.prefill_route(num_new_tokens, num_cached_tokens,
-                                                           force_mqa=force_mqa)
+    # The stacked modules carry every layer's static attributes; no parameter is touched.
+    routes = [self._locate(i)[0].self_attn.prefill_route(num_new_tokens, num_cached_tokens,
+                                                         force_mqa=force_mqa)
               for i in range(self.config.num_layers)]
     if PrefillRoute.DENSE_MHA in routes and set(routes) != {PrefillRoute.DENSE_MHA}:
       return self.prefill_routes(num_new_tokens, num_cached_tokens, force_mqa=True)
@@ -305,7 +311,7 @@ def state_shardings(config: ModelConfig, state: nnx.State, mesh):
     if layout is None:
       return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     spec = sharding.param_spec(layout.rule_name, layout.leading, len(leaf.shape))
-    sharding.check_divisible(layout.template, leaf.shape, spec, mesh)
+    sharding.check_divisible(layout.rule_name, leaf.shape, spec, mesh)
     return jax.sharding.NamedSharding(mesh, spec)
 
   flat = [(path, spec(path, leaf)) for path, leaf in state.flat_state()]

@@ -1,0 +1,214 @@
+"""Sharded models on 8 CPU host devices (tests/conftest.py) and across two processes.
+
+Sharded results are checked against the unsharded model with the same weights: logits to
+float32 tolerance and identical greedy tokens.
+"""
+
+import functools
+import math
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mla_jax import cli, generation, sharding
+from mla_jax import testing as mt
+from mla_jax.inspect import summarize
+from mla_jax.models.config import small_lm, tiny_lm, tiny_moe_lm
+from mla_jax.models.hf_layout import param_layouts
+from mla_jax.models.lm import CausalLM
+
+MESHES = ("data=1,tensor=2,expert=4", "data=2,tensor=2,expert=2", "data=1,tensor=8,expert=1",
+          "data=8,tensor=1,expert=1")
+PRESETS = {"tiny_moe": tiny_moe_lm, "small": small_lm}
+BATCH, PROMPT, NEW = 8, 20, 5
+
+
+def _prompts():
+  rng = np.random.default_rng(0)
+  return [rng.integers(0, 256, PROMPT - i % 3).tolist() for i in range(BATCH)]
+
+
+@functools.lru_cache(maxsize=None)
+def _unsharded(preset):
+  model = CausalLM(PRESETS[preset](), rngs=nnx.Rngs(0), backend="xla")
+  return generate_with_logits(model)
+
+
+def generate_with_logits(model):
+  result = generation.generate(model, _prompts(), NEW, return_logits=True)
+  return result.tokens, result.step_logits
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_sharded_generation_equals_unsharded(preset, mesh_spec):
+  mesh = sharding.make_mesh(mesh_spec)
+  model = CausalLM(PRESETS[preset](), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  traced = generation.trace_counts["decode"]
+  tokens, logits = generate_with_logits(model)
+  assert generation.trace_counts["decode"] - traced == 1  # one decode program, every token
+  ref_tokens, ref_logits = _unsharded(preset)
+  assert tokens == ref_tokens
+  np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+  assert mt.relative_error(logits, ref_logits) < 1e-5
+
+
+def _expected_spec(layout, ndim):
+  return sharding.param_spec(layout.rule_name, layout.leading, ndim)
+
+
+def test_every_leaf_carries_its_rules_sharding():
+  mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
+  config = tiny_moe_lm()
+  model = CausalLM(config, rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  state = nnx.state(model, nnx.Param)
+  layouts = param_layouts(config, state)
+  split = {"tensor": 0, "expert": 0}
+  for path, var in state.flat_state():
+    value, layout = var[...], layouts[path]
+    spec = _expected_spec(layout, value.ndim)
+    assert value.sharding.spec == spec, layout.template
+    ways = math.prod(mesh.shape[a] for a in spec if a is not None)
+    shard_bytes = {s.data.nbytes for s in value.addressable_shards}
+    assert shard_bytes == {value.nbytes // ways}, layout.template  # no padding, no copies
+    for axis in split:
+      split[axis] += axis in spec
+  assert split["tensor"] and split["expert"]  # the rules really split something
+  rules = {layouts[p].template: var[...].sharding.spec for p, var in state.flat_state()}
+  assert rules["model.layers.{layer}.self_attn.q_b_proj.weight"] == P(None, "tensor", None)
+  assert rules["model.layers.{layer}.self_attn.o_proj.weight"] == P(None, None, "tensor")
+  assert rules["model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"] == P(
+      None, "expert", None, "tensor")
+  assert rules["model.layers.{layer}.self_attn.indexer.wq_b.weight"] == P(None, None, None)
+  assert rules["lm_head.weight"] == P("tensor", None)
+  caches = model.init_cache(4, 32)
+  for leaf in jax.tree.leaves(caches):
+    batch_axis = leaf.ndim - (1 if leaf.dtype == jnp.int32 else 3)
+    expected = [None] * leaf.ndim
+    expected[batch_axis] = "data"
+    assert leaf.sharding.spec == P(*expected)
+    assert {s.data.shape[batch_axis] for s in leaf.addressable_shards} == {2}
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("data=1,tensor=2,expert=2", "needs 4 devices but 8"),
+    ("data=1,tensors=8", "unknown mesh axis 'tensors'"),
+    ("data=1,data=8", "given twice"),
+    ("data=x", "positive int size"),
+    ("data=0,tensor=8", "positive int size"),
+    ("tensor", "not of the form axis=size"),
+])
+def test_bad_mesh_specs(spec, match):
+  with pytest.raises(ValueError, match=match):
+    sharding.make_mesh(spec)
+
+
+def _with(config, **changes):
+  import dataclasses
+
+  moe = changes.pop("moe", None)
+  if moe:
+    changes["moe"] = dataclasses.replace(config.moe, **moe)
+  return dataclasses.replace(config, **changes)
+
+
+@pytest.mark.parametrize("config, spec, match", [
+    (tiny_lm(), "data=1,tensor=8,expert=1",
+     "4 attention heads cannot be split over mesh axis 'tensor' of size 8"),
+    (_with(tiny_moe_lm(), moe=dict(num_experts=12)), "data=1,tensor=1,expert=8",
+     "12 routed experts cannot be split over mesh axis 'expert' of size 8"),
+    (_with(tiny_moe_lm(), vocab_size=260), "data=1,tensor=8,expert=1",
+     "dimension 260 of shape \\(260, 128\\) cannot be split 8 ways over mesh axis 'tensor'"),
+    (_with(tiny_moe_lm(), intermediate_size=100), "data=1,tensor=8,expert=1",
+     "model.layers.0.mlp.(gate|down)_proj.weight: dimension 100"),
+])
+def test_meshes_the_model_cannot_use(config, spec, match, monkeypatch):
+  """Refused before anything is allocated: the sharded initializer is never compiled."""
+  mesh = sharding.make_mesh(spec)
+  monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("allocation attempted"))
+  with pytest.raises(ValueError, match=match):
+    CausalLM(config, rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+
+
+def test_batch_must_split_over_data():
+  model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla",
+                   mesh=sharding.make_mesh("data=8,tensor=1,expert=1"))
+  with pytest.raises(ValueError, match="batch_size 4 cannot be split over mesh axis 'data'"):
+    model.init_cache(4, 16)
+
+
+def test_scanned_sharded_mqa_only_model_never_compiles_dense_mha():
+  """Through scan and shard_map: the prefill of the MQA-only model scores and stays sparse."""
+  mesh = sharding.make_mesh("data=1,tensor=2,expert=4")
+  for attention, expected in (("mqa-only", {"indexer_score", "mla_sparse_mqa"}),
+                              ("dense-capable", {"mla_dense_mha"})):
+    model = CausalLM(tiny_moe_lm(attention), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+    ids = sharding.put(np.ones((1, 8), np.int32), mesh, sharding.TOKENS_SPEC)
+    summary = summarize(nnx.jit(lambda m, i, c: m(i, c, num_cached_tokens=0)), model, ids,
+                        model.init_cache(1, 16))
+    route_scopes = {"indexer_score", "mla_sparse_mqa", "mla_dense_mha"}
+    assert summary.scopes & route_scopes == expected, attention
+    assert summary.primitives["cond"] == 0 and summary.primitives["scan"] >= 1
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(tmp_path):
+  """Two processes x 2 CPU devices (gloo) form one 4-device mesh; same logits and tokens."""
+  mesh_spec, port = "data=1,tensor=2,expert=2", _free_port()
+  worker = Path(__file__).with_name("multiprocess_worker.py")
+  out = tmp_path / "out.npz"
+  procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i), mesh_spec,
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for i in range(2)]
+  logs = [p.communicate(timeout=300)[0].decode() for p in procs]
+  assert all(p.returncode == 0 for p in procs), logs
+  got = np.load(out)
+  assert int(got["devices"]) == 4
+  mesh = sharding.make_mesh(mesh_spec, devices=jax.devices()[:4])
+  model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  ids = np.random.default_rng(0).integers(0, 256, (2, 12)).astype(np.int32)
+  logits, _ = nnx.jit(lambda m, i, c: m(i, c, num_cached_tokens=0))(
+      model, sharding.put(ids, mesh, sharding.TOKENS_SPEC), model.init_cache(2, 24))
+  np.testing.assert_allclose(got["logits"], np.asarray(logits), rtol=1e-5, atol=1e-5)
+  assert got["tokens"].tolist() == generation.generate(model, ids.tolist(), 6).tokens
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in \\[0, 2\\)"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2"], "go together"),
+    (["--coordinator", "nohost", "--num-processes", "1", "--process-id", "0"], "HOST:PORT"),
+    (["--mesh", "data=1,model=2"], "unknown mesh axis 'model'"),
+])
+def test_cli_multiprocess_flag_errors(argv, match, capsys):
+  """Refused before jax.distributed or any device is touched."""
+  try:
+    code = cli.main(["generate", "--quiet", *argv])
+  except SystemExit as exit_:
+    code, message = exit_.code, str(exit_)
+  else:
+    message = capsys.readouterr().err
+  assert code not in (0, None)
+  assert __import__("re").search(match, str(message)), message
+
+
+def test_cli_generate_on_a_mesh(capsys):
+  assert cli.main(["generate", "--preset", "tiny-moe", "--mesh", "data=2,tensor=2,expert=2",
+                   "--batch", "2", "--prompt", "mesh", "--max-new-tokens", "3", "--quiet",
+                   "--backend", "xla"]) == 0
+  out = capsys.readouterr().out
+  assert "mesh: data=2,tensor=2,expert=2 over 8 devices in 1 process(es)" in out
+  assert "generated ids:" in out
