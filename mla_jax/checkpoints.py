@@ -434,7 +434,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
                                              param_dtype=param_dtype))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   expected = {name: jax.ShapeDtypeStruct(shape, dtype)
-              for name, (shape, dtype) in hf_layout.hf_shapes(config, params).items()}
+              for name, (shape, dtype) in hf_layout.hf_shapes(params).items()}
   where = _open_tensors(path, config.num_layers)
   try:
     plan = _plan(expected, where, block)
@@ -447,7 +447,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
       value = dequantize_fp8_blocks(value, where[plan[name]].get(plan[name]), block)
     return value[tail]
 
-  layouts = hf_layout.param_layouts(config, params)
+  layouts = hf_layout.param_layouts(params)
   loaded = []
   for key, var in params.flat_state():
     value = hf_layout.assemble(layouts[key], var.shape, (), read)
@@ -462,7 +462,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, model_type: str
   hf = config_to_hf(model.config, model_type)
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  tensors = hf_layout.to_hf(model.config, nnx.state(model, nnx.Param))
+  tensors = hf_layout.hf_params(model)
   # Stale weights from an earlier save would shadow or mix with the new ones on load.
   for old in [path / _SINGLE, path / _INDEX, *path.glob("model-*-of-*.safetensors")]:
     old.unlink(missing_ok=True)

@@ -76,8 +76,8 @@ def param_bytes(config: ModelConfig, state, mesh, dtype: str) -> tuple[int, int]
   weights). fp8: ``FP8_WEIGHTS`` as 1-byte values plus one float32 scale per 128 x 128 block
   of each HF tensor (a device holds the scales of the blocks it holds).
   """
-  shardings = dict(state_shardings(config, state, mesh).flat_state())
-  layouts = param_layouts(config, state)
+  shardings = dict(state_shardings(state, mesh).flat_state())
+  layouts = param_layouts(state)
   per_device = total = 0.0
   for path, leaf in nnx.state(state, nnx.Param).flat_state():
     shape, spec = tuple(leaf.shape), shardings[path].spec
@@ -185,7 +185,7 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub), shardings, tree)
 
     batch_spec, replicated = NamedSharding(mesh, P(sharding.DATA)), NamedSharding(mesh, P())
-    args = (placed(state, state_shardings(config, state, mesh)),
+    args = (placed(state, state_shardings(state, mesh)),
             placed(caches, cache_shardings(caches, mesh)),
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_spec),
             jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_spec),

@@ -70,7 +70,7 @@ def test_every_leaf_carries_its_rules_sharding():
   config = tiny_moe_lm()
   model = CausalLM(config, rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
   state = nnx.state(model, nnx.Param)
-  layouts = param_layouts(config, state)
+  layouts = param_layouts(state)
   split = {"tensor": 0, "expert": 0}
   for path, var in state.flat_state():
     value, layout = var[...], layouts[path]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from flax import nnx
 
-from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
+from mla_jax.models.config import LayerGroup
 from mla_jax.params import dotted_name
 
 LAYER, EXPERT = "layer", "expert"
@@ -73,18 +73,34 @@ def _layout(path: tuple, groups: tuple[LayerGroup, ...]) -> ParamLayout:
   return ParamLayout(path, template, leading, group, position)
 
 
-def param_layouts(config: ModelConfig, state: nnx.State) -> dict[tuple, ParamLayout]:
+def _groups(flat: dict) -> tuple[LayerGroup, ...]:
+  """The layer groups, read off the state: unit positions per group and the stacked reps."""
+  units: dict[int, tuple[int, int]] = {}
+  for path, value in flat.items():
+    if len(path) > 5 and path[:2] == ("model", "groups"):
+      g, u = int(path[2]), int(path[5])
+      unit_len, _ = units.get(g, (0, 0))
+      units[g] = (max(unit_len, u + 1), value.shape[0])
+  groups, first = [], 0
+  for g in sorted(units):
+    unit_len, reps = units[g]
+    groups.append(LayerGroup(first, unit_len, reps))
+    first += unit_len * reps
+  return tuple(groups)
+
+
+def param_layouts(state: nnx.State) -> dict[tuple, ParamLayout]:
   """The layout of every ``nnx.Param`` in ``state`` (a ``CausalLM``'s, possibly abstract)."""
-  groups = layer_groups(config)
-  return {path: _layout(path, groups)
-          for path, _ in nnx.state(state, nnx.Param).flat_state()}
+  flat = dict(nnx.state(state, nnx.Param).flat_state())
+  groups = _groups(flat)
+  return {path: _layout(path, groups) for path in flat}
 
 
-def hf_shapes(config: ModelConfig, state: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:
+def hf_shapes(state: nnx.State) -> dict[str, tuple[tuple[int, ...], str]]:
   """``{hf_name: (shape, dtype name)}`` of every HF tensor the parameters in ``state`` hold."""
   flat = dict(nnx.state(state, nnx.Param).flat_state())
   out = {}
-  for path, layout in param_layouts(config, state).items():
+  for path, layout in param_layouts(state).items():
     value = flat[path]
     shape = tuple(value.shape)
     for index in layout.indices(shape):
@@ -92,12 +108,11 @@ def hf_shapes(config: ModelConfig, state: nnx.State) -> dict[str, tuple[tuple[in
   return out
 
 
-def to_hf(config: ModelConfig, state: nnx.State,
-          fetch: Callable = np.asarray) -> dict[str, np.ndarray]:
+def to_hf(state: nnx.State, fetch: Callable = np.asarray) -> dict[str, np.ndarray]:
   """Every HF tensor of ``state`` as a host array (``fetch`` gathers one parameter)."""
   flat = dict(nnx.state(state, nnx.Param).flat_state())
   out = {}
-  for path, layout in param_layouts(config, state).items():
+  for path, layout in param_layouts(state).items():
     value = fetch(flat[path][...])
     for index in layout.indices(value.shape):
       out[layout.hf_name(index)] = np.ascontiguousarray(value[index])
@@ -108,7 +123,7 @@ def hf_params(model) -> dict[str, np.ndarray]:
   """A ``CausalLM``'s parameters as HF tensors on the host (what ``save_pretrained`` writes)."""
   from mla_jax.sharding import fetch
 
-  return to_hf(model.config, nnx.state(model, nnx.Param), fetch)
+  return to_hf(nnx.state(model, nnx.Param), fetch)
 
 
 def assemble(layout: ParamLayout, shape: tuple[int, ...], index: tuple[slice, ...],

@@ -92,30 +92,35 @@ class DecoderLayer(nnx.Module):
 
 
 class LayerUnit(nnx.Module):
-  """One repetition of a group's unit: ``unit_len`` consecutive decoder layers."""
+  """One repetition of a group's unit: ``unit_len`` consecutive decoder layers.
 
-  def __init__(self, config: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs,
+  Layer l draws its parameters from ``fold_in(layers_key, l)``, so the weights do not depend
+  on how layers are grouped (scanned or not).
+  """
+
+  def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, rep, *,
                backend: Backend, param_dtype):
-    self.layers = nnx.List([DecoderLayer(config, group.layer(0, u), rngs=rngs, backend=backend,
-                                         param_dtype=param_dtype)
-                            for u in range(group.unit_len)])
+    self.layers = nnx.List([
+        DecoderLayer(config, group.layer(0, u),
+                     rngs=nnx.Rngs(params=jax.random.fold_in(layers_key, group.layer(rep, u))),
+                     backend=backend, param_dtype=param_dtype)
+        for u in range(group.unit_len)])
 
 
 class LayerStack(nnx.Module):
   """A group: its unit's parameters stacked over ``reps``, run by one ``lax.scan``."""
 
-  def __init__(self, config: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs,
-               backend: Backend, param_dtype):
+  def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, *, backend: Backend,
+               param_dtype):
     graphdef = None
 
-    def init(key):
+    def init(rep):
       nonlocal graphdef
-      unit = LayerUnit(config, group, rngs=nnx.Rngs(params=key), backend=backend,
-                       param_dtype=param_dtype)
+      unit = LayerUnit(config, group, layers_key, rep, backend=backend, param_dtype=param_dtype)
       graphdef, state = nnx.split(unit)
       return state
 
-    state = jax.vmap(init)(jax.random.split(rngs.params(), group.reps))
+    state = jax.vmap(init)(jnp.arange(group.reps))
     self.unit = nnx.merge(graphdef, state)
     self.group = group
 
@@ -142,21 +147,26 @@ class LayerStack(nnx.Module):
 
 
 class Model(nnx.Module):
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: Backend, param_dtype):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: Backend, param_dtype,
+               groups: tuple[LayerGroup, ...]):
     self.embed_tokens = Embed(config.vocab_size, config.mla.hidden_size, rngs=rngs,
                               param_dtype=param_dtype)
-    self.groups = nnx.List([LayerStack(config, group, rngs=rngs, backend=backend,
+    layers_key = rngs.params()
+    self.groups = nnx.List([LayerStack(config, group, layers_key, backend=backend,
                                        param_dtype=param_dtype)
-                            for group in layer_groups(config)])
+                            for group in groups])
     self.norm = RMSNorm(config.mla.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
 
 class _Parts(nnx.Module):
   """What ``CausalLM`` holds, built from one key (so that it can be built under ``jit``)."""
 
-  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype):
+  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype, scan_layers: bool):
     rngs = nnx.Rngs(params=key)
-    self.model = Model(config, rngs=rngs, backend=backend, param_dtype=param_dtype)
+    groups = (layer_groups(config) if scan_layers else
+              tuple(LayerGroup(i, 1, 1) for i in range(config.num_layers)))
+    self.model = Model(config, rngs=rngs, backend=backend, param_dtype=param_dtype,
+                       groups=groups)
     self.lm_head = Linear(config.mla.hidden_size, config.vocab_size, rngs=rngs,
                           param_dtype=param_dtype)
 
@@ -167,11 +177,12 @@ class CausalLM(nnx.Module):
   With ``mesh`` (or a backend that carries one) the model is created already sharded by
   ``mla_jax.sharding``'s rules: each device computes and holds only its own shards, and no
   full copy of a parameter ever sits on one device. The same ``rngs`` give the same weights
-  with and without a mesh.
+  with and without a mesh. ``scan_layers=False`` runs every layer on its own (one group per
+  layer; the compile time then grows with depth), for comparisons.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
-               param_dtype=jnp.float32, mesh=None):
+               param_dtype=jnp.float32, mesh=None, scan_layers: bool = True):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     backend = get_backend(backend)
@@ -182,8 +193,8 @@ class CausalLM(nnx.Module):
     self.config = config
     self.backend = backend
     key = rngs.params()
-    build = lambda k: _Parts(config, k, backend, param_dtype)
-    parts = build(key) if mesh is None else _build_sharded(config, build, key, mesh)
+    build = lambda k: _Parts(config, k, backend, param_dtype, scan_layers)
+    parts = build(key) if mesh is None else _build_sharded(build, key, mesh)
     self.model, self.lm_head = parts.model, parts.lm_head
 
   @property
@@ -300,11 +311,11 @@ def check_mesh(config: ModelConfig, mesh) -> None:
                      f"'expert' of size {expert}")
 
 
-def state_shardings(config: ModelConfig, state: nnx.State, mesh):
+def state_shardings(state: nnx.State, mesh):
   """A ``NamedSharding`` for every leaf of ``state`` (parameters by the partition rules)."""
   from mla_jax.models.hf_layout import param_layouts
 
-  layouts = param_layouts(config, state)
+  layouts = param_layouts(state)
 
   def spec(path, leaf):
     layout = layouts.get(path)
@@ -329,11 +340,11 @@ def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   return ModelCache(tuple(tuple(layer(c) for c in unit) for unit in cache.groups), cache.layout)
 
 
-def _build_sharded(config: ModelConfig, build, key, mesh):
+def _build_sharded(build, key, mesh):
   """``build(key)`` compiled with every parameter's output sharding: each device makes only
   its own shards (random init included), so no full copy exists anywhere."""
   abstract = nnx.eval_shape(lambda: build(key))
   graphdef, abstract_state = nnx.split(abstract)
-  shardings = state_shardings(config, abstract_state, mesh)
+  shardings = state_shardings(abstract_state, mesh)
   state = jax.jit(lambda k: nnx.split(build(k))[1], out_shardings=shardings)(key)
   return nnx.merge(graphdef, state)
