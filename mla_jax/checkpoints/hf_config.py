@@ -314,53 +314,61 @@ def _check_layer_types(f: _Fields, n: int) -> None:
                           f"runs DSA attention in every layer), got {f.hf['layer_types']!r}")
 
 
-def _derived_indexer_types(f: _Fields, n: int) -> tuple[str, list]:
-  """GLM's schedule without ``indexer_types``: ``index_topk_pattern`` (a string of F/S or a
-  list), else every ``index_topk_freq``-th layer from ``index_skip_topk_offset``."""
+def _pattern_types(f: _Fields) -> list | None:
+  """``index_topk_pattern``: a string of F (full) / S (shared), or a list used as it is."""
   pattern = f.hf.get("index_topk_pattern")
-  if pattern is not None:
-    if isinstance(pattern, str):
-      if set(pattern) - {"F", "S"}:
-        raise CheckpointError(f"config field 'index_topk_pattern' must be a string of 'F'/'S', "
-                              f"got {pattern!r}")
-      return "index_topk_pattern", ["full" if c == "F" else "shared" for c in pattern]
-    if isinstance(pattern, list):
-      return "index_topk_pattern", pattern
-    raise CheckpointError(f"config field 'index_topk_pattern' must be a string or a list, got "
-                          f"{pattern!r}")
+  if pattern is None or isinstance(pattern, list):
+    return pattern
+  if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
+    raise CheckpointError(f"config field 'index_topk_pattern' must be a string of 'F'/'S' or a "
+                          f"list, got {pattern!r}")
+  return ["full" if c == "F" else "shared" for c in pattern]
+
+
+def _frequency_types(f: _Fields, n: int) -> list[str]:
+  """Every ``index_topk_freq``-th layer runs its indexer, counted from
+  ``index_skip_topk_offset`` (not from the first MoE layer: SPEC.md 14 row 18)."""
   freq, offset = f.hf.get("index_topk_freq", 1), f.hf.get("index_skip_topk_offset", 2)
   for key, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
     if not _is_int(value):
       raise CheckpointError(f"config field {key!r} must be an int, got {value!r}")
   freq = max(freq, 1)  # HF clamps
-  # Not counted from the first MoE layer (SPEC.md 14 row 18): layer l is full iff this is 0.
-  return "index_topk_freq", ["full" if max(l - offset + 1, 0) % freq == 0 else "shared"
-                             for l in range(n)]
+  return ["full" if max(l - offset + 1, 0) % freq == 0 else "shared" for l in range(n)]
 
 
 def _indexer_types(f: _Fields, n: int) -> tuple[str, ...] | None:
-  """Per layer 'full' or 'shared'; None when every layer runs its indexer."""
-  schedule_keys = ("indexer_types", "index_topk_pattern", "index_topk_freq",
-                   "index_skip_topk_offset")
+  """Per layer 'full' or 'shared'; None when every layer runs its indexer.
+
+  GLM: ``indexer_types`` > ``index_topk_pattern`` > ``index_topk_freq``/offset, as in HF; a
+  lower-priority form that is given and disagrees is a warning. DeepSeek-V3.2: all full.
+  """
+  scalar_keys = ("index_topk_freq", "index_skip_topk_offset")
   if f.model_type == "deepseek_v32":
-    given = [key for key in schedule_keys if f.hf.get(key) is not None]
+    given = [key for key in ("indexer_types", "index_topk_pattern", *scalar_keys)
+             if f.hf.get(key) is not None]
     if given:
       f.warn(f"{', '.join(given)} ignored: HF's DeepseekV32 runs the indexer in every layer "
              "(model_type glm_moe_dsa shares top-k across layers)")
     return None
-  listed = _string_list(f, "indexer_types")
-  if listed is None:
-    source, types = _derived_indexer_types(f, n)
-  else:
-    source, types = "indexer_types", listed
-    if any(f.hf.get(key) is not None for key in schedule_keys[1:]):
-      try:
-        scalar, derived = _derived_indexer_types(f, n)
-      except CheckpointError:
-        scalar, derived = "the index_topk_* fields", None
-      if derived is None or derived[:n] != listed[:n]:
-        f.warn(f"{scalar} disagrees with indexer_types; indexer_types wins, as in HF")
-  if set(types) - {"full", "shared"}:
+  forms = [("indexer_types", lambda: _string_list(f, "indexer_types")),
+           ("index_topk_pattern", lambda: _pattern_types(f)),
+           ("index_topk_freq", lambda: _frequency_types(f, n)
+            if any(f.hf.get(key) is not None for key in scalar_keys) else None)]
+  source = types = None
+  for key, derive in forms:
+    if source is None:
+      types = derive()
+      source = key if types is not None else None
+      continue
+    try:
+      derived = derive()
+    except CheckpointError:
+      derived = "invalid"
+    if derived is not None and list(derived)[:n] != list(types)[:n]:
+      f.warn(f"{key} disagrees with {source}; {source} wins, as in HF")
+  if source is None:
+    source, types = "index_topk_freq", _frequency_types(f, n)
+  if not all(isinstance(t, str) for t in types) or set(types) - {"full", "shared"}:
     raise CheckpointError(f"config field {source!r} must hold only 'full' and 'shared' "
                           f"entries, got {types!r}")
   if len(types) < n:
@@ -429,7 +437,15 @@ def config_from_hf(hf: dict, *, attention: str = "mqa-only") -> ModelConfig:
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise CheckpointError(f"model_type {model_type!r} is not supported; supported: "
                           f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-  f = _Fields(hf, model_type)
+  try:
+    return _model_config(_Fields(hf, model_type), attention)
+  except CheckpointError:
+    raise
+  except ValueError as e:  # a value the mla_jax config classes refuse
+    raise CheckpointError(f"invalid config: {e}") from None
+
+
+def _model_config(f: _Fields, attention: str) -> ModelConfig:
   _check_supported(f)
   n = f.positive_int("num_hidden_layers")
   kinds = _mlp_layer_kinds(f, n)
@@ -440,28 +456,24 @@ def config_from_hf(hf: dict, *, attention: str = "mqa-only") -> ModelConfig:
   _check_layer_types(f, n)
   moe = _moe(f) if dense < n else None
   indexer = indexer_types = None
-  if model_type != "deepseek_v3":
+  if f.model_type != "deepseek_v3":
     indexer, indexer_types = _indexer(f), _indexer_types(f, n)
   max_positions = f.positive_int("max_position_embeddings")
-  eps = _number("'rms_norm_eps'", f.get("rms_norm_eps"), positive=True)
-  try:
-    mla = MLAConfig(hidden_size=f.positive_int("hidden_size"),
-                    num_heads=f.positive_int("num_attention_heads"),
-                    q_lora_rank=f.positive_int("q_lora_rank"),
-                    kv_lora_rank=f.positive_int("kv_lora_rank"),
-                    qk_nope_head_dim=f.positive_int("qk_nope_head_dim"),
-                    qk_rope_head_dim=f.positive_int("qk_rope_head_dim"),
-                    v_head_dim=f.positive_int("v_head_dim"), rope=_rope(f, max_positions),
-                    max_position_embeddings=max_positions, latent_norm_eps=HF_LATENT_NORM_EPS,
-                    indexer=indexer)
-    return ModelConfig(mla=mla, vocab_size=f.positive_int("vocab_size"), num_layers=n,
-                       intermediate_size=f.positive_int("intermediate_size"), moe=moe,
-                       first_k_dense_replace=dense if moe is not None else 0,
-                       attention=attention, rms_norm_eps=eps, indexer_types=indexer_types)
-  except CheckpointError:
-    raise
-  except ValueError as e:
-    raise CheckpointError(f"invalid config: {e}") from None
+  mla = MLAConfig(hidden_size=f.positive_int("hidden_size"),
+                  num_heads=f.positive_int("num_attention_heads"),
+                  q_lora_rank=f.positive_int("q_lora_rank"),
+                  kv_lora_rank=f.positive_int("kv_lora_rank"),
+                  qk_nope_head_dim=f.positive_int("qk_nope_head_dim"),
+                  qk_rope_head_dim=f.positive_int("qk_rope_head_dim"),
+                  v_head_dim=f.positive_int("v_head_dim"), rope=_rope(f, max_positions),
+                  max_position_embeddings=max_positions, latent_norm_eps=HF_LATENT_NORM_EPS,
+                  indexer=indexer)
+  return ModelConfig(mla=mla, vocab_size=f.positive_int("vocab_size"), num_layers=n,
+                     intermediate_size=f.positive_int("intermediate_size"), moe=moe,
+                     first_k_dense_replace=dense if moe is not None else 0,
+                     attention=attention, indexer_types=indexer_types,
+                     rms_norm_eps=_number("'rms_norm_eps'", f.get("rms_norm_eps"),
+                                          positive=True))
 
 
 def fp8_block_size(hf: dict) -> tuple[int, int]:

@@ -33,7 +33,8 @@ DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("bool"),
+    "I8": np.dtype("i1"), "U64": np.dtype("<u8"), "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"), "U8": np.dtype("u1"), "BOOL": np.dtype("bool"),
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _RAW_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})  # beyond the library's NumPy backend

@@ -38,7 +38,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike,
                       metadata: dict[str, str] | None = None) -> None:
   """One safetensors file with the library; every dtype must have a safetensors name."""
   _check_dtypes(tensors)
-  safetensors.numpy.save_file({name: np.ascontiguousarray(array)
+  safetensors.numpy.save_file({name: np.asarray(array, order="C")
                                for name, array in tensors.items()}, str(path), metadata)
 
 
