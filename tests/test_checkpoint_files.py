@@ -302,3 +302,24 @@ def test_load_dtype_must_be_floating(tmp_path, model, dtype):
     load_pretrained(tmp_path, dtype=dtype)
   with pytest.raises(ValueError, match="attention must be one of"):
     load_pretrained(tmp_path, attention="dense")
+
+
+def test_unknown_tensor_names_are_checkpoint_errors(tmp_path):
+  write_safetensors({"w": np.zeros(2, np.float32)}, tmp_path / "t.safetensors")
+  file = SafetensorsFile(tmp_path / "t.safetensors")
+  with pytest.raises(CheckpointError, match="t.safetensors: tensor 'v'"):
+    file.read("v")
+  assert "v" not in file and "w" in file
+
+
+def test_save_into_the_current_directory_and_through_a_symlink(tmp_path, model, monkeypatch):
+  (tmp_path / "real").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "real")
+  monkeypatch.chdir(tmp_path / "real")
+  save_pretrained(model, ".")
+  save_pretrained(model, tmp_path / "link", max_shard_bytes=50_000)
+  assert (tmp_path / "link").is_symlink()
+  names = sorted(p.name for p in (tmp_path / "real").iterdir())
+  assert names[:2] == ["config.json", "model-00001-of-00008.safetensors"]
+  assert names[-1] == "model.safetensors.index.json" and len(names) == 10  # no stale file
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]

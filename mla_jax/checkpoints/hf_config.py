@@ -327,7 +327,8 @@ def _pattern_types(f: _Fields) -> list | None:
 
 def _frequency_types(f: _Fields, n: int) -> list[str]:
   """Every ``index_topk_freq``-th layer runs its indexer, counted from
-  ``index_skip_topk_offset`` (not from the first MoE layer: SPEC.md 14 row 18)."""
+  ``index_skip_topk_offset``, which is unrelated to the dense-MLP layers (confusing the two
+  made the first layers of GLM-5.2 misbehave in another engine)."""
   freq, offset = f.hf.get("index_topk_freq", 1), f.hf.get("index_skip_topk_offset", 2)
   for key, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
     if not _is_int(value):

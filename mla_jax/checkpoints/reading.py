@@ -194,7 +194,10 @@ class SafetensorsFile:
   def info(self, name: str) -> tuple[str, tuple[int, ...]]:
     """(safetensors dtype name, shape) of one tensor."""
     if name not in self._info:
-      view = self._library().get_slice(name)
+      try:
+        view = self._library().get_slice(name)
+      except SafetensorError as e:
+        raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
       self._info[name] = view.get_dtype(), tuple(view.get_shape())
     return self._info[name]
 
@@ -225,7 +228,10 @@ class SafetensorsFile:
     elif st_dtype in _RAW_DTYPES:
       data = self._raw_view(name, dtype, shape)[block]
     else:
-      data = self._library().get_slice(name)[block]
+      try:
+        data = self._library().get_slice(name)[block]
+      except SafetensorError as e:
+        raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
       if data.dtype != dtype:  # bf16 arrives as ml_dtypes.bfloat16; a raw uint16 is viewed
         data = data.view(dtype)
     return np.array(data[after], copy=True, order="C")

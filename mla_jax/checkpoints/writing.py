@@ -110,7 +110,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, model_type: str
   hf = config_to_hf(model.config, model_type)
   tensors = model_tensors(model)
   _check_dtypes(tensors)
-  target = Path(path)
+  target = Path(path).resolve()  # the staging directory must share its file system
   if target.exists() and not target.is_dir():
     raise ValueError(f"{target} exists and is not a directory")
   target.parent.mkdir(parents=True, exist_ok=True)
