@@ -28,7 +28,7 @@ import math
 from mla_jax.checkpoints.errors import CheckpointError
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig, YarnConfig
 from mla_jax.models.config import MoEConfig, ModelConfig
-from mla_jax.rope import rope_attention_factor, yarn_mscale
+from mla_jax.rope import rope_attention_factor
 
 logger = logging.getLogger("mla_jax")
 
