@@ -106,12 +106,12 @@ class MLAAttentionBase(nnx.Module):
         logger.warning("%s on backend %s has no dense-MHA prefill path; sparse MLA prefill "
                        "uses the top-k MQA path only", *key)
     self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, rngs=rngs, param_dtype=param_dtype)
-    self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.latent_norm_eps, param_dtype=param_dtype)
     self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, rngs=rngs,
                            param_dtype=param_dtype)
     self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, rngs=rngs,
                                      param_dtype=param_dtype)
-    self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.latent_norm_eps, param_dtype=param_dtype)
     self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
                             rngs=rngs, param_dtype=param_dtype)
     self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, rngs=rngs,

@@ -20,9 +20,17 @@ def _positive_int(field: str, value) -> None:
            "a positive int")
 
 
+def _finite_number(value) -> bool:
+  """A real int or float that is neither inf nor nan (bools are not numbers here)."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_float(field: str, value) -> None:
-  _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, field,
-           value, "a positive number")
+  _require(_finite_number(value) and value > 0, field, value, "a positive finite number")
+
+
+def _number_at_least(field: str, value, low: float) -> None:
+  _require(_finite_number(value) and value >= low, field, value, f"a finite number >= {low:g}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,17 +45,14 @@ class YarnConfig:
   mscale_all_dim: float = 1.0
 
   def __post_init__(self):
-    _require(isinstance(self.factor, (int, float)) and self.factor >= 1, "yarn.factor",
-             self.factor, ">= 1")
+    _number_at_least("yarn.factor", self.factor, 1)
     _positive_int("yarn.original_max_position_embeddings", self.original_max_position_embeddings)
     _positive_float("yarn.beta_fast", self.beta_fast)
     _positive_float("yarn.beta_slow", self.beta_slow)
     _require(self.beta_fast > self.beta_slow, "yarn.beta_fast", self.beta_fast,
              f"> beta_slow ({self.beta_slow})")
-    _require(isinstance(self.mscale, (int, float)) and self.mscale >= 0, "yarn.mscale",
-             self.mscale, ">= 0")
-    _require(isinstance(self.mscale_all_dim, (int, float)) and self.mscale_all_dim >= 0,
-             "yarn.mscale_all_dim", self.mscale_all_dim, ">= 0")
+    _number_at_least("yarn.mscale", self.mscale, 0)
+    _number_at_least("yarn.mscale_all_dim", self.mscale_all_dim, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,13 @@ class IndexerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-  """Multi-head latent attention dims (SPEC.md sections 1-2), optionally with an indexer."""
+  """Multi-head latent attention dims (SPEC.md sections 1-2), optionally with an indexer.
+
+  ``latent_norm_eps`` is the eps of the two latent RMSNorms (``q_a_layernorm``,
+  ``kv_a_layernorm``). Hugging Face's DeepSeek-V3/V3.2 and GLM-5 code (and DeepSeek's own)
+  fix it at 1e-6 whatever ``rms_norm_eps`` says; vLLM and SGLang pass ``rms_norm_eps``
+  instead (1e-5 for GLM-5), so set it to that value to match those engines.
+  """
 
   hidden_size: int = 7168
   num_heads: int = 128
@@ -108,7 +119,7 @@ class MLAConfig:
   v_head_dim: int = 128
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
   max_position_embeddings: int = 163840
-  rms_norm_eps: float = 1e-6
+  latent_norm_eps: float = 1e-6
   indexer: IndexerConfig | None = None
 
   def __post_init__(self):
@@ -117,7 +128,7 @@ class MLAConfig:
       _positive_int(field, getattr(self, field))
     _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
     _require(isinstance(self.rope, RopeConfig), "rope", self.rope, "a RopeConfig")
-    _positive_float("rms_norm_eps", self.rms_norm_eps)
+    _positive_float("latent_norm_eps", self.latent_norm_eps)
     _require(self.indexer is None or isinstance(self.indexer, IndexerConfig), "indexer",
              self.indexer, "an IndexerConfig or None")
     if self.indexer is not None:
@@ -155,7 +166,7 @@ def glm5() -> MLAConfig:
   """GLM-5 / 5.1: qk 192+64, v 256, 64 heads, plain RoPE theta 1e6, interleaved indexer RoPE."""
   return MLAConfig(hidden_size=6144, num_heads=64, q_lora_rank=2048, kv_lora_rank=512,
                    qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
-                   rope=RopeConfig(theta=1e6), max_position_embeddings=202752, rms_norm_eps=1e-5,
+                   rope=RopeConfig(theta=1e6), max_position_embeddings=202752,
                    indexer=IndexerConfig(num_heads=32, head_dim=128, topk=2048,
                                          rope_interleave=True))
 

@@ -116,11 +116,11 @@ def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_
   if c.rope.yarn is not None and c.rope.yarn.factor > 1:
     ms = lambda m: 0.1 * m * math.log(c.rope.yarn.factor) + 1
     mag = ms(c.rope.yarn.mscale) / ms(c.rope.yarn.mscale_all_dim)
-  q_resid = _rms(x @ p["q_a_proj.weight"].T, p["q_a_layernorm.weight"], c.rms_norm_eps)
+  q_resid = _rms(x @ p["q_a_proj.weight"].T, p["q_a_layernorm.weight"], c.latent_norm_eps)
   q = (q_resid @ p["q_b_proj.weight"].T).reshape(t, h, n + r)
   q_pe = _rotate_pairs(q[..., n:], pos, inv_freq, interleaved=True) * mag
   kv = x @ p["kv_a_proj_with_mqa.weight"].T
-  c_kv = _rms(kv[:, :a], p["kv_a_layernorm.weight"], c.rms_norm_eps)
+  c_kv = _rms(kv[:, :a], p["kv_a_layernorm.weight"], c.latent_norm_eps)
   k_pe = _rotate_pairs(kv[:, a:], pos, inv_freq, interleaved=True) * mag
   w_kvb = p["kv_b_proj.weight"].reshape(h, n + v, a)
   k_nope = np.einsum("sa,hna->shn", c_kv, w_kvb[:, :n])

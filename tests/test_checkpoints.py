@@ -7,6 +7,7 @@ norms near 1) with HF key names, so no download is needed.
 import dataclasses
 import functools
 import json
+import logging
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,53 +17,15 @@ from flax import nnx
 
 from mla_jax.attention import causal_indices
 from mla_jax.checkpoints import (CheckpointError, config_from_hf, config_to_hf,
-                                 dequantize_fp8_blocks, load_pretrained, save_pretrained)
-from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig, YarnConfig
-from mla_jax.models.config import MoEConfig, ModelConfig
-from mla_jax.models.lm import CausalLM
+                                 dequantize_fp8_blocks, load_pretrained, open_safetensors,
+                                 save_pretrained, write_safetensors)
+from mla_jax.config import RopeConfig, YarnConfig
 from mla_jax.models.hf_layout import hf_params
-from mla_jax.params import dotted_name
 from mla_jax.routing import PrefillRoute
-from mla_jax.safetensors_io import SafetensorsFile, load_file, save_file
+from tests.checkpoint_models import TOPK, random_model, small_config
 
-TOPK = 4
-
-
-def _config(kind: str, attention: str = "mqa-only") -> ModelConfig:
-  indexer = IndexerConfig(num_heads=2, head_dim=32, topk=TOPK, rope_interleave=kind == "glm")
-  rope = {"ds32": RopeConfig(theta=10000.0, yarn=YarnConfig(factor=4.0,
-                                                            original_max_position_embeddings=64)),
-          "glm": RopeConfig(theta=8e6), "v3": RopeConfig(theta=10000.0)}[kind]
-  eps = 1e-5 if kind == "glm" else 1e-6
-  mla = MLAConfig(hidden_size=64, num_heads=2, q_lora_rank=32, kv_lora_rank=32,
-                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, rope=rope,
-                  max_position_embeddings=256, rms_norm_eps=eps,
-                  indexer=None if kind == "v3" else indexer)
-  groups = 1 if kind == "glm" else 2
-  moe = MoEConfig(num_experts=4, num_experts_per_tok=2, n_group=groups, topk_group=1,
-                  n_shared_experts=1, moe_intermediate_size=32)
-  return ModelConfig(mla=mla, vocab_size=64, num_layers=3 if kind == "glm" else 2,
-                     intermediate_size=64, moe=moe, first_k_dense_replace=1,
-                     attention=attention, rms_norm_eps=eps,
-                     indexer_types=("full", "shared", "full") if kind == "glm" else None)
-
-
-def _random_model(config: ModelConfig, seed: int = 0, round_to=None) -> CausalLM:
-  """A model with NumPy-drawn parameters (fast: no per-shape random kernels to compile)."""
-  abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
-  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-  rng = np.random.default_rng(seed)
-  leaves = []
-  for key, var in params.flat_state():
-    name, noise = dotted_name(key), rng.standard_normal(var.shape)
-    if "norm" in name:
-      value = (1.0 if name.endswith("weight") else 0.0) + 0.1 * noise
-    else:
-      value = noise * (var.shape[-1] ** -0.5 if "proj" in name or "weight" in name and
-                       len(var.shape) >= 2 else 0.1)
-    value = value.astype(round_to or np.float32).astype(var.dtype)
-    leaves.append((key, var.replace(jnp.asarray(value))))
-  return nnx.merge(graphdef, nnx.State.from_flat_path(leaves), rest)
+def _read_all(path):
+  return {name: handle.read() for name, handle in open_safetensors(path).items()}
 
 
 @functools.partial(nnx.jit, static_argnames=("num_cached",))
@@ -88,7 +51,7 @@ def _assert_same_params(a, b):
 
 @pytest.fixture
 def ds32_dir(tmp_path):
-  model = _random_model(_config("ds32"))
+  model = random_model(small_config("ds32"))
   save_pretrained(model, tmp_path / "ckpt")
   return model, tmp_path / "ckpt"
 
@@ -98,7 +61,7 @@ def ds32_dir(tmp_path):
 @pytest.mark.parametrize("kind,model_type", [("ds32", "deepseek_v32"), ("glm", "glm_moe_dsa"),
                                              ("v3", "deepseek_v3")])
 def test_round_trip_runs_and_is_bitwise(tmp_path, kind, model_type):
-  source = _random_model(_config(kind), seed=1)
+  source = random_model(small_config(kind), seed=1)
   save_pretrained(source, tmp_path / "a")
   hf = json.loads((tmp_path / "a" / "config.json").read_text())
   assert hf["model_type"] == model_type
@@ -118,7 +81,7 @@ def test_round_trip_runs_and_is_bitwise(tmp_path, kind, model_type):
 
 def test_handwritten_glm52_style_config_with_mtp_keys(tmp_path):
   """HF style by hand: nested rope_theta, indexer_types, head_dim = rope dim, an MTP layer."""
-  expected = _config("glm")
+  expected = small_config("glm")
   hf = {
       "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
       "dtype": "bfloat16", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
@@ -130,18 +93,18 @@ def test_handwritten_glm52_style_config_with_mtp_keys(tmp_path):
       "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"},
       "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1,
       "topk_group": 1, "moe_intermediate_size": 32, "routed_scaling_factor": 2.5,
-      "norm_topk_prob": True, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+      "norm_topk_prob": True, "mlp_layer_types": ["dense", "sparse", "sparse"],
       "index_n_heads": 2, "index_head_dim": 32, "index_topk": TOPK,
       "index_topk_pattern": None, "indexer_types": ["full", "shared", "full", "full"],
       "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 0,
   }
   assert config_from_hf(hf) == expected
-  source = _random_model(expected, seed=2, round_to=ml_dtypes.bfloat16)
+  source = random_model(expected, seed=2, round_to=ml_dtypes.bfloat16)
   tensors = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in hf_params(source).items()}
   assert not any(".1.self_attn.indexer." in k for k in tensors)  # shared: no indexer weights
   tensors["model.layers.3.eh_proj.weight"] = np.ones((64, 128), ml_dtypes.bfloat16)
   tensors["model.layers.3.self_attn.indexer.wk.weight"] = np.ones((7,), ml_dtypes.bfloat16)
-  save_file(tensors, tmp_path / "model.safetensors", {"format": "pt"})
+  write_safetensors(tensors, tmp_path / "model.safetensors", {"format": "pt"})
   (tmp_path / "config.json").write_text(json.dumps(hf))
   loaded = load_pretrained(tmp_path)
   _assert_same_params(source, loaded)
@@ -155,11 +118,15 @@ def test_sharded_checkpoint(tmp_path, ds32_dir):
   shards = sorted(set(index["weight_map"].values()))
   assert len(shards) > 2 and not (tmp_path / "s" / "model.safetensors").exists()
   _assert_same_params(source, load_pretrained(tmp_path / "s"))
+  index_file = tmp_path / "s" / "model.safetensors.index.json"
+  good = index_file.read_text()
   index["weight_map"]["lm_head.weight"] = shards[-1] if index["weight_map"][
       "lm_head.weight"] != shards[-1] else shards[0]
-  (tmp_path / "s" / "model.safetensors.index.json").write_text(json.dumps(index))
-  with pytest.raises(CheckpointError, match="lm_head.weight"):
+  index_file.write_text(json.dumps(index))
+  with pytest.raises(CheckpointError, match="places tensor 'lm_head.weight' in .*which does "
+                                            "not hold it"):
     load_pretrained(tmp_path / "s")
+  index_file.write_text(good)
   (tmp_path / "s" / shards[1]).unlink()
   with pytest.raises(CheckpointError, match=f"shard '{shards[1]}' does not exist"):
     load_pretrained(tmp_path / "s")
@@ -173,8 +140,8 @@ def test_dtype_cast_keeps_router_and_weights_proj_fp32(tmp_path, ds32_dir):
   assert fp32 == {n for n in dtypes if n.endswith(("weights_proj.weight", "mlp.gate.weight",
                                                    "e_score_correction_bias"))}
   save_pretrained(model, tmp_path / "bf16")
-  assert SafetensorsFile(tmp_path / "bf16" / "model.safetensors").info(
-      "lm_head.weight").dtype == "BF16"
+  assert open_safetensors(tmp_path / "bf16" / "model.safetensors")[
+      "lm_head.weight"].st_dtype == "BF16"
   _assert_same_params(model, load_pretrained(tmp_path / "bf16", dtype=jnp.bfloat16))
 
 
@@ -215,7 +182,7 @@ def test_fp8_block_dequantization_ragged_edges():
 
 def test_fp8_checkpoint_loads_dequantized(tmp_path, ds32_dir):
   source, path = ds32_dir
-  tensors = load_file(path / "model.safetensors")
+  tensors = _read_all(path / "model.safetensors")
   expected = dict(tensors)
   for name in [n for n in tensors if n.endswith("proj.weight") and "weights_proj" not in n]:
     q, scale = _quantize(tensors[name], block=16)
@@ -224,13 +191,13 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path, ds32_dir):
   hf = json.loads((path / "config.json").read_text())
   hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
   (tmp_path / "config.json").write_text(json.dumps(hf))
-  save_file(tensors, tmp_path / "model.safetensors")
+  write_safetensors(tensors, tmp_path / "model.safetensors")
   loaded = hf_params(load_pretrained(tmp_path))
   for name, value in expected.items():
     np.testing.assert_array_equal(np.asarray(loaded[name]), value, err_msg=name)
   del tensors["lm_head.weight"]
   tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = np.ones((3, 3), np.float32)
-  save_file(tensors, tmp_path / "model.safetensors")
+  write_safetensors(tensors, tmp_path / "model.safetensors")
   with pytest.raises(CheckpointError) as err:
     load_pretrained(tmp_path)
   assert "lm_head.weight" in str(err.value) and "(3, 3) != expected (4, 2)" in str(err.value)
@@ -240,11 +207,11 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path, ds32_dir):
 
 def test_all_mismatches_reported_together(tmp_path, ds32_dir):
   _, path = ds32_dir
-  tensors = load_file(path / "model.safetensors")
+  tensors = _read_all(path / "model.safetensors")
   del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
   tensors["model.layers.0.self_attn.bogus.weight"] = np.zeros((2, 2), np.float32)
   tensors["model.layers.0.self_attn.q_a_proj.weight"] = np.zeros((32, 65), np.float32)
-  save_file(tensors, tmp_path / "model.safetensors")
+  write_safetensors(tensors, tmp_path / "model.safetensors")
   (tmp_path / "config.json").write_text((path / "config.json").read_text())
   with pytest.raises(CheckpointError) as err:
     load_pretrained(tmp_path)
@@ -260,12 +227,15 @@ def test_unknown_model_type_and_unsupported_fields(tmp_path, ds32_dir):
   hf = json.loads((path / "config.json").read_text())
   for change, pattern in [({"model_type": "llama"}, "deepseek_v32, glm_moe_dsa, deepseek_v3"),
                           ({"tie_word_embeddings": True}, "untied"),
-                          ({"q_lora_rank": None}, "q_lora_rank=null"),
+                          ({"q_lora_rank": None}, "'q_lora_rank' is null; HF's "
+                                                  "DeepseekV32Config requires an int"),
                           ({"hidden_act": "gelu"}, "hidden_act"),
-                          ({"qk_head_dim": 48}, "qk_head_dim=48"),
+                          ({"num_key_value_heads": 1}, "num_key_value_heads=1"),
+                          ({"attention_bias": True}, "attention_bias"),
+                          ({"hidden_size": "64"}, "'hidden_size' must be an int"),
                           ({"num_hidden_layers": None}, "num_hidden_layers"),
                           ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1.0}},
-                           "rope_type 'linear'")]:
+                           "rope_type='linear' is not supported")]:
     (tmp_path / "config.json").write_text(json.dumps({**hf, **change}))
     with pytest.raises(CheckpointError, match=pattern) as err:
       load_pretrained(tmp_path)
@@ -282,38 +252,6 @@ def test_pickle_only_directory_refused(tmp_path, ds32_dir):
     load_pretrained(tmp_path)
 
 
-def _raw_file(path, header, data=b"", header_len=None):
-  raw = json.dumps(header).encode() if isinstance(header, dict) else header
-  size = len(raw) if header_len is None else header_len
-  path.write_bytes(size.to_bytes(8, "little") + raw + data)
-  return path
-
-
-@pytest.mark.parametrize("header,data,header_len,pattern", [
-    (b"", b"", 5, "exceeds the file"),
-    (b"{not json", b"", None, "corrupt JSON header"),
-    ({"w": {"dtype": "F7", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None,
-     "'w': unknown dtype 'F7'"),
-    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None,
-     r"'w': shape \(3,\) of F32 needs 12 bytes"),
-    ({"w": {"dtype": "F32", "shape": [25], "data_offsets": [0, 100]}}, b"\0" * 8, None,
-     "'w': data_offsets .* run past the data buffer"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None,
-     "'b' overlaps tensor 'a'"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-      "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12, None,
-     "belong to no tensor"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8, None,
-     "cover only 4"),
-])
-def test_corrupt_safetensors(tmp_path, header, data, header_len, pattern):
-  path = _raw_file(tmp_path / "bad.safetensors", header, data, header_len)
-  with pytest.raises(CheckpointError, match=pattern) as err:
-    SafetensorsFile(path)
-  assert "bad.safetensors" in str(err.value)
-
-
 def test_truncated_safetensors(tmp_path, ds32_dir):
   _, path = ds32_dir
   raw = (path / "model.safetensors").read_bytes()
@@ -325,32 +263,10 @@ def test_truncated_safetensors(tmp_path, ds32_dir):
     assert "model.safetensors" in str(err.value)
 
 
-def test_safetensors_dtypes_round_trip(tmp_path):
-  rng = np.random.default_rng(0)
-  tensors = {"f32": rng.standard_normal((3, 2)).astype(np.float32),
-             "f16": rng.standard_normal(4).astype(np.float16),
-             "bf16": rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16),
-             "f8": rng.standard_normal((2, 3)).astype(ml_dtypes.float8_e4m3fn),
-             "i32": np.arange(5, dtype=np.int32), "i64": np.arange(3, dtype=np.int64),
-             "u8": np.arange(4, dtype=np.uint8), "bool": np.array([True, False]),
-             "empty": np.zeros((0, 4), np.float32), "be": np.arange(3, dtype=">f4")}
-  save_file(tensors, tmp_path / "t.safetensors", {"format": "pt"})
-  raw = (tmp_path / "t.safetensors").read_bytes()
-  header_len = int.from_bytes(raw[:8], "little")
-  assert header_len % 8 == 0 and list(json.loads(raw[8:8 + header_len])) == [
-      "__metadata__", *sorted(tensors)]
-  for mmap in (False, True):
-    back = load_file(tmp_path / "t.safetensors", mmap=mmap)
-    for name, value in tensors.items():
-      assert back[name].dtype == value.dtype.newbyteorder("<"), name
-      np.testing.assert_array_equal(back[name], value, err_msg=name)
-  assert SafetensorsFile(tmp_path / "t.safetensors").metadata == {"format": "pt"}
-
-
 # ---- config mapping -----------------------------------------------------------------------
 
 def _hf(kind="glm", **changes):
-  hf = config_to_hf(_config(kind))
+  hf = config_to_hf(small_config(kind))
   for key, value in changes.items():
     if value is None:
       hf.pop(key, None)
@@ -368,11 +284,16 @@ def test_indexer_rope_interleave_default_and_override():
   assert config_from_hf(_hf("v3")).mla.indexer is None
 
 
-def test_rope_theta_locations_and_yarn():
+def test_rope_theta_locations_and_yarn(caplog):
+  caplog.set_level(logging.WARNING, logger="mla_jax")
   assert config_from_hf(_hf(rope_parameters={"rope_theta": 8e6})).mla.rope == RopeConfig(8e6)
   assert config_from_hf(_hf(rope_parameters=None, rope_theta=5e5)).mla.rope == RopeConfig(5e5)
-  with pytest.raises(CheckpointError, match="rope_theta"):
-    config_from_hf(_hf(rope_parameters={"rope_theta": 1e4}, rope_theta=2e4))
+  assert config_from_hf(_hf(rope_parameters=None)).mla.rope == RopeConfig(10000.0)  # HF default
+  assert not caplog.records
+  # Both given and different: the nested value wins, as in HF, with a warning.
+  assert config_from_hf(_hf(rope_parameters={"rope_theta": 1e4}, rope_theta=2e4)
+                        ).mla.rope == RopeConfig(1e4)
+  assert "top-level rope_theta=20000.0 is ignored" in caplog.text
   legacy = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
   rope = config_from_hf(_hf(rope_parameters=None, rope_theta=10000, rope_scaling=legacy)).mla.rope
@@ -386,7 +307,8 @@ def test_rope_theta_locations_and_yarn():
 
 def test_indexer_schedules():
   def types(**fields):
-    base = {"indexer_types": None, "num_hidden_layers": 10, "mlp_layer_types": None}
+    base = {"indexer_types": None, "num_hidden_layers": 10, "mlp_layer_types": None,
+            "layer_types": None}
     return config_from_hf(_hf(**{**base, **fields})).indexer_types
 
   # GLM-5.2's freq 4 / offset 3: layers 0-2 full, then every 4th from layer 6.
@@ -408,13 +330,13 @@ def test_mlp_layer_types_and_head_dim():
   assert config_from_hf(_hf(first_k_dense_replace=None)).first_k_dense_replace == 1
   assert config_from_hf(_hf(mlp_layer_types=None, first_k_dense_replace=2)
                         ).first_k_dense_replace == 2
-  with pytest.raises(CheckpointError, match="'dense' layers then 'sparse'"):
+  with pytest.raises(CheckpointError, match="the 'dense' layers then the 'sparse' ones"):
     config_from_hf(_hf(mlp_layer_types=["sparse", "dense", "sparse"]))
-  assert config_from_hf(_hf(head_dim=99)) == _config("glm")  # HF's head_dim is ignored
+  assert config_from_hf(_hf(head_dim=99)) == small_config("glm")  # HF's head_dim is ignored
 
 
 def test_config_to_hf_refuses_what_hf_cannot_express():
-  config = _config("ds32")
+  config = small_config("ds32")
   odd = dataclasses.replace(config, mla=dataclasses.replace(
       config.mla, indexer=dataclasses.replace(config.mla.indexer, norm_eps=1e-5)))
   with pytest.raises(ValueError, match="indexer.norm_eps"):
@@ -422,6 +344,15 @@ def test_config_to_hf_refuses_what_hf_cannot_express():
   with pytest.raises(ValueError, match="does not fit a model with an indexer"):
     config_to_hf(config, "deepseek_v3")
   assert config_to_hf(config, "glm_moe_dsa")["indexer_rope_interleave"] is False
+  # HF's latent norms use eps 1e-6 whatever rms_norm_eps says (vLLM/SGLang differ).
+  vllm_like = dataclasses.replace(config, mla=dataclasses.replace(config.mla,
+                                                                  latent_norm_eps=1e-5))
+  with pytest.raises(ValueError, match="latent_norm_eps=1e-05 cannot be expressed"):
+    config_to_hf(vllm_like)
+  shared = dataclasses.replace(config, indexer_types=("full", "shared"))
+  with pytest.raises(ValueError, match="use model_type='glm_moe_dsa'"):
+    config_to_hf(shared, "deepseek_v32")
+  assert config_from_hf(config_to_hf(shared)) == shared  # glm_moe_dsa by default
 
 
 # ---- GLM IndexShare semantics after loading ------------------------------------------------
@@ -447,7 +378,7 @@ def _unrolled(model, ids):
 
 
 def test_glm_shared_layers_use_the_full_layers_topk(tmp_path):
-  save_pretrained(_random_model(_config("glm"), seed=3), tmp_path)
+  save_pretrained(random_model(small_config("glm"), seed=3), tmp_path)
   model = load_pretrained(tmp_path)
   assert [model.layer_module(i).self_attn.indexer is None for i in range(3)] == [False, True,
                                                                                 False]
@@ -461,7 +392,7 @@ def test_glm_shared_layers_use_the_full_layers_topk(tmp_path):
 def test_dense_capable_short_prefill_matches_mqa_only(tmp_path):
   """All layers take dense MHA for T <= top-k; the next decode step must still see the
   indexer keys that prefill wrote (no stale or missing indices in the shared layer)."""
-  save_pretrained(_random_model(_config("glm"), seed=5), tmp_path)
+  save_pretrained(random_model(small_config("glm"), seed=5), tmp_path)
   ids = _ids(12, seed=6)
   reference = _logits(load_pretrained(tmp_path), ids)  # mqa-only; causal, so prefixes agree
   model = load_pretrained(tmp_path, attention="dense-capable")

@@ -25,7 +25,8 @@ def test_softmax_scales_match_spec():
 
 @pytest.mark.parametrize("field, value", [
     ("num_heads", 0), ("kv_lora_rank", -4), ("qk_rope_head_dim", 15), ("hidden_size", 1.5),
-    ("rms_norm_eps", 0.0), ("max_position_embeddings", 0), ("indexer", "yes"),
+    ("latent_norm_eps", 0.0), ("latent_norm_eps", float("inf")), ("latent_norm_eps", True),
+    ("max_position_embeddings", 0), ("indexer", "yes"),
 ])
 def test_mla_config_rejects_bad_field(field, value):
   with pytest.raises(ValueError, match=field):
@@ -38,6 +39,38 @@ def test_mla_config_rejects_bad_field(field, value):
 def test_indexer_config_rejects_bad_field(field, value):
   with pytest.raises(ValueError, match=f"indexer.{field}"):
     dataclasses.replace(m.IndexerConfig(), **{field: value})
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda v: m.RopeConfig(theta=v), "rope.theta"),
+    (lambda v: m.YarnConfig(factor=v), "yarn.factor"),
+    (lambda v: m.YarnConfig(beta_fast=v), "yarn.beta_fast"),
+    (lambda v: m.YarnConfig(mscale=v), "yarn.mscale"),
+    (lambda v: m.YarnConfig(mscale_all_dim=v), "yarn.mscale_all_dim"),
+    (lambda v: m.IndexerConfig(norm_eps=v), "indexer.norm_eps"),
+    (lambda v: dataclasses.replace(m.tiny(), latent_norm_eps=v), "latent_norm_eps"),
+    (lambda v: dataclasses.replace(tiny_lm(), rms_norm_eps=v), "rms_norm_eps"),
+    (lambda v: MoEConfig(num_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+                         routed_scaling_factor=v),
+     "moe.routed_scaling_factor"),
+])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -float("inf")])
+def test_non_finite_floats_are_refused(build, field, value):
+  with pytest.raises(ValueError, match=f"{field} must be .*finite"):
+    build(value)
+
+
+def test_bools_are_not_numbers_or_counts():
+  with pytest.raises(ValueError, match="moe.n_shared_experts"):
+    MoEConfig(num_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+              n_shared_experts=True)
+  with pytest.raises(ValueError, match="moe.norm_topk_prob"):
+    MoEConfig(num_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+              norm_topk_prob=1)
+  with pytest.raises(ValueError, match="first_k_dense_replace"):
+    dataclasses.replace(tiny_lm(), first_k_dense_replace=False)
+  with pytest.raises(ValueError, match="rope.theta"):
+    m.RopeConfig(theta=True)
 
 
 def test_indexer_head_dim_must_hold_rope():

@@ -10,6 +10,10 @@ from mla_jax.config import (IndexerConfig, MLAConfig, RopeConfig, YarnConfig, _p
 ATTENTION_KINDS = ("mqa-only", "dense-capable")
 
 
+def _int_at_least(value, low: int) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   """DeepSeek MoE (SPEC.md section 11): sigmoid router, group-limited top-k, shared experts."""
@@ -27,8 +31,8 @@ class MoEConfig:
     for field in ("num_experts", "num_experts_per_tok", "n_group", "topk_group",
                   "moe_intermediate_size"):
       _positive_int(f"moe.{field}", getattr(self, field))
-    _require(isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0,
-             "moe.n_shared_experts", self.n_shared_experts, "an int >= 0")
+    _require(_int_at_least(self.n_shared_experts, 0), "moe.n_shared_experts",
+             self.n_shared_experts, "an int >= 0")
     _require(self.num_experts % self.n_group == 0, "moe.n_group", self.n_group,
              f"a divisor of num_experts ({self.num_experts})")
     _require(self.topk_group <= self.n_group, "moe.topk_group", self.topk_group,
@@ -38,6 +42,8 @@ class MoEConfig:
              self.num_experts_per_tok, f"<= topk_group * experts per group "
              f"({self.topk_group * per_group})")
     _positive_float("moe.routed_scaling_factor", self.routed_scaling_factor)
+    _require(isinstance(self.norm_topk_prob, bool), "moe.norm_topk_prob", self.norm_topk_prob,
+             "a bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +73,8 @@ class ModelConfig:
       _positive_int(field, getattr(self, field))
     _require(self.moe is None or isinstance(self.moe, MoEConfig), "moe", self.moe,
              "a MoEConfig or None")
-    _require(isinstance(self.first_k_dense_replace, int) and self.first_k_dense_replace >= 0,
-             "first_k_dense_replace", self.first_k_dense_replace, "an int >= 0")
+    _require(_int_at_least(self.first_k_dense_replace, 0), "first_k_dense_replace",
+             self.first_k_dense_replace, "an int >= 0")
     _require(self.attention in ATTENTION_KINDS, "attention", self.attention,
              f"one of {ATTENTION_KINDS}")
     _positive_float("rms_norm_eps", self.rms_norm_eps)
