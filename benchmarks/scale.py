@@ -1,0 +1,159 @@
+"""Scale-out measurements on CPU: compile time against depth, MoE time against experts, decode
+on 1 vs 8 host devices. Every table is measured side by side in one run.
+
+  python benchmarks/scale.py [--quick]
+
+The script gives itself 8 CPU host devices (XLA_FLAGS, set before jax is imported). They
+share this machine's cores, so the multi-device rows measure the cost of partitioning and
+collectives, not a speed-up; see the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mla_jax import sharding  # noqa: E402
+from mla_jax.backends import XlaBackend  # noqa: E402
+from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig  # noqa: E402
+from mla_jax.generation import generate  # noqa: E402
+from mla_jax.models.config import ModelConfig, MoEConfig, small_lm  # noqa: E402
+from mla_jax.models.lm import CausalLM  # noqa: E402
+from mla_jax.models.moe import MoE  # noqa: E402
+
+
+def narrow_config(num_layers: int) -> ModelConfig:
+  """A narrow DeepSeek-shaped model: 3 dense-MLP layers, then MoE layers."""
+  mla = MLAConfig(hidden_size=64, num_heads=2, q_lora_rank=32, kv_lora_rank=32,
+                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                  rope=RopeConfig(), max_position_embeddings=1024,
+                  indexer=IndexerConfig(num_heads=2, head_dim=32, topk=16))
+  return ModelConfig(mla=mla, vocab_size=264, num_layers=num_layers, intermediate_size=128,
+                     moe=MoEConfig(num_experts=8, num_experts_per_tok=2, n_group=1,
+                                   topk_group=1, moe_intermediate_size=32),
+                     first_k_dense_replace=3)
+
+
+def compile_seconds(num_layers: int, scan: bool) -> float:
+  config = narrow_config(num_layers)
+  model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend="xla",
+                                          scan_layers=scan))
+  graphdef, state = nnx.split(model)
+  caches = jax.eval_shape(lambda: model.init_cache(1, 64))
+  ids = jax.ShapeDtypeStruct((1, 32), jnp.int32)
+  fn = jax.jit(lambda s, i, c: nnx.merge(graphdef, s)(i, c, num_cached_tokens=0))
+  t0 = time.perf_counter()
+  fn.lower(state, ids, caches).compile()
+  return time.perf_counter() - t0
+
+
+def table_compile(depths) -> None:
+  print("\n### Compile time of a prefill step against depth (narrow config, seconds)\n")
+  print("| layers | scanned groups | scanned s | unrolled s | unrolled / scanned |")
+  print("|---|---|---|---|---|")
+  for depth in depths:
+    scanned, unrolled = compile_seconds(depth, True), compile_seconds(depth, False)
+    groups = len(CausalLM(narrow_config(depth), rngs=nnx.Rngs(0), backend="xla").layer_groups) \
+        if depth <= 16 else 2
+    print(f"| {depth} | {groups} | {scanned:.2f} | {unrolled:.2f} | {unrolled / scanned:.1f} |")
+
+
+def timed(fn, *args, repeats: int) -> float:
+  """Median seconds of ``repeats`` warm calls."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _all_experts(moe: MoE, x_BTD):
+  """What the model did before the grouped matmul: every expert on every token."""
+  x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
+  idx_TK, weights_TK = moe.gate(x_TD)
+  combine_TE = jnp.zeros((x_TD.shape[0], moe.experts.gate_proj.shape[0]), jnp.float32)
+  combine_TE = combine_TE.at[jnp.arange(x_TD.shape[0])[:, None], idx_TK].set(weights_TK)
+  gate = jnp.einsum("td,efd->tef", x_TD, moe.experts.gate_proj[...])
+  up = jnp.einsum("td,efd->tef", x_TD, moe.experts.up_proj[...])
+  h = jax.nn.silu(gate) * up * combine_TE[:, :, None]
+  return jnp.einsum("tef,edf->td", h, moe.experts.down_proj[...])
+
+
+def table_moe(expert_counts, tokens: int, repeats: int) -> None:
+  hidden, ffn, top = 256, 128, 8
+  print(f"\n### MoE layer against the number of experts ({tokens} tokens, top-{top}, "
+        f"D {hidden}, F {ffn}; median ms of {repeats} warm runs)\n")
+  print("| experts | tiled ms | ragged_dot ms | all experts ms | tiled GFLOP (XLA) | "
+        "ragged_dot GFLOP | all experts GFLOP |")
+  print("|---|---|---|---|---|---|---|")
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, tokens, hidden)), jnp.float32)
+  for num_experts in expert_counts:
+    cfg = MoEConfig(num_experts=num_experts, num_experts_per_tok=top, n_group=1, topk_group=1,
+                    n_shared_experts=0, moe_intermediate_size=ffn)
+    row = []
+    flops = []
+    for impl in ("tiled", "ragged_dot", "all"):
+      backend = XlaBackend(grouped_matmul="tiled" if impl == "all" else impl)
+      moe = MoE(hidden, cfg, rngs=nnx.Rngs(0), backend=backend)
+      graphdef, state = nnx.split(moe)
+      body = (lambda s, x: _all_experts(nnx.merge(graphdef, s), x)) if impl == "all" else \
+          (lambda s, x: nnx.merge(graphdef, s)(x))
+      fn = jax.jit(body)
+      cost = fn.lower(state, x).compile().cost_analysis()
+      flops.append((cost[0] if isinstance(cost, list) else cost)["flops"] / 1e9)
+      row.append(timed(fn, state, x, repeats=repeats) * 1e3)
+    print(f"| {num_experts} | {row[0]:.1f} | {row[1]:.1f} | {row[2]:.1f} | {flops[0]:.2f} | "
+          f"{flops[1]:.2f} | {flops[2]:.2f} |")
+
+
+def table_decode(new_tokens: int) -> None:
+  batch = 8
+  print(f"\n### Decode on 1 vs 8 CPU host devices (small preset, batch {batch}, "
+        f"{new_tokens} new tokens; the 8 devices share the same 2 cores)\n")
+  print("| mesh | devices | decode tok/s | vs 1 device |")
+  print("|---|---|---|---|")
+  prompts = np.random.default_rng(0).integers(0, 256, (batch, 32)).tolist()
+  base = None
+  for spec in (None, "data=8,tensor=1,expert=1", "data=1,tensor=8,expert=1",
+               "data=2,tensor=2,expert=2"):
+    mesh = sharding.make_mesh(spec) if spec else None
+    model = CausalLM(small_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+    generate(model, prompts, new_tokens)  # compile
+    rates = [generate(model, prompts, new_tokens).decode_tokens_per_s for _ in range(2)]
+    rate = max(rates)
+    base = base or rate
+    print(f"| {spec or 'none'} | {1 if mesh is None else 8} | {rate:.0f} | {rate / base:.2f} |")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+  args = parser.parse_args()
+  print(f"jax {jax.__version__}, {jax.device_count()} host devices, "
+        f"{os.cpu_count()} CPU cores")
+  if args.quick:
+    table_compile((4, 8))
+    table_moe((8, 64), tokens=64, repeats=3)
+    table_decode(new_tokens=8)
+  else:
+    table_compile((4, 16, 61))
+    table_moe((8, 64, 256), tokens=512, repeats=10)
+    table_decode(new_tokens=32)
+
+
+if __name__ == "__main__":
+  main()
