@@ -36,26 +36,26 @@ class Backend(abc.ABC):
       )
 
   @abc.abstractmethod
-  def _sparse_mqa(self, q_THD, kv_SD, topk_TK, *, sm_scale, d_v):
+  def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
     """Per-sequence sparse MQA; see ``pallas_kernels.sparse_mqa_reference``."""
 
   @abc.abstractmethod
   def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T):
     """Per-sequence indexer logits; see ``pallas_kernels.indexer_logits_reference``."""
 
-  def _dense_mha(self, q_THD, k_SHD, v_SHV, *, sm_scale, q_offset, kv_len):
+  def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     raise NotImplementedError(f"backend {self.name!r} has no dense MHA prefill kernel")
 
-  def sparse_mqa(self, q_BTHD, kv_BSD, topk_BTK, *, sm_scale: float, d_v: int):
+  def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int):
     """Returns ``(out_BTHV, lse_BTH)`` with natural-log LSE; invalid indices are -1 or >= S."""
     fn = lambda q, kv, idx: self._sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v)
-    return jax.vmap(fn)(q_BTHD, kv_BSD, topk_BTK)
+    return jax.vmap(fn)(q_BTHL, kv_BSL, topk_BTK)
 
   def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT):
     """Returns float32 logits [B, T, S], -inf outside each row's ``[start, end)`` window."""
     return jax.vmap(self._indexer_logits)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT)
 
-  def dense_mha(self, q_BTHD, k_BSHD, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
+  def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
     """Causal attention; query t of sequence b sits at position ``q_offset_B[b] + t``."""
     fn = lambda q, k, v, off, n: self._dense_mha(q, k, v, sm_scale=sm_scale, q_offset=off, kv_len=n)
-    return jax.vmap(fn)(q_BTHD, k_BSHD, v_BSHV, q_offset_B, kv_len_B)
+    return jax.vmap(fn)(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)
