@@ -85,6 +85,11 @@ def int32_scalar(op: str, name: str, x):
   return jnp.asarray(x, jnp.int32)
 
 
+def kernel_config(op: str, config, cls) -> None:
+  if config is not None and not isinstance(config, cls):
+    raise TypeError(f"{op}: config must be a {cls.__name__} or None, got {type(config).__name__}")
+
+
 def no_attention(num_tokens: int, num_heads: int, width: int, dtype):
   """What every query row gives when it sees no key: out 0 and natural-log LSE +inf."""
   return (jnp.zeros((num_tokens, num_heads, width), dtype),

@@ -151,7 +151,8 @@ def _dense_mha_kernel(
     p_QK = jnp.exp(logits_QK - m_new_Q[:, None])
     alpha_Q = jnp.exp(m_Q - m_new_Q)
     v_chunks_KC = [
-        _compat.load(v_ref.at[pl.ds(start, block_k), pl.ds(c0, cw)], mask=col_mask_K[:, None], other=0)
+        _compat.load(v_ref.at[pl.ds(start, block_k), pl.ds(c0, cw)], mask=col_mask_K[:, None],
+                     other=0)
         for c0, cw in v_chunks
     ]
     if masked:  # zero hidden rows' NaN/inf for the dot; queries that see one get p = NaN
@@ -187,7 +188,8 @@ def _dense_mha_kernel(
   safe_l_Q = jnp.where(empty_Q, 1.0, l_Q)
   for (c0, cw), acc_QC in zip(v_chunks, accs):
     out_QC = acc_QC / safe_l_Q[:, None]
-    _compat.store(out_ref.at[:, pl.ds(c0, cw)], out_QC.astype(out_ref.dtype), mask=row_mask_Q[:, None])
+    _compat.store(out_ref.at[:, pl.ds(c0, cw)], out_QC.astype(out_ref.dtype),
+                  mask=row_mask_Q[:, None])
   lse_Q = jnp.where(empty_Q, jnp.inf, m_Q + jnp.log(safe_l_Q))
   _compat.store(lse_ref, lse_Q, mask=row_mask_Q)
 
@@ -196,10 +198,9 @@ def dense_mha(
     q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len,
     config: DenseMHAKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton causal flash attention; same contract (and checks) as :func:`dense_mha_reference`."""
+  """Pallas-Triton causal flash attention with the contract and checks of the reference."""
   sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len)
-  if config is not None and not isinstance(config, DenseMHAKernelConfig):
-    raise TypeError(f"dense_mha: config must be a DenseMHAKernelConfig, got {type(config).__name__}")
+  _checks.kernel_config("dense_mha", config, DenseMHAKernelConfig)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
   meta = jnp.stack([q_offset, kv_len])

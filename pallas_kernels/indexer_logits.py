@@ -142,11 +142,9 @@ def indexer_logits(
     q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
     config: IndexerLogitsKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton indexer logits; same contract (and checks) as :func:`indexer_logits_reference`."""
+  """Pallas-Triton indexer logits; the contract and checks of :func:`indexer_logits_reference`."""
   validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
-  if config is not None and not isinstance(config, IndexerLogitsKernelConfig):
-    raise TypeError("indexer_logits: config must be an IndexerLogitsKernelConfig, got "
-                    f"{type(config).__name__}")
+  _checks.kernel_config("indexer_logits", config, IndexerLogitsKernelConfig)
   if (empty := _nothing_to_score(q_TGI, k_SI)) is not None:
     return empty
   (T, G, I), S = q_TGI.shape, k_SI.shape[0]

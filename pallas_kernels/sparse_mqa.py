@@ -163,14 +163,13 @@ def sparse_mqa(
     q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int,
     config: SparseMQAKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton sparse MQA; same contract (and checks) as :func:`sparse_mqa_reference`.
+  """Pallas-Triton sparse MQA; the contract and checks of :func:`sparse_mqa_reference`.
 
   The returned LSE is natural-log (any exp2 trick stays inside the kernel). Empty rows give
   out 0 and LSE +inf. ``config`` defaults to ``SparseMQAKernelConfig.default_for``.
   """
   sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
-  if config is not None and not isinstance(config, SparseMQAKernelConfig):
-    raise TypeError(f"sparse_mqa: config must be a SparseMQAKernelConfig, got {type(config).__name__}")
+  _checks.kernel_config("sparse_mqa", config, SparseMQAKernelConfig)
   if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
     return empty
   (T, H, L), (S, _), K = q_THL.shape, kv_SL.shape, topk_TK.shape[1]
