@@ -51,8 +51,13 @@ def int32_array(op: str, name: str, x) -> None:
 
 
 def positive_float(op: str, name: str, x) -> float:
-  """A finite positive real Python or NumPy scalar (kernels bake it in as a constant)."""
-  if isinstance(x, bool) or not isinstance(x, numbers.Real):
+  """A finite positive real scalar, concrete (kernels bake it in as a constant)."""
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(f"{op}: {name} must be a concrete float, not a traced value")
+  dtype = getattr(x, "dtype", None)
+  is_real_array = (getattr(x, "shape", None) == () and dtype is not None
+                   and jnp.issubdtype(dtype, jnp.floating))
+  if isinstance(x, bool) or not (isinstance(x, numbers.Real) or is_real_array):
     raise TypeError(f"{op}: {name} must be a float, got {type(x).__name__}")
   value = float(x)
   if not (math.isfinite(value) and value > 0):

@@ -155,10 +155,12 @@ def _dense_mha_kernel(
                      other=0)
         for c0, cw in v_chunks
     ]
-    if masked:  # zero hidden rows' NaN/inf for the dot; queries that see one get p = NaN
+    if masked:
       sanitized = [_sanitize_values(v_KC) for v_KC in v_chunks_KC]
       v_chunks_KC = [v_KC for v_KC, _ in sanitized]
       bad_K = functools.reduce(jnp.logical_or, [bad_K for _, bad_K in sanitized])
+      # Hidden pairs get p = 0 (also keeping fully masked rows at 0 while m_new is still the
+      # mask value); a visible row that held NaN/inf gets the NaN weight.
       p_QK = jnp.where(visible_QK, jnp.where(bad_K[None, :], jnp.nan, p_QK), 0.0)
     new_accs = tuple(
         acc_QC * alpha_Q[:, None] + jnp.dot(
@@ -187,9 +189,8 @@ def _dense_mha_kernel(
   empty_Q = l_Q == 0.0
   safe_l_Q = jnp.where(empty_Q, 1.0, l_Q)
   for (c0, cw), acc_QC in zip(v_chunks, accs):
-    out_QC = acc_QC / safe_l_Q[:, None]
-    _compat.store(out_ref.at[:, pl.ds(c0, cw)], out_QC.astype(out_ref.dtype),
-                  mask=row_mask_Q[:, None])
+    out_QC = (acc_QC / safe_l_Q[:, None]).astype(out_ref.dtype)
+    _compat.store(out_ref.at[:, pl.ds(c0, cw)], out_QC, mask=row_mask_Q[:, None])
   lse_Q = jnp.where(empty_Q, jnp.inf, m_Q + jnp.log(safe_l_Q))
   _compat.store(lse_ref, lse_Q, mask=row_mask_Q)
 

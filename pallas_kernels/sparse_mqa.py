@@ -3,8 +3,8 @@
 Kernel layout (STYLE.md sections 9-10): one program handles ``block_h`` query heads of one token,
 so heads are the M dimension of every dot and each gathered latent row is loaded once per
 program, not once per head. The program walks the token's top-k row ``block_k`` indices at a
-time: clamp, gather ``kv[idx]``, replace the rows of invalid slots (-1 / >= S) by zeros and
-their logits by a finite negative, online softmax in fp32.
+time: clamp, gather ``kv[idx]``, replace the logits of invalid slots (-1 / >= S) by a finite
+negative and their values by zeros, online softmax in fp32.
 The 576-wide rows are split into power-of-two column chunks (512 latent + 64 rope) with separate
 dots, so no tile is padded to 1024. Head counts that are not a multiple of ``block_h`` overhang
 the block and are masked; arrays are never padded.
@@ -124,8 +124,9 @@ def _sparse_mqa_kernel(
     safe_K = jnp.where(valid_K, idx_K, 0)
     logits_HK = None
     for (c0, cw), q_HC in zip(qk_chunks, q_chunks):
+      rows_KC = kv_ref[safe_K, pl.ds(c0, cw)]
       part_HK = jax.lax.dot_general(
-          q_HC, kv_ref[safe_K, pl.ds(c0, cw)], (((1,), (1,)), ((), ())),
+          q_HC, rows_KC, (((1,), (1,)), ((), ())),
           preferred_element_type=jnp.float32, precision=precision,
       )
       logits_HK = part_HK if logits_HK is None else logits_HK + part_HK

@@ -49,6 +49,7 @@ BAD_INPUTS = [
     ("sparse_mqa", "sm_scale_nan", dict(sm_scale=float("nan")), ValueError, "sm_scale"),
     ("sparse_mqa", "sm_scale_negative", dict(sm_scale=-0.1), ValueError, "sm_scale"),
     ("sparse_mqa", "sm_scale_string", dict(sm_scale="0.1"), TypeError, "sm_scale"),
+    ("sparse_mqa", "sm_scale_vector", dict(sm_scale=np.array([0.1])), TypeError, "sm_scale"),
     ("sparse_mqa", "q_not_an_array", dict(q="q"), TypeError, "q_THL"),
     ("dense_mha", "q_rank", dict(q=sds((3, 48), F32)), ValueError, "q_THQ"),
     ("dense_mha", "k_heads", dict(k=sds((20, 3, 48), F32)), ValueError, "k_SHQ"),
