@@ -2,8 +2,8 @@
 
 Each case poisons one kind of hidden row and names the outputs that may change: all others
 must equal the unpoisoned run exactly and the float64 ground truth of the poisoned inputs, and
-be finite. The outputs that see a poisoned row must not be finite (a poisoned visible row shows
-instead of being hidden). Kernels run in interpret mode with small blocks, so that the cases
+be finite. For the attention ops, outputs that see a poisoned row must not be finite (a poisoned
+visible row shows instead of being hidden). Kernels run in interpret mode with small blocks, so that the cases
 cover both full and masked key blocks, overhanging head/slot/key blocks and skipped tiles.
 """
 
