@@ -1,9 +1,13 @@
 """mla_jax: DeepSeek-style Multi-head Latent Attention with sparse top-k (DSA) in JAX/Flax NNX.
 
-Axis letters used in tensor names (SPEC.md section 0):
-B batch, T query tokens, S key/cache tokens, D model hidden, H heads, C q latent rank,
-A kv latent rank, L latent row (A + R), N nope dims, R rope dims, V value dims,
-G indexer heads, I indexer head dim, K top-k, E experts.
+Axis letters, the suffixes of tensor names here and in ``pallas_kernels`` (``q_BTHQ`` is
+[batch, query tokens, heads, qk width]):
+
+  B batch              T query tokens         S key/cache tokens    D model hidden
+  H heads              C q-latent rank        A kv-latent rank      L latent row (A + R)
+  N nope dims          R rope dims            V value width         Q qk head width (N + R)
+  G indexer heads      I indexer head dim     K top-k               E experts
+  F MLP intermediate
 """
 
 from mla_jax.attention import (AttentionOutput, DeepseekV32Attention, MLAAttention,

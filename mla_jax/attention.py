@@ -225,9 +225,9 @@ class MLAAttentionBase(nnx.Module):
     positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
     q_resid_BTC = self.q_a_layernorm(self.q_a_proj(x_BTD))
-    q_BTHD = self.q_b_proj(q_resid_BTC).reshape(b, t, c.num_heads, c.qk_head_dim)
-    q_nope_BTHN = q_BTHD[..., :c.qk_nope_head_dim]
-    q_pe_BTHR = apply_rope(q_BTHD[..., c.qk_nope_head_dim:], positions_BT, c.rope,
+    q_BTHQ = self.q_b_proj(q_resid_BTC).reshape(b, t, c.num_heads, c.qk_head_dim)
+    q_nope_BTHN = q_BTHQ[..., :c.qk_nope_head_dim]
+    q_pe_BTHR = apply_rope(q_BTHQ[..., c.qk_nope_head_dim:], positions_BT, c.rope,
                            interleaved=True, max_position=c.max_position_embeddings)
     kv_BTL = self.kv_a_proj_with_mqa(x_BTD)
     c_kv_BTA = self.kv_a_layernorm(kv_BTL[..., :c.kv_lora_rank])
@@ -290,10 +290,10 @@ class MLAAttention(MLAAttentionBase):
                         preferred_element_type=jnp.float32).astype(dtype)
     k_pe_BSHR = jnp.broadcast_to(k_pe_BSR[:, :, None, :], (*k_pe_BSR.shape[:2], c.num_heads,
                                                            c.qk_rope_head_dim))
-    k_BSHD = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
-    q_BTHD = jnp.concatenate([q_nope_BTHN, q_pe_BTHR.astype(dtype)], axis=-1)
+    k_BSHQ = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
+    q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHR.astype(dtype)], axis=-1)
     out_BTHV, _ = self.dense_prefill_backend.dense_mha(
-        q_BTHD, k_BSHD, v_BSHV, sm_scale=c.softmax_scale, q_offset_B=q_offset_B,
+        q_BTHQ, k_BSHQ, v_BSHV, sm_scale=c.softmax_scale, q_offset_B=q_offset_B,
         kv_len_B=kv_len_B)
     return out_BTHV
 

@@ -16,24 +16,71 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _checks, _compat
 from pallas_kernels.block_config import IndexerLogitsKernelConfig
+
+
+_INDEXER_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
+
+
+def validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S):
+  """The one argument check of :func:`indexer_logits` and :func:`indexer_logits_reference`."""
+  op = "indexer_logits"
+  T, G, I = _checks.array(op, "q_TGI", q_TGI, "TGI")
+  S, _ = _checks.array(op, "k_SI", k_SI, "SI")
+  _checks.array(op, "w_TG", w_TG, "TG")
+  if G == 0 or I == 0:
+    raise ValueError(f"{op}: q_TGI needs at least one head and a positive head dim, got G={G}, "
+                     f"I={I}")
+  if k_SI.shape[1] != I:
+    raise ValueError(f"{op}: k_SI width {k_SI.shape[1]} != q_TGI head dim {I}")
+  if w_TG.shape != (T, G):
+    raise ValueError(f"{op}: w_TG shape {tuple(w_TG.shape)} != (T, G) = {(T, G)} of q_TGI")
+  for name, x in (("starts_T", starts_T), ("ends_T", ends_T)):
+    _checks.array(op, name, x, "T")
+    if x.shape != (T,):
+      raise ValueError(f"{op}: {name} shape {tuple(x.shape)} != (T,) = {(T,)} of q_TGI")
+    _checks.int32_array(op, name, x)
+  _checks.float_dtype(op, "q_TGI", q_TGI, _INDEXER_DTYPES)
+  _checks.float_dtype(op, "k_SI", k_SI, _INDEXER_DTYPES)
+  _checks.same_dtype(op, q_TGI=q_TGI, k_SI=k_SI)
+  _checks.float_dtype(op, "w_TG", w_TG)
+  if k_scale_S is not None:
+    _checks.array(op, "k_scale_S", k_scale_S, "S")
+    if k_scale_S.shape != (S,):
+      raise ValueError(f"{op}: k_scale_S shape {tuple(k_scale_S.shape)} != (S,) = {(S,)} of k_SI")
+    _checks.float_dtype(op, "k_scale_S", k_scale_S)
+
+
+def _nothing_to_score(q_TGI, k_SI):
+  """T or S is 0: the (empty) logits, with no kernel run."""
+  T, S = q_TGI.shape[0], k_SI.shape[0]
+  return jnp.full((T, S), -jnp.inf, jnp.float32) if 0 in (T, S) else None
 
 
 def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None):
   """``logits[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s])`` on ``[starts[t], ends[t])``.
 
   Args:
-    q_TGI: indexer queries (float32, bfloat16 or float8_e4m3fn). For fp8, fold the per
-      (token, head) dequant scale of q into ``w_TG`` (DeepGEMM's convention).
-    k_SI: indexer keys, one head shared by all G query heads.
-    w_TG: float32 head weights, all score scalings already folded in.
+    q_TGI: indexer queries (float32, bfloat16 or float8_e4m3fn), G >= 1 heads of I >= 1 dims.
+      For fp8, fold the per (token, head) dequant scale of q into ``w_TG`` (DeepGEMM's
+      convention).
+    k_SI: indexer keys, one head shared by all G query heads; same dtype as ``q_TGI``.
+    w_TG: float head weights, all score scalings already folded in.
     starts_T, ends_T: int32 causal window of each query row.
-    k_scale_S: optional float32 per-key dequant scale (fp8 keys).
+    k_scale_S: optional float per-key dequant scale (fp8 keys).
 
   Returns:
-    float32 logits [T, S]; -inf outside each row's window.
+    float32 logits [T, S]; -inf outside each row's window. T = 0 or S = 0 gives an empty array.
+    Every logit depends on its own key row only, and logits outside the window are replaced,
+    so NaN or inf in a key (or key scale) outside a row's window never reaches that row.
+
+  Raises:
+    ValueError, TypeError: from :func:`validate_indexer_logits`, naming the argument.
   """
+  validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
+  if (empty := _nothing_to_score(q_TGI, k_SI)) is not None:
+    return empty
   dots_TGS = jnp.einsum(
       "tgi,si->tgs",
       q_TGI.astype(jnp.float32) if q_TGI.dtype.itemsize == 1 else q_TGI,
@@ -91,42 +138,15 @@ def _indexer_logits_kernel(
     _compat.store(out_ref, jnp.where(inside_TS, logits_TS, -jnp.inf), mask=store_mask_TS)
 
 
-_INDEXER_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
-
-
-def _validate(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S):
-  if q_TGI.ndim != 3 or k_SI.ndim != 2 or w_TG.ndim != 2:
-    raise ValueError(
-        "indexer_logits expects q [T, G, I], k [S, I], w [T, G]; got ranks"
-        f" {q_TGI.ndim}, {k_SI.ndim}, {w_TG.ndim}"
-    )
-  T, G, I = q_TGI.shape
-  if k_SI.shape[1] != I:
-    raise ValueError(f"k width {k_SI.shape[1]} != q width {I}")
-  if w_TG.shape != (T, G):
-    raise ValueError(f"w shape {w_TG.shape} != (T, G) = {(T, G)}")
-  for name, x in (("starts", starts_T), ("ends", ends_T)):
-    if x.shape != (T,):
-      raise ValueError(f"{name} shape {x.shape} != (T,) = {(T,)}")
-    if x.dtype != jnp.int32:
-      raise TypeError(f"{name} must be int32, got {x.dtype}")
-  for name, x in (("q", q_TGI), ("k", k_SI)):
-    if x.dtype not in _INDEXER_DTYPES:
-      raise TypeError(f"{name} dtype must be float32, bfloat16 or float8_e4m3fn, got {x.dtype}")
-  if q_TGI.dtype != k_SI.dtype:
-    raise TypeError(f"q dtype {q_TGI.dtype} != k dtype {k_SI.dtype}")
-  if not jnp.issubdtype(w_TG.dtype, jnp.floating):
-    raise TypeError(f"w must be a float array, got {w_TG.dtype}")
-  if k_scale_S is not None and k_scale_S.shape != (k_SI.shape[0],):
-    raise ValueError(f"k_scale shape {k_scale_S.shape} != (S,) = {(k_SI.shape[0],)}")
-
-
 def indexer_logits(
     q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
     config: IndexerLogitsKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton indexer logits; same contract as :func:`indexer_logits_reference`."""
-  _validate(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
+  """Pallas-Triton indexer logits; the contract and checks of :func:`indexer_logits_reference`."""
+  validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
+  _checks.kernel_config("indexer_logits", config, IndexerLogitsKernelConfig)
+  if (empty := _nothing_to_score(q_TGI, k_SI)) is not None:
+    return empty
   (T, G, I), S = q_TGI.shape, k_SI.shape[0]
   if config is None:
     config = IndexerLogitsKernelConfig.default_for(T, S)

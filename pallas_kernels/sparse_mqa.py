@@ -3,7 +3,8 @@
 Kernel layout (STYLE.md sections 9-10): one program handles ``block_h`` query heads of one token,
 so heads are the M dimension of every dot and each gathered latent row is loaded once per
 program, not once per head. The program walks the token's top-k row ``block_k`` indices at a
-time: clamp, gather ``kv[idx]``, mask -1 / >= S with a finite negative, online softmax in fp32.
+time: clamp, gather ``kv[idx]``, replace the logits of invalid slots (-1 / >= S) by a finite
+negative and their values by zeros, online softmax in fp32.
 The 576-wide rows are split into power-of-two column chunks (512 latent + 64 rope) with separate
 dots, so no tile is padded to 1024. Head counts that are not a multiple of ``block_h`` overhang
 the block and are masked; arrays are never padded.
@@ -22,30 +23,70 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _checks, _compat
 from pallas_kernels.block_config import SparseMQAKernelConfig, pow2_chunks
 
 
-def sparse_mqa_reference(q_THD, kv_SD, topk_TK, *, sm_scale: float, d_v: int):
+def validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v):
+  """The one argument check of :func:`sparse_mqa` and :func:`sparse_mqa_reference`.
+
+  Returns ``(sm_scale, d_v)`` as a Python float and int.
+  """
+  op = "sparse_mqa"
+  T, _, L = _checks.array(op, "q_THL", q_THL, "THL")
+  _checks.array(op, "kv_SL", kv_SL, "SL")
+  _checks.array(op, "topk_TK", topk_TK, "TK")
+  if kv_SL.shape[1] != L:
+    raise ValueError(f"{op}: kv_SL row width {kv_SL.shape[1]} != q_THL width {L}")
+  if topk_TK.shape[0] != T:
+    raise ValueError(f"{op}: topk_TK has {topk_TK.shape[0]} rows for the {T} tokens of q_THL")
+  _checks.float_dtype(op, "q_THL", q_THL)
+  _checks.float_dtype(op, "kv_SL", kv_SL)
+  _checks.same_dtype(op, q_THL=q_THL, kv_SL=kv_SL)
+  _checks.int32_array(op, "topk_TK", topk_TK)
+  sm_scale = _checks.positive_float(op, "sm_scale", sm_scale)
+  d_v = _checks.positive_int(op, "d_v", d_v, at_most=L, bound_name="L")
+  return sm_scale, d_v
+
+
+def _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v):
+  """T, H, S or K is 0: every row (if any) is empty, out 0 and LSE +inf, with no kernel run."""
+  (T, H, _), S, K = q_THL.shape, kv_SL.shape[0], topk_TK.shape[1]
+  return _checks.no_attention(T, H, d_v, q_THL.dtype) if 0 in (T, H, S, K) else None
+
+
+def sparse_mqa_reference(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int):
   """Attention of every query head over the latent rows its token selected.
 
   Args:
-    q_THD: queries, the absorbed form [q_lat (d_v) | q_pe (D - d_v)] per head.
-    kv_SD: latent cache rows [c_kv (d_v) | k_pe (D - d_v)], one shared KV head.
-    topk_TK: int32 row indices into ``kv_SD``; -1 and indices >= S are invalid.
-    sm_scale: softmax scale, passed explicitly (never d_qk**-0.5 for MLA).
-    d_v: width of the value part, the first ``d_v`` columns of each row.
+    q_THL: queries, the absorbed form [q_lat (d_v) | q_pe (L - d_v)] per head.
+    kv_SL: latent cache rows [c_kv (d_v) | k_pe (L - d_v)], one shared KV head.
+    topk_TK: int32 row indices into ``kv_SL``; -1 and indices >= S are invalid.
+    sm_scale: softmax scale, a finite positive float, passed explicitly (never L**-0.5 for
+      MLA).
+    d_v: width of the value part, the first ``d_v`` columns of each row (1 <= d_v <= L).
 
   Returns:
-    ``(out_THV, lse_TH)``: out in the dtype of ``q_THD``; the natural-log LSE in float32.
-    A row with no valid index gives out 0 and LSE +inf (FlashMLA's "lonely row").
+    ``(out_THV, lse_TH)``: out in the dtype of ``q_THL``; the natural-log LSE in float32.
+    A row with no valid index gives out 0 and LSE +inf (FlashMLA's "lonely row"); so do all
+    rows when K = 0 (no slots) or S = 0 (no rows); T = 0 gives empty outputs.
+
+  Rows that no valid slot of a token selects never reach that token: invalid slots gather row 0
+  and are replaced by zeros before any dot, so NaN or inf in an unselected row (or in row 0)
+  cannot poison it. A non-finite value in a selected row makes that token's output non-finite.
+
+  Raises:
+    ValueError, TypeError: from :func:`validate_sparse_mqa`, naming the argument.
   """
-  num_rows = kv_SD.shape[0]
+  sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
+  if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
+    return empty
+  num_rows = kv_SL.shape[0]
   valid_TK = (topk_TK >= 0) & (topk_TK < num_rows)
   safe_TK = jnp.where(valid_TK, topk_TK, 0)
-  rows_TKD = kv_SD[safe_TK]
+  rows_TKL = jnp.where(valid_TK[..., None], kv_SL[safe_TK], 0)
   logits_THK = jnp.einsum(
-      "thd,tkd->thk", q_THD, rows_TKD, preferred_element_type=jnp.float32
+      "thl,tkl->thk", q_THL, rows_TKL, preferred_element_type=jnp.float32
   ) * sm_scale
   logits_THK = jnp.where(valid_TK[:, None, :], logits_THK, -jnp.inf)
   lse_TH = jax.nn.logsumexp(logits_THK, axis=-1)
@@ -53,10 +94,10 @@ def sparse_mqa_reference(q_THD, kv_SD, topk_TK, *, sm_scale: float, d_v: int):
   safe_lse_TH = jnp.where(any_valid_T[:, None], lse_TH, 0.0)
   probs_THK = jnp.exp(logits_THK - safe_lse_TH[..., None])
   out_THV = jnp.einsum(
-      "thk,tkv->thv", probs_THK, rows_TKD[..., :d_v].astype(jnp.float32)
+      "thk,tkv->thv", probs_THK, rows_TKL[..., :d_v].astype(jnp.float32)
   )
   lse_TH = jnp.where(any_valid_T[:, None], lse_TH, jnp.inf)
-  return out_THV.astype(q_THD.dtype), lse_TH
+  return out_THV.astype(q_THL.dtype), lse_TH
 
 
 def _sparse_mqa_kernel(
@@ -89,12 +130,14 @@ def _sparse_mqa_kernel(
           preferred_element_type=jnp.float32, precision=precision,
       )
       logits_HK = part_HK if logits_HK is None else logits_HK + part_HK
+    # Replaces the logits of invalid slots, whatever the row they read (row 0) holds.
     logits_HK = jnp.where(valid_K[None, :], logits_HK * sm_scale, _compat.MASK_VALUE)
     m_new_H = jnp.maximum(m_H, logits_HK.max(axis=-1))
     # The where keeps fully masked blocks at 0 while m_new is still the mask value.
     p_HK = jnp.where(valid_K[None, :], jnp.exp(logits_HK - m_new_H[:, None]), 0.0)
     alpha_H = jnp.exp(m_H - m_new_H)
-    rows_KV = kv_ref[safe_K, pl.ds(0, d_v)]
+    # Invalid slots read row 0: zero their values, or a NaN there would meet p = 0 (0 * NaN).
+    rows_KV = jnp.where(valid_K[:, None], kv_ref[safe_K, pl.ds(0, d_v)], 0)
     pv_HV = jnp.dot(
         p_HK.astype(rows_KV.dtype), rows_KV,
         preferred_element_type=jnp.float32, precision=precision,
@@ -107,60 +150,43 @@ def _sparse_mqa_kernel(
       jnp.zeros((block_h, d_v), jnp.float32),
   )
   m_H, l_H, acc_HV = jax.lax.fori_loop(0, pl.cdiv(topk, block_k), body, init)
-  # Empty rows (no valid index) keep l = 0: explicit out 0 and LSE +inf.
-  nonempty_H = l_H > 0.0
-  safe_l_H = jnp.where(nonempty_H, l_H, 1.0)
+  # Empty rows (no valid index) keep l = 0: explicit out 0 and LSE +inf. A NaN l (a selected
+  # row held NaN) is not empty, so the NaN reaches out and LSE instead of hiding as "empty".
+  empty_H = l_H == 0.0
+  safe_l_H = jnp.where(empty_H, 1.0, l_H)
   out_HV = acc_HV / safe_l_H[:, None]
-  lse_H = jnp.where(nonempty_H, m_H + jnp.log(safe_l_H), jnp.inf)
+  lse_H = jnp.where(empty_H, jnp.inf, m_H + jnp.log(safe_l_H))
   _compat.store(out_ref, out_HV.astype(out_ref.dtype), mask=head_mask_H[:, None])
   _compat.store(lse_ref, lse_H, mask=head_mask_H)
 
 
-def _validate(q_THD, kv_SD, topk_TK, d_v):
-  if q_THD.ndim != 3 or kv_SD.ndim != 2 or topk_TK.ndim != 2:
-    raise ValueError(
-        "sparse_mqa expects q [T, H, D], kv [S, D], topk [T, K]; got ranks"
-        f" {q_THD.ndim}, {kv_SD.ndim}, {topk_TK.ndim}"
-    )
-  if q_THD.shape[-1] != kv_SD.shape[-1]:
-    raise ValueError(f"q width {q_THD.shape[-1]} != kv width {kv_SD.shape[-1]}")
-  if topk_TK.shape[0] != q_THD.shape[0]:
-    raise ValueError(f"topk has {topk_TK.shape[0]} rows for {q_THD.shape[0]} query tokens")
-  if not 0 < d_v <= q_THD.shape[-1]:
-    raise ValueError(f"d_v must be in (0, D={q_THD.shape[-1]}], got {d_v}")
-  if topk_TK.dtype != jnp.int32:
-    raise TypeError(f"topk indices must be int32, got {topk_TK.dtype}")
-  for name, x in (("q", q_THD), ("kv", kv_SD)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be a float array, got {x.dtype}")
-  if q_THD.dtype != kv_SD.dtype:
-    raise TypeError(f"q dtype {q_THD.dtype} != kv dtype {kv_SD.dtype}")
-
-
 def sparse_mqa(
-    q_THD, kv_SD, topk_TK, *, sm_scale: float, d_v: int,
+    q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int,
     config: SparseMQAKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton sparse MQA; same contract as :func:`sparse_mqa_reference`.
+  """Pallas-Triton sparse MQA; the contract and checks of :func:`sparse_mqa_reference`.
 
   The returned LSE is natural-log (any exp2 trick stays inside the kernel). Empty rows give
   out 0 and LSE +inf. ``config`` defaults to ``SparseMQAKernelConfig.default_for``.
   """
-  _validate(q_THD, kv_SD, topk_TK, d_v)
-  (T, H, D), (S, _), K = q_THD.shape, kv_SD.shape, topk_TK.shape[1]
+  sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
+  _checks.kernel_config("sparse_mqa", config, SparseMQAKernelConfig)
+  if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
+    return empty
+  (T, H, L), (S, _), K = q_THL.shape, kv_SL.shape, topk_TK.shape[1]
   if config is None:
     config = SparseMQAKernelConfig.default_for(H, K, d_v)
   block_h, block_k = config.block_h, config.block_k
   padded_k = pl.cdiv(K, block_k) * block_k  # the top-k block overhangs; loads are masked
   kernel = functools.partial(
-      _sparse_mqa_kernel, sm_scale=float(sm_scale), d_v=d_v, num_heads=H, num_rows=S, topk=K,
+      _sparse_mqa_kernel, sm_scale=sm_scale, d_v=d_v, num_heads=H, num_rows=S, topk=K,
       config=config,
   )
-  itemsize = q_THD.dtype.itemsize
+  itemsize = q_THL.dtype.itemsize
   cost = pl.CostEstimate(
-      flops=2 * T * K * H * (D + d_v),
+      flops=2 * T * K * H * (L + d_v),
       transcendentals=T * K * H,
-      bytes_accessed=itemsize * (T * H * (D + d_v) + T * K * D * pl.cdiv(H, block_h))
+      bytes_accessed=itemsize * (T * H * (L + d_v) + T * K * L * pl.cdiv(H, block_h))
       + 4 * (T * K + T * H),
   )
   sq = _compat.SQUEEZED
@@ -168,8 +194,8 @@ def sparse_mqa(
       kernel,
       grid=(T, pl.cdiv(H, block_h)),
       in_specs=[
-          pl.BlockSpec((sq, block_h, D), lambda t, h: (t, h, 0)),
-          pl.BlockSpec((S, D), lambda t, h: (0, 0)),
+          pl.BlockSpec((sq, block_h, L), lambda t, h: (t, h, 0)),
+          pl.BlockSpec((S, L), lambda t, h: (0, 0)),
           pl.BlockSpec((sq, padded_k), lambda t, h: (t, 0)),
       ],
       out_specs=[
@@ -177,11 +203,11 @@ def sparse_mqa(
           pl.BlockSpec((sq, block_h), lambda t, h: (t, h)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((T, H, d_v), q_THD.dtype),
+          jax.ShapeDtypeStruct((T, H, d_v), q_THL.dtype),
           jax.ShapeDtypeStruct((T, H), jnp.float32),
       ],
       compiler_params=_compat.compiler_params(config.num_warps, config.num_stages),
       cost_estimate=cost,
       interpret=interpret,
       name="sparse_mqa_attention",
-  )(q_THD, kv_SD, topk_TK)
+  )(q_THL, kv_SL, topk_TK)

@@ -142,6 +142,58 @@ def test_ragged_batch_equals_each_sequence_alone():
   np.testing.assert_array_equal(both.cache.latent_BSL[1, TOPK + 3:], 0.0)  # padding not written
 
 
+def _cache_with_stale_rows(config, lengths, stale, capacity=16):
+  """A cache holding random live rows and ``stale`` in every row at or past a sequence's length,
+  as a reused or donated buffer would."""
+  lengths_B = jnp.asarray(lengths, jnp.int32)
+  live_BS1 = (jnp.arange(capacity)[None, :] < lengths_B[:, None])[..., None]
+  cache = fresh_cache(config, len(lengths), capacity)
+  rows = lambda seed, x: jnp.where(live_BS1, mt.random_hidden(seed, x.shape), stale)
+  return m.LayerCache(latent_BSL=rows(32, cache.latent_BSL),
+                      index_keys_BSI=rows(33, cache.index_keys_BSI), lengths_B=lengths_B)
+
+
+@pytest.mark.parametrize("backend", module_backends())
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+def test_poisoned_stale_cache_rows_never_reach_real_rows(backend, poison):
+  """Both routes read past the live length (dense: every row up to the static bound)."""
+  dense, mqa = make_pair(backend=backend)
+  x = mt.random_hidden(30, (2, 6, dense.config.hidden_size))
+  new_lens = jnp.array([6, 3], jnp.int32)  # sequence 1 keeps stale rows 8-10 among its keys
+  real_BT = np.arange(6)[None, :] < np.asarray(new_lens)[:, None]
+  assert dense.prefill_route(6, 5) is PrefillRoute.DENSE_MHA
+  assert mqa.prefill_route(6, 5) is PrefillRoute.SPARSE_MQA
+  outs = []
+  for layer in (dense, mqa):
+    clean = call(layer, x, _cache_with_stale_rows(layer.config, [5, 5], 0.5), new_lens=new_lens)
+    got = call(layer, x, _cache_with_stale_rows(layer.config, [5, 5], poison), new_lens=new_lens)
+    got, clean = np.asarray(got.out_BTD)[real_BT], np.asarray(clean.out_BTD)[real_BT]
+    np.testing.assert_array_equal(got, clean)
+    chex.assert_tree_all_finite(got)
+    outs.append(got)
+  assert mt.relative_error(outs[0], outs[1]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", module_backends())
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+def test_poisoned_future_token_never_reaches_earlier_rows(backend, poison):
+  """A poisoned token 5 of 12: rows 0-4 are unchanged on both routes, and on the dense route
+  every row that sees it is non-finite (it shows rather than hides). How the sparse route
+  scores a poisoned key is the indexer's business, not the attention kernels'."""
+  dense, mqa = make_pair(backend=backend)
+  x = mt.random_hidden(31, (1, 12, dense.config.hidden_size))
+  bad_x = x.at[:, 5].set(poison)
+  assert dense.prefill_route(12) is PrefillRoute.DENSE_MHA
+  outs = []
+  for layer in (dense, mqa):
+    clean, got = _run(layer, x).out_BTD[0], np.asarray(_run(layer, bad_x).out_BTD[0])
+    np.testing.assert_array_equal(got[:5], clean[:5])
+    chex.assert_tree_all_finite(got[:5])
+    outs.append(got)
+  assert not np.isfinite(outs[0][5:]).all(axis=-1).any()  # dense: rows 5-11 see token 5
+  assert mt.relative_error(outs[0][:5], outs[1][:5]) < 1e-5
+
+
 def test_chunked_scoring_selects_the_same_indices():
   _, mqa = make_pair()
   chunked = m.DeepseekV32Attention(mqa.config, rngs=nnx.Rngs(0), backend="xla",

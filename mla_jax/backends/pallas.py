@@ -24,14 +24,14 @@ class PallasTritonBackend(Backend):
 
   interpret: bool = False
 
-  def _sparse_mqa(self, q_THD, kv_SD, topk_TK, *, sm_scale, d_v):
-    return sparse_mqa(q_THD, kv_SD, topk_TK, sm_scale=sm_scale, d_v=d_v, interpret=self.interpret)
+  def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
+    return sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v, interpret=self.interpret)
 
   def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T):
     return indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, interpret=self.interpret)
 
-  def _dense_mha(self, q_THD, k_SHD, v_SHV, *, sm_scale, q_offset, kv_len):
+  def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     return dense_mha(
-        q_THD, k_SHD, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len,
+        q_THQ, k_SHQ, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len,
         interpret=self.interpret,
     )

@@ -16,13 +16,13 @@ class XlaBackend(Backend):
   name: ClassVar[str] = "xla"
   supports_dense_mha_prefill: ClassVar[bool] = True
 
-  def _sparse_mqa(self, q_THD, kv_SD, topk_TK, *, sm_scale, d_v):
-    return sparse_mqa_reference(q_THD, kv_SD, topk_TK, sm_scale=sm_scale, d_v=d_v)
+  def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
+    return sparse_mqa_reference(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v)
 
   def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T):
     return indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T)
 
-  def _dense_mha(self, q_THD, k_SHD, v_SHV, *, sm_scale, q_offset, kv_len):
+  def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     return dense_mha_reference(
-        q_THD, k_SHD, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len
+        q_THQ, k_SHQ, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len
     )
