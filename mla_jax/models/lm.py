@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax import sharding
+from mla_jax import checks, sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention
 from mla_jax.backends import Backend, get_backend
 from mla_jax.cache import LayerCache, check_fits, init_layer_cache
@@ -185,6 +185,7 @@ class CausalLM(nnx.Module):
                param_dtype=jnp.float32, mesh=None, scan_layers: bool = True):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    checks.float_dtype(param_dtype, "param_dtype")
     backend = get_backend(backend)
     mesh = backend.mesh if mesh is None else mesh
     if mesh is not None:
@@ -222,6 +223,7 @@ class CausalLM(nnx.Module):
 
   def init_cache(self, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelCache:
     """Empty caches for every layer, placed by the cache rules on the model's mesh."""
+    checks.float_dtype(dtype, "cache dtype")
 
     def build():
       groups = []
@@ -258,17 +260,15 @@ class CausalLM(nnx.Module):
     return routes
 
   def _check_ids(self, ids_BT, caches):
-    if getattr(ids_BT, "ndim", None) != 2 or not jnp.issubdtype(ids_BT.dtype, jnp.integer):
+    if getattr(ids_BT, "ndim", None) != 2:
       raise ValueError(f"token ids must be an int array [batch, tokens], got "
-                       f"{getattr(ids_BT, 'dtype', type(ids_BT))} {getattr(ids_BT, 'shape', '')}")
+                       f"{type(ids_BT).__name__} of shape {getattr(ids_BT, 'shape', None)}")
+    if not jnp.issubdtype(ids_BT.dtype, jnp.integer):
+      raise TypeError(f"token ids must be an int array, got dtype {ids_BT.dtype}")
     if not isinstance(caches, ModelCache) or caches.layout != self.layer_groups:
       raise ValueError("caches must be the ModelCache of this model's init_cache (layer groups "
                        f"{self.layer_groups}), got {type(caches).__name__}")
-    if not isinstance(ids_BT, jax.core.Tracer):
-      ids = sharding.fetch(ids_BT)
-      if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-        raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got "
-                         f"[{ids.min()}, {ids.max()}]")
+    checks.ids_in_vocab(ids_BT, self.config.vocab_size)
 
   def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, num_cached_tokens=None,
                force_mqa: bool = False):
