@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, check_fits, write_rows
+from mla_jax.cache import LayerCache, StackedLayerView, check_fits
 from mla_jax.config import MLAConfig
 from mla_jax.indexer import Indexer
 from mla_jax.layers import Linear, RMSNorm
@@ -166,12 +166,13 @@ class MLAAttentionBase(nnx.Module):
       raise ValueError("x must hold at least one token")
     if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
       raise TypeError(f"x must be a floating dtype, got {x_BTD.dtype}")
-    if not isinstance(cache, LayerCache):
+    if not isinstance(cache, (LayerCache, StackedLayerView)):
       raise TypeError(f"cache must be a LayerCache, got {type(cache).__name__}")
-    if cache.batch_size != x_BTD.shape[0] or cache.latent_BSL.shape[-1] != c.latent_dim:
-      raise ValueError(f"cache latent shape {cache.latent_BSL.shape} does not fit x "
-                       f"{x_BTD.shape} (expected [{x_BTD.shape[0]}, capacity, {c.latent_dim}])")
-    if (cache.index_keys_BSI is None) != (self.indexer is None):
+    if cache.batch_size != x_BTD.shape[0] or cache.latent_dim != c.latent_dim:
+      raise ValueError(f"cache of {cache.batch_size} sequences with rows {cache.latent_dim} "
+                       f"wide does not fit x {x_BTD.shape} (expected [{x_BTD.shape[0]}, "
+                       f"capacity, {c.latent_dim}])")
+    if cache.has_index_keys != (self.indexer is not None):
       raise ValueError("cache.index_keys_BSI must be present exactly when the layer has an "
                        "indexer of its own")
     if new_lens_B.shape != (x_BTD.shape[0],) or not jnp.issubdtype(new_lens_B.dtype,
@@ -196,8 +197,22 @@ class MLAAttentionBase(nnx.Module):
                        f"{longest} tokens for some sequence")
     return num_cached_tokens
 
+  def _read_rows(self, cache, kv_rows, t: int, cached_bound) -> int:
+    """How many cache rows attention reads: ``kv_rows`` (static), checked, or the capacity."""
+    if kv_rows is None:
+      return cache.capacity
+    if not isinstance(kv_rows, int) or isinstance(kv_rows, bool) or \
+        not 0 < kv_rows <= cache.capacity:
+      raise ValueError(f"kv_rows must be an int in [1, capacity={cache.capacity}], got "
+                       f"{kv_rows!r}")
+    if cached_bound is not None and cached_bound + t > kv_rows:
+      raise ValueError(f"kv_rows={kv_rows} is fewer than the {cached_bound} cached + {t} new "
+                       "rows this step can reach")
+    return kv_rows
+
   def __call__(self, x_BTD, cache: LayerCache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa: bool = False, shared_topk_BTK=None) -> AttentionOutput:
+               force_mqa: bool = False, shared_topk_BTK=None,
+               kv_rows: int | None = None) -> AttentionOutput:
     """Attends ``x_BTD`` (after the layer's input norm) and appends it to ``cache``.
 
     Args:
@@ -209,6 +224,10 @@ class MLAAttentionBase(nnx.Module):
       force_mqa: never take the dense-MHA route.
       shared_topk_BTK: for a ``shares_topk`` layer, the indices its full layer selected in
         this same step; required on the sparse route, unused on the dense one.
+      kv_rows: static number of cache rows attention and the indexer read (rows past it are
+        never touched); it must cover every row this step can reach. None: the capacity.
+        Generation passes the live context rounded up to a bucket, so the work of a step
+        follows the live context, not the capacity.
     """
     c = self.config
     if getattr(x_BTD, "ndim", None) != 3:
@@ -221,6 +240,7 @@ class MLAAttentionBase(nnx.Module):
     self._validate(x_BTD, cache, new_lens_B)
     new_lens_B = new_lens_B.astype(jnp.int32)
     cached_bound = self._cached_bound(cache, num_cached_tokens)
+    num_rows = self._read_rows(cache, kv_rows, t, cached_bound)
     route = self.prefill_route(t, cached_bound, force_mqa=force_mqa)
     positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
@@ -235,23 +255,21 @@ class MLAAttentionBase(nnx.Module):
                           max_position=c.max_position_embeddings)
 
     # Both caches are written before any routing consequence: decode reads them later.
-    latent_BSL = write_rows(cache.latent_BSL, jnp.concatenate([c_kv_BTA, k_pe_BTR], -1),
-                            cache.lengths_B, new_lens_B)
-    keys_BSI = cache.index_keys_BSI
+    keys_BTI = None
     if self.indexer is not None:
       with jax.named_scope("indexer_cache_update"):
-        keys_BSI = write_rows(keys_BSI, self.indexer.keys(x_BTD, positions_BT),
-                              cache.lengths_B, new_lens_B)
-    kv_len_B = cache.lengths_B + new_lens_B
-    new_cache = LayerCache(latent_BSL=latent_BSL, index_keys_BSI=keys_BSI, lengths_B=kv_len_B)
+        keys_BTI = self.indexer.keys(x_BTD, positions_BT)
+    new_cache = cache.write(jnp.concatenate([c_kv_BTA, k_pe_BTR], -1), keys_BTI, new_lens_B)
+    kv_len_B = new_cache.lengths_B
 
     topk_BTK = None
     if route is PrefillRoute.DENSE_MHA:
       with jax.named_scope(route.scope):
         num_keys = cached_bound + t  # static: the dense route needs a static bound
-        o_BTHV = self.forward_mha(q_nope_BTHN, q_pe_BTHR, latent_BSL[:, :num_keys],
+        o_BTHV = self.forward_mha(q_nope_BTHN, q_pe_BTHR, new_cache.rows(num_keys)[0],
                                   cache.lengths_B, kv_len_B)
     else:
+      latent_BSL, keys_BSI = new_cache.rows(num_rows)
       if route.needs_topk and self.shares_topk:
         if shared_topk_BTK is None:
           raise ValueError("this shared-indexer layer takes the sparse route but was given no "
@@ -262,7 +280,7 @@ class MLAAttentionBase(nnx.Module):
           topk_BTK = self.indexer.select(x_BTD, q_resid_BTC, positions_BT, keys_BSI,
                                          self.backend, chunk_size=self.index_chunk_size)
       else:
-        topk_BTK = causal_indices(positions_BT, cache.capacity)
+        topk_BTK = causal_indices(positions_BT, num_rows)
       if self.debug_checks:
         real_BT = jnp.arange(t)[None, :] < new_lens_B[:, None]
         jax.debug.callback(_check_rows_attend, (topk_BTK >= 0).any(-1) | ~real_BT)

@@ -22,7 +22,7 @@ from flax import nnx
 from mla_jax import sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, check_fits, init_layer_cache
+from mla_jax.cache import LayerCache, StackedLayerView, bucket_rows, check_fits, init_layer_cache
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
@@ -47,6 +47,10 @@ class ModelCache:
   @property
   def num_layers(self) -> int:
     return self.layout[-1].end
+
+  @property
+  def capacity(self) -> int:
+    return self.groups[0][0].latent_BSL.shape[2]
 
   def layer(self, index: int) -> LayerCache:
     """Layer ``index``'s cache (a slice of its group's stacked cache)."""
@@ -82,10 +86,11 @@ class DecoderLayer(nnx.Module):
       self.mlp = MLP(d, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
     self.mesh = backend.mesh
 
-  def __call__(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK):
+  def __call__(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK,
+               kv_rows=None):
     attn = self.self_attn(self.input_layernorm(h_BTD), cache, new_lens_B=new_lens_B,
                           num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
-                          shared_topk_BTK=shared_topk_BTK)
+                          shared_topk_BTK=shared_topk_BTK, kv_rows=kv_rows)
     h_BTD = sharding.constrain(h_BTD + attn.out_BTD, self.mesh)
     h_BTD = sharding.constrain(h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), self.mesh)
     return h_BTD, attn.cache, attn.topk_BTK
@@ -124,25 +129,34 @@ class LayerStack(nnx.Module):
     self.unit = nnx.merge(graphdef, state)
     self.group = group
 
-  def __call__(self, h_BTD, topk_BTK, caches, *, new_lens_B, num_cached_tokens, force_mqa):
-    """Runs every repetition; ``topk_BTK`` carries the last full layer's top-k (or None)."""
+  def __call__(self, h_BTD, topk_BTK, caches, *, new_lens_B, num_cached_tokens, force_mqa,
+               kv_rows):
+    """Runs every repetition; ``topk_BTK`` carries the last full layer's top-k (or None).
+
+    The stacked caches ride in the scan's carry and each layer writes its new rows into them
+    in place (``StackedLayerView``); scanning them as inputs and outputs instead would copy
+    every layer's whole cache on every step.
+    """
     graphdef, state = nnx.split(self.unit)
 
     def body(carry, xs):
-      h_BTD, topk_BTK = carry
-      unit_state, unit_caches = xs
+      h_BTD, topk_BTK, unit_caches = carry
+      unit_state, rep = xs
       unit = nnx.merge(graphdef, unit_state)
       new_caches = []
       for layer, cache in zip(unit.layers, unit_caches):
-        h_BTD, cache, layer_topk = layer(h_BTD, cache, new_lens_B=new_lens_B,
-                                         num_cached_tokens=num_cached_tokens,
-                                         force_mqa=force_mqa, shared_topk_BTK=topk_BTK)
+        h_BTD, view, layer_topk = layer(h_BTD, StackedLayerView(cache, rep),
+                                        new_lens_B=new_lens_B,
+                                        num_cached_tokens=num_cached_tokens,
+                                        force_mqa=force_mqa, shared_topk_BTK=topk_BTK,
+                                        kv_rows=kv_rows)
         if topk_BTK is not None and not layer.self_attn.shares_topk:
           topk_BTK = layer_topk
-        new_caches.append(cache)
-      return (h_BTD, topk_BTK), tuple(new_caches)
+        new_caches.append(view.stacked)
+      return (h_BTD, topk_BTK, tuple(new_caches)), None
 
-    (h_BTD, topk_BTK), caches = jax.lax.scan(body, (h_BTD, topk_BTK), (state, caches))
+    reps = jnp.arange(self.group.reps, dtype=jnp.int32)
+    (h_BTD, topk_BTK, caches), _ = jax.lax.scan(body, (h_BTD, topk_BTK, caches), (state, reps))
     return h_BTD, topk_BTK, caches
 
 
@@ -271,8 +285,13 @@ class CausalLM(nnx.Module):
                          f"[{ids.min()}, {ids.max()}]")
 
   def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa: bool = False):
-    """Float32 logits [B, T, vocab] and the updated caches."""
+               force_mqa: bool = False, kv_rows: int | None = None):
+    """Float32 logits [B, T, vocab] and the updated caches.
+
+    ``kv_rows`` (static) bounds the cache rows every layer reads; by default the rows this
+    step can reach rounded up to a bucket (``bucket_rows``) when the cached length is known,
+    else the whole capacity.
+    """
     self._check_ids(ids_BT, caches)
     b, t = ids_BT.shape
     if new_lens_B is None:
@@ -282,6 +301,8 @@ class CausalLM(nnx.Module):
       check_fits(caches.layer(0), new_lens_B)
       if num_cached_tokens is None:
         num_cached_tokens = int(sharding.fetch(lengths_B).max())
+    if kv_rows is None and num_cached_tokens is not None:
+      kv_rows = bucket_rows(num_cached_tokens + t, caches.capacity)
     routes = self.prefill_routes(t, num_cached_tokens, force_mqa=force_mqa)
     force_mqa = force_mqa or PrefillRoute.DENSE_MHA not in routes
     # Shared-indexer layers read the top-k of the last full layer, carried through the scans.
@@ -293,7 +314,7 @@ class CausalLM(nnx.Module):
     for stack, group_caches in zip(self.model.groups, caches.groups):
       h_BTD, topk_BTK, group_caches = stack(h_BTD, topk_BTK, group_caches, new_lens_B=new_lens_B,
                                             num_cached_tokens=num_cached_tokens,
-                                            force_mqa=force_mqa)
+                                            force_mqa=force_mqa, kv_rows=kv_rows)
       new_groups.append(group_caches)
     logits_BTV = self.lm_head(self.model.norm(h_BTD)).astype(jnp.float32)
     return logits_BTV, ModelCache(tuple(new_groups), caches.layout)
