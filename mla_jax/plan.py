@@ -165,7 +165,7 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
   ``shard_map``); XLA's SPMD partitioner adds the rest when it compiles for the devices.
   """
   from mla_jax.backends.pallas import PallasTritonBackend
-  from mla_jax.generation import SamplingConfig, _decode_step
+  from mla_jax.generation import SamplingConfig, _decode
 
   config = FULL_SIZE[model]()
   sizes = sharding.parse_mesh_spec(mesh_spec)
@@ -190,9 +190,11 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_spec),
             jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_spec),
             jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-    text = _decode_step.trace(graphdef, *args, sampling=SamplingConfig(), eos_id=None).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = _decode.trace(graphdef, *args, sampling=SamplingConfig(), eos_id=None, steps=1,
+                         kv_rows=context, keep_logits=False).lower(
+                             lowering_platforms=("cuda",)).as_text()
   counts = collections.Counter(re.findall(r"stablehlo\.(" + "|".join(_COLLECTIVES) + r")\b",
                                           text))
   partitions = re.search(r"mhlo\.num_partitions = (\d+)", text)
