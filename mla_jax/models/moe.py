@@ -106,13 +106,16 @@ def _contract_last(lhs_MX, rhs_GYX, group_sizes_G, impl: str):
 def _tiled_grouped_matmul(lhs_MX, rhs_GYX, group_sizes_G):
   """The ``"tiled"`` grouped matmul: rows grouped into tiles of ``m`` that share one group.
 
-  With ``m = M // min(G, M)`` rounded down to a power of two, padding adds at most
-  ``min(G, M) * (m - 1) <= M`` rows, so at most 2M rows are multiplied and at most
-  ``2M / m`` weight matrices gathered: bounded by the rows, whatever G is.
+  A group of n rows fills ``ceil(n / m)`` tiles, so at most ``(M + min(G, M) * (m - 1)) / m``
+  tiles exist. With ``m = M // min(G, M)`` rounded down to a power of two that is under
+  ``2 M / m`` tiles: at most 2M rows multiplied and ``2 min(G, M)`` weight matrices read,
+  bounded by the routed rows (tokens x top-k) whatever G is. (Every implementation reads the
+  weights of each expert it uses; with more experts than routed rows, that is the rows.)
   """
   (m_rows, _), num_groups = lhs_MX.shape, rhs_GYX.shape[0]
-  tile = 1 << max((m_rows // min(num_groups, m_rows)).bit_length() - 1, 0)
-  num_tiles = -(-m_rows // tile) + min(num_groups, m_rows)
+  used = min(num_groups, m_rows)
+  tile = 1 << max((m_rows // used).bit_length() - 1, 0)
+  num_tiles = (m_rows + used * (tile - 1)) // tile
   tiles_G = -(-group_sizes_G // tile)
   tile_start_G = jnp.cumsum(tiles_G) - tiles_G
   row_start_G = jnp.cumsum(group_sizes_G) - group_sizes_G
