@@ -146,8 +146,11 @@ def format_plans(plans: list[Plan]) -> str:
 
 
 def format_rules() -> str:
+  """The partition rules as a markdown table (pipes in the regexes escaped)."""
   lines = ["| HF parameter (regex) | PartitionSpec |", "|---|---|"]
-  lines += [f"| `{pattern}` | `{spec}` |" for pattern, spec in sharding.PARTITION_RULES]
+  for pattern, spec in sharding.PARTITION_RULES:
+    escaped = pattern.replace("|", "\\|")
+    lines.append(f"| `{escaped}` | `{spec}` |")
   lines += [f"| stacked {kind} axis | `{axis}` |"
             for kind, axis in sharding.LEADING_AXIS_SPECS.items()]
   return "\n".join(lines)
