@@ -75,7 +75,7 @@ def _decode_step(graphdef, state, caches, tokens_B, done_B, seed, step, *, sampl
   next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, sampling), tokens_B)
   emitted_B = jnp.where(active_B, next_B, -1)
   if eos_id is not None:
-    done_B = done_B | (next_B == eos_id)
+    done_B = done_B | jnp.isin(next_B, jnp.asarray(eos_id, jnp.int32))
   return next_B, emitted_B, done_B, logits_B1V[:, 0], caches
 
 
@@ -144,8 +144,19 @@ def _place(array, mesh, spec=P(sharding.DATA)):
   return jnp.asarray(array) if mesh is None else sharding.put(array, mesh, spec)
 
 
+def _eos_ids(eos_id) -> tuple[int, ...] | None:
+  """``eos_id`` as a tuple of ids (a tokenizer may have several end-of-sequence tokens)."""
+  if eos_id is None:
+    return None
+  ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
+  if not ids or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0
+                        for i in ids):
+    raise ValueError(f"eos_id must be an id >= 0 or a non-empty list of them, got {eos_id!r}")
+  return tuple(int(i) for i in ids)
+
+
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | list[int] | None = None,
              cache_capacity: int | None = None, cache_dtype=jnp.float32,
              progress: bool = False, return_logits: bool = False) -> GenerationResult:
   """Generates up to ``max_new_tokens`` after each prompt (a batch of ragged prompts).
@@ -156,7 +167,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     max_new_tokens: tokens to generate per sequence (fewer when it emits ``eos_id``).
     temperature, top_p: 0 is greedy; otherwise nucleus sampling.
     seed: sampling seed (one key per step, folded from it).
-    eos_id: a sequence stops after emitting it; the others go on.
+    eos_id: a sequence stops after emitting it (or any id of a list); the others go on.
     cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
     progress: draw a progress bar on stderr while decoding.
     return_logits: keep the logits of every generated token (for tests and notebooks).
@@ -166,6 +177,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
     raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
   sampling = SamplingConfig(float(temperature), float(top_p))
+  eos_id = _eos_ids(eos_id)
   cfg = model.config
   ids_BT, lens_B = _pad_prompts(prompt_ids, cfg.vocab_size)
   batch, longest = ids_BT.shape
@@ -199,7 +211,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
 
   out, logits = [tokens_B], []
   if eos_id is not None:
-    done_B = _place(sharding.fetch(tokens_B) == eos_id, mesh)
+    done_B = _place(np.isin(sharding.fetch(tokens_B), eos_id), mesh)
   bar = ProgressBar(max_new_tokens, "decode") if progress else None
   t0 = time.perf_counter()
   for i in range(1, max_new_tokens):
