@@ -23,7 +23,7 @@ from flax import nnx
 
 from mla_jax import checks
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, check_fits, check_layout, write_rows
+from mla_jax.cache import LayerCache, StackedLayerView, check_fits, check_layout
 from mla_jax.config import MLAConfig
 from mla_jax.indexer import Indexer
 from mla_jax.layers import Linear, RMSNorm
@@ -148,7 +148,7 @@ class MLAAttentionBase(nnx.Module):
     q_lat_BTHA = jnp.moveaxis(q_lat_HBTA, 0, 2).astype(dtype)
     q_BTHL = jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
     out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL.astype(dtype), topk_BTK,
-                                              sm_scale=self.config.qk_head_dim**-0.5,
+                                              sm_scale=self.config.softmax_scale,
                                               d_v=self.config.kv_lora_rank)
     return jnp.einsum("btha,hva->bthv", out_lat_BTHA, w_uv_HVA.astype(dtype),
                       preferred_element_type=jnp.float32).astype(dtype)
@@ -163,12 +163,13 @@ class MLAAttentionBase(nnx.Module):
       raise ValueError("x must hold at least one token")
     if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
       raise TypeError(f"x must be a floating dtype, got {x_BTD.dtype}")
-    if not isinstance(cache, LayerCache):
+    if not isinstance(cache, (LayerCache, StackedLayerView)):
       raise TypeError(f"cache must be a LayerCache, got {type(cache).__name__}")
-    if cache.batch_size != x_BTD.shape[0] or cache.latent_BSL.shape[-1] != c.latent_dim:
-      raise ValueError(f"cache latent shape {cache.latent_BSL.shape} does not fit x "
-                       f"{x_BTD.shape} (expected [{x_BTD.shape[0]}, capacity, {c.latent_dim}])")
-    if (cache.index_keys_BSI is None) != (self.indexer is None):
+    if cache.batch_size != x_BTD.shape[0] or cache.latent_dim != c.latent_dim:
+      raise ValueError(f"cache of {cache.batch_size} sequences with rows {cache.latent_dim} "
+                       f"wide does not fit x {x_BTD.shape} (expected [{x_BTD.shape[0]}, "
+                       f"capacity, {c.latent_dim}])")
+    if cache.has_index_keys != (self.indexer is not None):
       raise ValueError("cache.index_keys_BSI must be present exactly when the layer has an "
                        "indexer of its own")
     check_layout(cache, c)
@@ -189,8 +190,22 @@ class MLAAttentionBase(nnx.Module):
       return int(np.asarray(cache.lengths_B).max())
     return bound
 
+  def _read_rows(self, cache, kv_rows, t: int, cached_bound) -> int:
+    """How many cache rows attention reads: ``kv_rows`` (static), checked, or the capacity."""
+    if kv_rows is None:
+      return cache.capacity
+    if not isinstance(kv_rows, int) or isinstance(kv_rows, bool) or \
+        not 0 < kv_rows <= cache.capacity:
+      raise ValueError(f"kv_rows must be an int in [1, capacity={cache.capacity}], got "
+                       f"{kv_rows!r}")
+    if cached_bound is not None and cached_bound + t > kv_rows:
+      raise ValueError(f"kv_rows={kv_rows} is fewer than the {cached_bound} cached + {t} new "
+                       "rows this step can reach")
+    return kv_rows
+
   def __call__(self, x_BTD, cache: LayerCache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa: bool = False, shared_topk_BTK=None) -> AttentionOutput:
+               force_mqa: bool = False, shared_topk_BTK=None,
+               kv_rows: int | None = None) -> AttentionOutput:
     """Attends ``x_BTD`` (after the layer's input norm) and appends it to ``cache``.
 
     Args:
@@ -202,6 +217,10 @@ class MLAAttentionBase(nnx.Module):
       force_mqa: never take the dense-MHA route.
       shared_topk_BTK: for a ``shares_topk`` layer, the indices its full layer selected in
         this same step; required on the sparse route, unused on the dense one.
+      kv_rows: static number of cache rows attention and the indexer read (rows past it are
+        never touched); it must cover every row this step can reach. None: the capacity.
+        Generation passes the live context rounded up to a bucket, so the work of a step
+        follows the live context, not the capacity.
     """
     c = self.config
     if getattr(x_BTD, "ndim", None) != 3:
@@ -214,6 +233,7 @@ class MLAAttentionBase(nnx.Module):
     self._validate(x_BTD, cache, new_lens_B)
     new_lens_B = new_lens_B.astype(jnp.int32)
     cached_bound = self._cached_bound(cache, num_cached_tokens)
+    num_rows = self._read_rows(cache, kv_rows, t, cached_bound)
     route = self.prefill_route(t, cached_bound, force_mqa=force_mqa)
     positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
@@ -228,23 +248,21 @@ class MLAAttentionBase(nnx.Module):
                           max_position=c.max_position_embeddings)
 
     # Both caches are written before any routing consequence: decode reads them later.
-    latent_BSL = write_rows(cache.latent_BSL, jnp.concatenate([c_kv_BTA, k_pe_BTR], -1),
-                            cache.lengths_B, new_lens_B)
-    keys_BSI = cache.index_keys_BSI
+    keys_BTI = None
     if self.indexer is not None:
       with jax.named_scope("indexer_cache_update"):
-        keys_BSI = write_rows(keys_BSI, self.indexer.keys(x_BTD, positions_BT),
-                              cache.lengths_B, new_lens_B)
-    kv_len_B = cache.lengths_B + new_lens_B
-    new_cache = LayerCache(latent_BSL=latent_BSL, index_keys_BSI=keys_BSI, lengths_B=kv_len_B)
+        keys_BTI = self.indexer.keys(x_BTD, positions_BT)
+    new_cache = cache.write(jnp.concatenate([c_kv_BTA, k_pe_BTR], -1), keys_BTI, new_lens_B)
+    kv_len_B = new_cache.lengths_B
 
     topk_BTK = None
     if route is PrefillRoute.DENSE_MHA:
       with jax.named_scope(route.scope):
         num_keys = cached_bound + t  # static: the dense route needs a static bound
-        o_BTHV = self.forward_mha(q_nope_BTHN, q_pe_BTHR, latent_BSL[:, :num_keys],
+        o_BTHV = self.forward_mha(q_nope_BTHN, q_pe_BTHR, new_cache.rows(num_keys)[0],
                                   cache.lengths_B, kv_len_B)
     else:
+      latent_BSL, keys_BSI = new_cache.rows(num_rows)
       if route.needs_topk and self.shares_topk:
         if shared_topk_BTK is None:
           raise ValueError("this shared-indexer layer takes the sparse route but was given no "
@@ -255,7 +273,7 @@ class MLAAttentionBase(nnx.Module):
           topk_BTK = self.indexer.select(x_BTD, q_resid_BTC, positions_BT, keys_BSI,
                                          self.backend, chunk_size=self.index_chunk_size)
       else:
-        topk_BTK = causal_indices(positions_BT, cache.capacity)
+        topk_BTK = causal_indices(positions_BT, num_rows)
       checks.rows_attend(topk_BTK, new_lens_B)
       with jax.named_scope(route.scope):
         o_BTHV = self.forward_mqa(q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK)
@@ -284,7 +302,7 @@ class MLAAttention(MLAAttentionBase):
     k_BSHQ = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
     q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHR.astype(dtype)], axis=-1)
     out_BTHV, _ = self.dense_prefill_backend.dense_mha(
-        q_BTHQ, k_BSHQ, v_BSHV, sm_scale=c.qk_head_dim**-0.5, q_offset_B=q_offset_B,
+        q_BTHQ, k_BSHQ, v_BSHV, sm_scale=c.softmax_scale, q_offset_B=q_offset_B,
         kv_len_B=kv_len_B)
     return out_BTHV
 

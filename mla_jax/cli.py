@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ from flax import nnx
 
 from mla_jax import sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
+from mla_jax.checkpoints.generation_config import GenerationDefaults, read_generation_config
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}
@@ -76,24 +78,53 @@ def _start_processes(args) -> None:
                              num_processes=args.num_processes, process_id=args.process_id)
 
 
-def _build_model(args, mesh):
+_DTYPES = {"bf16": jnp.bfloat16, "float32": jnp.float32, "fp8": "fp8"}
+
+
+def _config(args):
+  """The model's config, read before anything is built (a checkpoint's from config.json)."""
+  if args.checkpoint:
+    from mla_jax.checkpoints import config_from_hf
+    from mla_jax.checkpoints.loading import read_config
+
+    return config_from_hf(read_config(Path(args.checkpoint)), attention=args.attention)
+  return PRESETS[args.preset](args.attention)
+
+
+def _build_model(args, config, mesh):
   from mla_jax.models.lm import CausalLM
 
   if args.checkpoint:
     from mla_jax.checkpoints import load_pretrained
 
-    return load_pretrained(args.checkpoint, attention=args.attention, backend=args.backend)
-  return CausalLM(PRESETS[args.preset](args.attention), rngs=nnx.Rngs(args.seed),
-                  backend=args.backend, mesh=mesh)
+    return load_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype or "bf16"],
+                           attention=args.attention, backend=args.backend, mesh=mesh)
+  return CausalLM(config, rngs=nnx.Rngs(args.seed), backend=args.backend, mesh=mesh,
+                  param_dtype=_DTYPES[args.dtype or "float32"])
 
 
-def _prompt_ids(args, vocab_size: int) -> list[int]:
+def _tokenizer(args, vocab_size: int) -> tokenizer.Tokenizer:
+  """The checkpoint's tokenizer (byte tokenizer without a tokenizer.json or for presets),
+  checked against the model's vocabulary where it will be used."""
+  tok = tokenizer.checkpoint_tokenizer(args.checkpoint) if args.checkpoint else \
+      tokenizer.ByteTokenizer()
+  if isinstance(tok, tokenizer.HFTokenizer) or args.prompt is not None or args.stop_at_eos:
+    tok.check_fits(vocab_size)
+  if args.stop_at_eos and not tok.eos_ids:
+    raise ValueError(f"--stop-at-eos: {tok.describe()} names no EOS token")
+  return tok
+
+
+def _sampling(args) -> tuple[float, float]:
+  """Temperature and top_p: a flag wins, then the checkpoint's generation_config.json."""
+  defaults = read_generation_config(args.checkpoint) if args.checkpoint else GenerationDefaults()
+  return (defaults.temperature if args.temperature is None else args.temperature,
+          defaults.top_p if args.top_p is None else args.top_p)
+
+
+def _prompt_ids(args, tok: tokenizer.Tokenizer, vocab_size: int) -> list[int]:
   if args.prompt is not None:
-    ids = tokenizer.encode(args.prompt)
-    if max(ids) >= vocab_size:
-      raise SystemExit(f"error: the byte tokenizer needs a vocabulary of {tokenizer.VOCAB_SIZE}, "
-                       f"the model has {vocab_size}")
-    return ids
+    return tok.encode(args.prompt)
   rng = np.random.default_rng(args.seed)
   return rng.integers(0, min(vocab_size, 256), size=args.prompt_len).tolist()
 
@@ -108,10 +139,13 @@ def cmd_generate(args) -> int:
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
   if jax.process_index() != 0:  # every process computes; the first one reports
     sys.stdout = open(os.devnull, "w")
+  config = _config(args)
+  tok = _tokenizer(args, config.vocab_size)
+  temperature, top_p = _sampling(args)
   t0 = time.perf_counter()
-  model = _build_model(args, mesh)
+  model = _build_model(args, config, mesh)
   build_s = time.perf_counter() - t0
-  prompt = _prompt_ids(args, model.config.vocab_size)
+  prompt = _prompt_ids(args, tok, model.config.vocab_size)
   print(f"model: {type(model.layer_module(0).self_attn).__name__} x "
         f"{model.config.num_layers} layers, backend {model.backend.name}, "
         f"index_topk {model.config.mla.indexer.topk if model.config.mla.indexer else '-'}, "
@@ -119,17 +153,19 @@ def cmd_generate(args) -> int:
   if mesh is not None:
     print(f"mesh: {args.mesh} over {jax.device_count()} devices in "
           f"{jax.process_count()} process(es)")
+  print(f"tokenizer: {tok.describe()}")
   print(f"prompt: {len(prompt)} tokens")
-  eos = tokenizer.EOS_ID if args.stop_at_eos else None
+  print(f"sampling: temperature {temperature:g}, top_p {top_p:g}")
+  eos = tok.eos_ids if args.stop_at_eos else None
   result = generate(model, [prompt] * args.batch, args.max_new_tokens,
-                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_id=eos,
+                    temperature=temperature, top_p=top_p, seed=args.seed, eos_id=eos,
                     progress=not args.quiet and jax.process_index() == 0)
   for i, route in enumerate(result.prefill_routes):
     print(f"prefill route, layer {i}: {route.value}")
   ids = result.tokens[0]
   print(f"generated ids: {ids}")
   if args.prompt is not None:
-    print(f"generated text: {tokenizer.decode(ids)!r}")
+    print(f"generated text: {tok.decode(ids)!r}")
   print(f"compile time: {result.compile_s:.2f}s")
   print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s")
   print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
@@ -196,16 +232,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in model with random weights from --seed (default tiny)")
   gen.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face safetensors checkpoint")
   source = gen.add_mutually_exclusive_group()
-  source.add_argument("--prompt", help="text prompt (byte-level tokenizer)")
+  source.add_argument("--prompt", help="text prompt (the checkpoint's tokenizer.json, else the "
+                                       "byte-level tokenizer)")
   source.add_argument("--prompt-len", type=int_in(1), default=24,
                       help="random prompt of this many ids when no --prompt (default 24)")
   gen.add_argument("--max-new-tokens", type=int_in(1), default=32)
   gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
   gen.add_argument("--attention", choices=ATTENTION_KINDS, default="mqa-only")
   gen.add_argument("--seed", type=int_in(0, 2**32), default=0)
-  gen.add_argument("--temperature", type=float_in(0.0, math.inf), default=0.0)
-  gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0)
-  gen.add_argument("--stop-at-eos", action="store_true", help="stop at the tokenizer's EOS id")
+  gen.add_argument("--dtype", choices=sorted(_DTYPES),
+                   help="parameters: bf16 (checkpoint default), float32 (preset default) or "
+                        "fp8 (a checkpoint's float8 weights stay float8)")
+  gen.add_argument("--temperature", type=float_in(0.0, math.inf),
+                   help="0 is greedy (default: the checkpoint's generation_config.json, else 0)")
+  gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True),
+                   help="nucleus mass (default: the checkpoint's generation_config.json, else 1)")
+  gen.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the tokenizer's EOS id(s)")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--batch", type=int_in(1), default=1, help="sequences (copies of the prompt)")
   gen.add_argument("--mesh", metavar="SPEC",
@@ -240,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
   args = build_parser().parse_args(argv)
+  if getattr(args, "dtype", None) == "fp8" and not args.checkpoint:
+    raise SystemExit("error: --dtype fp8 keeps a checkpoint's float8 weights; it needs "
+                     "--checkpoint (the presets have none)")
   try:
     return args.func(args)
   except (ValueError, TypeError, OSError) as err:

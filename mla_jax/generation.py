@@ -1,9 +1,12 @@
-"""Jit-compiled generation: one prefill program and one decode-step program.
+"""Jit-compiled generation: one prefill program and a decode program per cache bucket.
 
-The decode step is compiled once per (model structure, batch, capacity, sampling settings)
-and reused for every token, so a generation never retraces per token. Prefill takes the
-route its layers resolve for a fresh cache (dense MHA only where both the layer class and
-the backend allow it); every decode step is MQA, because the cached length is traced.
+A decode program runs several steps per dispatch (a ``lax.scan``) and reads only the cache
+rows the live context can reach, rounded up to a power-of-two bucket; it is compiled once per
+(model structure, batch, capacity, sampling settings, bucket) and reused, so a generation
+never retraces per token. The caches are donated to every program and updated in place.
+Prefill takes the route its layers resolve for a fresh cache (dense MHA only where both the
+layer class and the backend allow it); every decode step is MQA, because the cached length
+is traced.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import sharding
+from mla_jax.cache import bucket_rows
 from mla_jax.checks import float_dtype, functionalize, throw
 from mla_jax.progress import ProgressBar
 from mla_jax.routing import PrefillRoute
@@ -63,7 +67,8 @@ def sample(logits_BV, key, sampling: SamplingConfig):
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "checked"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "checked"),
+                   donate_argnames=("caches",))
 def _prefill(graphdef, state, caches, ids_BT, lens_B, seed, *, sampling, checked):
   """``(err, (tokens, logits, caches))``; ``err`` is None unless ``checked``."""
   trace_counts["prefill"] += 1
@@ -78,27 +83,42 @@ def _prefill(graphdef, state, caches, ids_BT, lens_B, seed, *, sampling, checked
   return functionalize(run, checked)(state, caches, ids_BT, lens_B, seed)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "checked"))
-def _decode_step(graphdef, state, caches, tokens_B, done_B, seed, step, *, sampling, eos_id,
-                 checked):
-  """One token for every unfinished sequence; finished ones keep their cache unchanged.
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos_id", "steps",
+                                             "kv_rows", "keep_logits", "checked"),
+                   donate_argnames=("caches", "tokens_B", "done_B"))
+def _decode(graphdef, state, caches, tokens_B, done_B, seed, first_step, end_step, *, sampling,
+            eos_id, steps, kv_rows, keep_logits, checked):
+  """``steps`` decode steps in one program (one dispatch), as a ``lax.scan``.
 
-  Returns ``(err, (next, emitted, done, logits, caches))``; ``err`` is None unless ``checked``.
+  Step i (``first_step <= i < first_step + steps``) samples with key ``fold_in(seed, i)`` and
+  runs only for unfinished sequences while ``i < end_step``; the others keep their token and
+  their cache. The caches (and the token/done buffers) are donated: updated in place.
+  Returns ``(err, (tokens, done, caches, emitted, logits))``; ``err`` is None unless ``checked``.
   """
   trace_counts["decode"] += 1
 
-  def run(state, caches, tokens_B, done_B, seed, step):
-    key = jax.random.fold_in(jax.random.key(seed), step)
+  def run(state, caches, tokens_B, done_B, seed, first_step, end_step):
     model = nnx.merge(graphdef, state)
-    active_B = ~done_B
-    logits_B1V, caches = model(tokens_B[:, None], caches, new_lens_B=active_B.astype(jnp.int32))
-    next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, sampling), tokens_B)
-    emitted_B = jnp.where(active_B, next_B, -1)
-    if eos_id is not None:
-      done_B = done_B | (next_B == eos_id)
-    return next_B, emitted_B, done_B, logits_B1V[:, 0], caches
 
-  return functionalize(run, checked)(state, caches, tokens_B, done_B, seed, step)
+    def one_step(carry, i):
+      tokens_B, done_B, caches = carry
+      step = first_step + i
+      active_B = ~done_B & (step < end_step)
+      logits_B1V, caches = model(tokens_B[:, None], caches,
+                                 new_lens_B=active_B.astype(jnp.int32), kv_rows=kv_rows)
+      key = jax.random.fold_in(jax.random.key(seed), step)
+      next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, sampling), tokens_B)
+      if eos_id is not None:
+        done_B = done_B | (active_B & jnp.isin(next_B, jnp.asarray(eos_id, jnp.int32)))
+      emitted_B = jnp.where(active_B, next_B, -1)
+      return (next_B, done_B, caches), (emitted_B, logits_B1V[:, 0] if keep_logits else None)
+
+    (tokens_B, done_B, caches), (emitted_NB, logits_NBV) = jax.lax.scan(
+        one_step, (tokens_B, done_B, caches), jnp.arange(steps, dtype=jnp.int32))
+    return tokens_B, done_B, caches, emitted_NB, logits_NBV
+
+  return functionalize(run, checked)(state, caches, tokens_B, done_B, seed, first_step,
+                                     end_step)
 
 
 _executables: dict = {}
@@ -125,12 +145,13 @@ class GenerationResult:
 
   tokens: list[list[int]]
   prefill_routes: list[PrefillRoute]
-  compile_s: float  # 0 when this shape was compiled by an earlier call
+  compile_s: float  # 0 when every program was compiled by an earlier call
   prefill_s: float
   decode_s: float
   prefill_tokens: int
   decode_tokens: int
   step_logits: np.ndarray | None = None  # [B, steps, vocab] when ``return_logits``
+  decode_buckets: tuple[int, ...] = ()  # the cache rows read by each decode program used
 
   @property
   def prefill_tokens_per_s(self) -> float:
@@ -183,11 +204,25 @@ def _place(array, mesh, spec=P(sharding.DATA)):
   return jnp.asarray(array) if mesh is None else sharding.put(array, mesh, spec)
 
 
+DEFAULT_STEPS_PER_DISPATCH = 8  # benchmarks/decode.py: beyond ~8 the per-token gain is small
+
+
+def _eos_ids(eos_id, vocab_size: int) -> tuple[int, ...] | None:
+  """``eos_id`` as a tuple of ids (a tokenizer may have several end-of-sequence tokens)."""
+  if eos_id is None:
+    return None
+  ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
+  if not ids or not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
+    raise ValueError(f"eos_id must be an id in [0, {vocab_size}) or a non-empty list of them, "
+                     f"got {eos_id!r}")
+  return tuple(int(i) for i in ids)
+
+
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | list[int] | None = None,
              cache_capacity: int | None = None, cache_dtype=jnp.float32,
-             progress: bool = False, return_logits: bool = False,
-             checks: bool = False) -> GenerationResult:
+             steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, progress: bool = False,
+             return_logits: bool = False, checks: bool = False) -> GenerationResult:
   """Generates up to ``max_new_tokens`` after each prompt (a batch of ragged prompts).
 
   Args:
@@ -196,23 +231,30 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     max_new_tokens: tokens to generate per sequence (fewer when it emits ``eos_id``).
     temperature, top_p: 0 is greedy; otherwise nucleus sampling.
     seed: sampling seed (one key per step, folded from it).
-    eos_id: a sequence stops after emitting it; the others go on.
+    eos_id: a sequence stops after emitting it (or any id of a list); the others go on.
     cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
-    progress: draw a progress bar on stderr while decoding.
+    cache_dtype: dtype of the latent and indexer-key caches.
+    steps_per_dispatch: decode steps run by one compiled program (one host round trip);
+      tokens and logits do not depend on it.
+    progress: draw a progress bar on stderr while decoding (advanced per dispatch).
     return_logits: keep the logits of every generated token (for tests and notebooks).
-    checks: run the compiled steps checked (``mla_jax.checks``): a failed run-time check
+    checks: run the compiled programs checked (``mla_jax.checks``): a failed run-time check
       (cache overflow, out-of-range lengths or ids, a query row without a top-k index)
-      raises ``checks.CheckError`` instead of giving wrong tokens. Slower: every step is
-      synchronized with the host.
+      raises ``checks.CheckError`` instead of giving wrong tokens. Slower to compile and run.
+
+  Each decode dispatch reads only the cache rows the live context can reach by its end,
+  rounded up to a bucket (``mla_jax.cache.bucket_rows``), so the work per token follows the
+  live context, not ``cache_capacity``; one program is compiled per bucket used.
   """
   if not _is_int(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
   if not _is_int(seed) or not 0 <= seed < 2**32:
     raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+  if not _is_int(steps_per_dispatch) or steps_per_dispatch < 1:
+    raise ValueError(f"steps_per_dispatch must be a positive int, got {steps_per_dispatch!r}")
   sampling = SamplingConfig(temperature, top_p)
   cfg = model.config
-  if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < cfg.vocab_size):
-    raise ValueError(f"eos_id must be None or an int in [0, {cfg.vocab_size}), got {eos_id!r}")
+  eos_id = _eos_ids(eos_id, cfg.vocab_size)
   if cache_capacity is not None and (not _is_int(cache_capacity) or cache_capacity < 1):
     raise ValueError(f"cache_capacity must be None or a positive int, got {cache_capacity!r}")
   float_dtype(cache_dtype, "cache_dtype")
@@ -237,14 +279,26 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   caches = model.init_cache(batch, capacity, cache_dtype)
   mesh = model.mesh
   ids_BT, lens_B = _place(ids_BT, mesh), _place(lens_B, mesh)
-  done_B = _place(np.zeros((batch,), bool), mesh)
   seed = _place(np.uint32(seed), mesh, P())
-  step_index = lambda i: _place(np.int32(i), mesh, P())
+  scalar = lambda i: _place(np.int32(i), mesh, P())
+  steps = min(steps_per_dispatch, max(max_new_tokens - 1, 1))
+  decode_static = dict(sampling=sampling, eos_id=eos_id, steps=steps, keep_logits=return_logits,
+                       checked=checks)
+
+  def decoder(kv_rows):
+    """The compiled decode program for ``kv_rows`` cache rows, and its compile seconds."""
+    t0 = time.perf_counter()
+    fn = _compiled(_decode, (graphdef, state, caches, lens_B, lens_B > 0, seed, scalar(1),
+                             scalar(1)), kv_rows=kv_rows, **decode_static)
+    return fn, time.perf_counter() - t0
+
   args = (graphdef, state, caches, ids_BT, lens_B, seed)
   t0 = time.perf_counter()
   prefill = _compiled(_prefill, args, sampling=sampling, checked=checks)
-  step = _compiled(_decode_step, (graphdef, state, caches, lens_B, done_B, seed, step_index(1)),
-                   sampling=sampling, eos_id=eos_id, checked=checks)
+  rows_by = lambda step: bucket_rows(longest + min(step + steps, max_new_tokens) - 1, capacity)
+  programs = {}
+  if max_new_tokens > 1:
+    programs[rows_by(1)], _ = decoder(rows_by(1))
   compile_s = time.perf_counter() - t0
 
   t0 = time.perf_counter()
@@ -253,35 +307,42 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   tokens_B.block_until_ready()
   prefill_s = time.perf_counter() - t0
 
-  out, logits = [tokens_B], []
-  if eos_id is not None:
-    done_B = _place(sharding.fetch(tokens_B) == eos_id, mesh)
+  out, logits = [sharding.fetch(tokens_B)[:, None]], []
+  done = np.isin(out[0][:, 0], eos_id) if eos_id is not None else np.zeros((batch,), bool)
+  done_B = _place(done, mesh)
   bar = ProgressBar(max_new_tokens, "decode") if progress else None
-  t0 = time.perf_counter()
-  for i in range(1, max_new_tokens):
-    # Checking for eos syncs with the device, so only every 8 steps (finished rows idle).
-    if eos_id is not None and i % 8 == 0 and sharding.fetch(done_B).all():
-      break
-    err, (tokens_B, emitted_B, done_B, step_logits, caches) = step(state, caches, tokens_B,
-                                                                   done_B, seed, step_index(i))
-    throw(err)
-    out.append(emitted_B)
-    if return_logits:
-      logits.append(step_logits)
-    if bar:
-      emitted_B.block_until_ready()  # count finished tokens, not merely dispatched ones
-      bar.update(i + 1)
-  tokens_B.block_until_ready()
-  decode_s = time.perf_counter() - t0
   if bar:
-    if bar.count != len(out):
-      bar.update(len(out))
+    bar.update(1)
+  decode_s, step = 0.0, 1
+  while step < max_new_tokens and not done.all():
+    kv_rows = rows_by(step)
+    if kv_rows not in programs:  # a new bucket: compile outside the decode timing
+      programs[kv_rows], seconds = decoder(kv_rows)
+      compile_s += seconds
+    t0 = time.perf_counter()
+    err, (tokens_B, done_B, caches, emitted_NB, logits_NBV) = programs[kv_rows](
+        state, caches, tokens_B, done_B, seed, scalar(step), scalar(max_new_tokens))
+    throw(err)
+    emitted = sharding.fetch(emitted_NB).T  # syncs: the dispatch has finished
+    decode_s += time.perf_counter() - t0
+    out.append(emitted)
+    if return_logits:
+      logits.append(sharding.fetch(logits_NBV).swapaxes(0, 1))
+    done = sharding.fetch(done_B) if eos_id is not None else done
+    step += steps
+    if bar:
+      bar.update(min(step, max_new_tokens))
+  if bar:
     bar.close()
 
-  rows = np.stack([sharding.fetch(t) for t in out], axis=1)
+  rows = np.concatenate(out, axis=1)[:, :max_new_tokens]
   tokens = [[int(t) for t in row if t >= 0] for row in rows]
+  step_logits = None
+  if return_logits:
+    step_logits = np.concatenate(logits, axis=1)[:, :max_new_tokens - 1] if logits else \
+        np.zeros((batch, 0, cfg.vocab_size), np.float32)
   return GenerationResult(
       tokens=tokens, prefill_routes=model.prefill_routes(longest, 0), compile_s=compile_s,
       prefill_s=prefill_s, decode_s=decode_s, prefill_tokens=int(sharding.fetch(lens_B).sum()),
-      decode_tokens=sum(len(t) for t in tokens) - batch,
-      step_logits=np.stack([sharding.fetch(x) for x in logits], 1) if return_logits else None)
+      decode_tokens=sum(len(t) for t in tokens) - batch, step_logits=step_logits,
+      decode_buckets=tuple(sorted(programs)))

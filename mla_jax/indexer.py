@@ -99,6 +99,7 @@ class Indexer(nnx.Module):
     than a [B, chunk_size, S] block of logits.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
+    keys_BSI = keys_BSI.astype(q_BTGI.dtype)  # a cache may be wider than the model's dtype
     ends_BT = positions_BT + 1  # causal, self included
     topk = self.config.indexer.topk
 

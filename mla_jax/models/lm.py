@@ -20,9 +20,9 @@ import numpy as np
 from flax import nnx
 
 from mla_jax import checks, sharding
-from mla_jax.attention import DeepseekV32Attention, MLAAttention
+from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, check_fits, init_layer_cache
+from mla_jax.cache import LayerCache, StackedLayerView, bucket_rows, check_fits, init_layer_cache
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
@@ -48,6 +48,10 @@ class ModelCache:
   def num_layers(self) -> int:
     return self.layout[-1].end
 
+  @property
+  def capacity(self) -> int:
+    return self.groups[0][0].latent_BSL.shape[2]
+
   def layer(self, index: int) -> LayerCache:
     """Layer ``index``'s cache (a slice of its group's stacked cache)."""
     for g, group in enumerate(self.layout):
@@ -69,10 +73,10 @@ class Embed(nnx.Module):
 
 class DecoderLayer(nnx.Module):
   def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, backend: Backend,
-               param_dtype):
+               param_dtype, attention_class=None):
     d = config.mla.hidden_size
     self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
-    self.self_attn = ATTENTION_CLASSES[config.attention](
+    self.self_attn = (attention_class or ATTENTION_CLASSES[config.attention])(
         config.mla, rngs=rngs, backend=backend, param_dtype=param_dtype,
         shares_topk=config.shares_topk(layer_idx))
     self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
@@ -82,10 +86,11 @@ class DecoderLayer(nnx.Module):
       self.mlp = MLP(d, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
     self.mesh = backend.mesh
 
-  def __call__(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK):
+  def __call__(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK,
+               kv_rows=None):
     attn = self.self_attn(self.input_layernorm(h_BTD), cache, new_lens_B=new_lens_B,
                           num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
-                          shared_topk_BTK=shared_topk_BTK)
+                          shared_topk_BTK=shared_topk_BTK, kv_rows=kv_rows)
     h_BTD = sharding.constrain(h_BTD + attn.out_BTD, self.mesh)
     h_BTD = sharding.constrain(h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), self.mesh)
     return h_BTD, attn.cache, attn.topk_BTK
@@ -99,11 +104,11 @@ class LayerUnit(nnx.Module):
   """
 
   def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, rep, *,
-               backend: Backend, param_dtype):
+               backend: Backend, param_dtype, attention_class):
     self.layers = nnx.List([
         DecoderLayer(config, group.layer(0, u),
                      rngs=nnx.Rngs(params=jax.random.fold_in(layers_key, group.layer(rep, u))),
-                     backend=backend, param_dtype=param_dtype)
+                     backend=backend, param_dtype=param_dtype, attention_class=attention_class)
         for u in range(group.unit_len)])
 
 
@@ -111,12 +116,13 @@ class LayerStack(nnx.Module):
   """A group: its unit's parameters stacked over ``reps``, run by one ``lax.scan``."""
 
   def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, *, backend: Backend,
-               param_dtype):
+               param_dtype, attention_class):
     graphdef = None
 
     def init(rep):
       nonlocal graphdef
-      unit = LayerUnit(config, group, layers_key, rep, backend=backend, param_dtype=param_dtype)
+      unit = LayerUnit(config, group, layers_key, rep, backend=backend, param_dtype=param_dtype,
+                       attention_class=attention_class)
       graphdef, state = nnx.split(unit)
       return state
 
@@ -124,36 +130,45 @@ class LayerStack(nnx.Module):
     self.unit = nnx.merge(graphdef, state)
     self.group = group
 
-  def __call__(self, h_BTD, topk_BTK, caches, *, new_lens_B, num_cached_tokens, force_mqa):
-    """Runs every repetition; ``topk_BTK`` carries the last full layer's top-k (or None)."""
+  def __call__(self, h_BTD, topk_BTK, caches, *, new_lens_B, num_cached_tokens, force_mqa,
+               kv_rows):
+    """Runs every repetition; ``topk_BTK`` carries the last full layer's top-k (or None).
+
+    The stacked caches ride in the scan's carry and each layer writes its new rows into them
+    in place (``StackedLayerView``); scanning them as inputs and outputs instead would copy
+    every layer's whole cache on every step.
+    """
     graphdef, state = nnx.split(self.unit)
 
     def body(carry, xs):
-      h_BTD, topk_BTK = carry
-      unit_state, unit_caches = xs
+      h_BTD, topk_BTK, unit_caches = carry
+      unit_state, rep = xs
       unit = nnx.merge(graphdef, unit_state)
       new_caches = []
       for layer, cache in zip(unit.layers, unit_caches):
-        h_BTD, cache, layer_topk = layer(h_BTD, cache, new_lens_B=new_lens_B,
-                                         num_cached_tokens=num_cached_tokens,
-                                         force_mqa=force_mqa, shared_topk_BTK=topk_BTK)
+        h_BTD, view, layer_topk = layer(h_BTD, StackedLayerView(cache, rep),
+                                        new_lens_B=new_lens_B,
+                                        num_cached_tokens=num_cached_tokens,
+                                        force_mqa=force_mqa, shared_topk_BTK=topk_BTK,
+                                        kv_rows=kv_rows)
         if topk_BTK is not None and not layer.self_attn.shares_topk:
           topk_BTK = layer_topk
-        new_caches.append(cache)
-      return (h_BTD, topk_BTK), tuple(new_caches)
+        new_caches.append(view.stacked)
+      return (h_BTD, topk_BTK, tuple(new_caches)), None
 
-    (h_BTD, topk_BTK), caches = jax.lax.scan(body, (h_BTD, topk_BTK), (state, caches))
+    reps = jnp.arange(self.group.reps, dtype=jnp.int32)
+    (h_BTD, topk_BTK, caches), _ = jax.lax.scan(body, (h_BTD, topk_BTK, caches), (state, reps))
     return h_BTD, topk_BTK, caches
 
 
 class Model(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: Backend, param_dtype,
-               groups: tuple[LayerGroup, ...]):
+               groups: tuple[LayerGroup, ...], attention_class):
     self.embed_tokens = Embed(config.vocab_size, config.mla.hidden_size, rngs=rngs,
                               param_dtype=param_dtype)
     layers_key = rngs.params()
     self.groups = nnx.List([LayerStack(config, group, layers_key, backend=backend,
-                                       param_dtype=param_dtype)
+                                       param_dtype=param_dtype, attention_class=attention_class)
                             for group in groups])
     self.norm = RMSNorm(config.mla.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
@@ -161,12 +176,13 @@ class Model(nnx.Module):
 class _Parts(nnx.Module):
   """What ``CausalLM`` holds, built from one key (so that it can be built under ``jit``)."""
 
-  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype, scan_layers: bool):
+  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype, scan_layers: bool,
+               attention_class):
     rngs = nnx.Rngs(params=key)
     groups = (layer_groups(config) if scan_layers else
               tuple(LayerGroup(i, 1, 1) for i in range(config.num_layers)))
     self.model = Model(config, rngs=rngs, backend=backend, param_dtype=param_dtype,
-                       groups=groups)
+                       groups=groups, attention_class=attention_class)
     self.lm_head = Linear(config.mla.hidden_size, config.vocab_size, rngs=rngs,
                           param_dtype=param_dtype)
 
@@ -178,14 +194,21 @@ class CausalLM(nnx.Module):
   ``mla_jax.sharding``'s rules: each device computes and holds only its own shards, and no
   full copy of a parameter ever sits on one device. The same ``rngs`` give the same weights
   with and without a mesh. ``scan_layers=False`` runs every layer on its own (one group per
-  layer; the compile time then grows with depth), for comparisons.
+  layer; the compile time then grows with depth), for comparisons. ``attention_class``
+  replaces the config's attention module in every layer (a subclass of ``MLAAttentionBase``
+  with the same parameters), for experiments such as ``mla_jax.misrouted``.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
-               param_dtype=jnp.float32, mesh=None, scan_layers: bool = True):
+               param_dtype=jnp.float32, mesh=None, scan_layers: bool = True,
+               attention_class: type[MLAAttentionBase] | None = None):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     checks.float_dtype(param_dtype, "param_dtype")
+    if attention_class is not None and not (isinstance(attention_class, type) and
+                                            issubclass(attention_class, MLAAttentionBase)):
+      raise TypeError(f"attention_class must be a subclass of MLAAttentionBase, got "
+                      f"{attention_class!r}")
     backend = get_backend(backend)
     mesh = backend.mesh if mesh is None else mesh
     if mesh is not None:
@@ -194,7 +217,7 @@ class CausalLM(nnx.Module):
     self.config = config
     self.backend = backend
     key = rngs.params()
-    build = lambda k: _Parts(config, k, backend, param_dtype, scan_layers)
+    build = lambda k: _Parts(config, k, backend, param_dtype, scan_layers, attention_class)
     parts = build(key) if mesh is None else _build_sharded(build, key, mesh)
     self.model, self.lm_head = parts.model, parts.lm_head
 
@@ -271,8 +294,13 @@ class CausalLM(nnx.Module):
     checks.ids_in_vocab(ids_BT, self.config.vocab_size)
 
   def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa: bool = False):
-    """Float32 logits [B, T, vocab] and the updated caches."""
+               force_mqa: bool = False, kv_rows: int | None = None):
+    """Float32 logits [B, T, vocab] and the updated caches.
+
+    ``kv_rows`` (static) bounds the cache rows every layer reads; by default the rows this
+    step can reach rounded up to a bucket (``bucket_rows``) when the cached length is known,
+    else the whole capacity.
+    """
     self._check_ids(ids_BT, caches)
     b, t = ids_BT.shape
     if new_lens_B is None:
@@ -282,6 +310,8 @@ class CausalLM(nnx.Module):
       check_fits(caches.layer(0), new_lens_B)
       if num_cached_tokens is None:
         num_cached_tokens = int(sharding.fetch(lengths_B).max())
+    if kv_rows is None and num_cached_tokens is not None:
+      kv_rows = bucket_rows(num_cached_tokens + t, caches.capacity)
     routes = self.prefill_routes(t, num_cached_tokens, force_mqa=force_mqa)
     force_mqa = force_mqa or PrefillRoute.DENSE_MHA not in routes
     # Shared-indexer layers read the top-k of the last full layer, carried through the scans.
@@ -293,7 +323,7 @@ class CausalLM(nnx.Module):
     for stack, group_caches in zip(self.model.groups, caches.groups):
       h_BTD, topk_BTK, group_caches = stack(h_BTD, topk_BTK, group_caches, new_lens_B=new_lens_B,
                                             num_cached_tokens=num_cached_tokens,
-                                            force_mqa=force_mqa)
+                                            force_mqa=force_mqa, kv_rows=kv_rows)
       new_groups.append(group_caches)
     logits_BTV = self.lm_head(self.model.norm(h_BTD)).astype(jnp.float32)
     return logits_BTV, ModelCache(tuple(new_groups), caches.layout)

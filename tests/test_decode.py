@@ -1,0 +1,133 @@
+"""Long-context decode: donated caches, several steps per dispatch, live-context buckets."""
+
+import dataclasses
+import functools
+import re
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax import generation
+from mla_jax import testing as mt
+from mla_jax.backends import XlaBackend
+from mla_jax.cache import MIN_BUCKET, bucket_rows
+from mla_jax.models.config import tiny_lm
+from mla_jax.models.lm import CausalLM
+
+EOS = 7
+
+
+@functools.lru_cache(maxsize=None)
+def _model(backend=None):
+  model = CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend=backend or XlaBackend())
+  mt.randomize_params(model, 3)
+  return model
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, n).tolist() for n in lengths]
+
+
+def test_decode_program_updates_every_cache_in_place():
+  """The compiled decode program aliases every cache buffer (and tokens, done) to an output."""
+  model = _model()
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(2, 512)
+  tokens, done = jnp.zeros((2,), jnp.int32), jnp.zeros((2,), bool)
+  step = jnp.int32(1)
+  compiled = generation._decode.lower(
+      graphdef, state, caches, tokens, done, jnp.uint32(0), step, step,
+      sampling=generation.SamplingConfig(), eos_id=EOS, steps=4, kv_rows=256,
+      keep_logits=False).compile()
+  header = compiled.as_text().split("\n", 1)[0]
+  aliased = {int(p) for p in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
+  num_state = len(jax.tree.leaves(state))
+  cache_params = set(range(num_state, num_state + len(jax.tree.leaves(caches)) + 2))
+  assert cache_params <= aliased, (sorted(cache_params), sorted(aliased))
+  donated = sum(x.nbytes for x in jax.tree.leaves((caches, tokens, done)))
+  assert compiled.memory_analysis().alias_size_in_bytes == donated
+
+
+def test_prefill_program_updates_every_cache_in_place():
+  model = _model()
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(2, 64)
+  compiled = generation._prefill.lower(
+      graphdef, state, caches, jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32),
+      jnp.uint32(0), sampling=generation.SamplingConfig()).compile()
+  assert compiled.memory_analysis().alias_size_in_bytes == sum(
+      x.nbytes for x in jax.tree.leaves(caches))
+
+
+@pytest.mark.parametrize("steps", [3, 8])
+def test_steps_per_dispatch_do_not_change_tokens_or_logits(steps):
+  """Ragged prompts; EOS arrives mid-dispatch for some sequences and the others go on."""
+  prompts = _prompts([5, 12, 1, 9])
+  kwargs = dict(eos_id=EOS, temperature=0.8, top_p=0.9, seed=4, return_logits=True)
+  one = generation.generate(_model(), prompts, 20, steps_per_dispatch=1, **kwargs)
+  many = generation.generate(_model(), prompts, 20, steps_per_dispatch=steps, **kwargs)
+  assert many.tokens == one.tokens
+  stopped = [t for t in one.tokens if t[-1] == EOS and len(t) < 20]
+  assert stopped and any(len(t) == 20 for t in one.tokens)  # EOS for some, not all
+  np.testing.assert_array_equal(many.step_logits, one.step_logits)
+
+
+class _RowSpy(XlaBackend):
+  """Records how many cache rows each traced attention call reads."""
+
+  name: ClassVar[str] = "xla_row_spy"
+  rows: ClassVar[list] = []
+
+  def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
+    self.rows.append(("attention", kv_SL.shape[0]))
+    return super()._sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v)
+
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T):
+    self.rows.append(("indexer", k_SI.shape[0]))
+    return super()._indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T)
+
+
+def test_buckets_follow_the_live_context_and_keep_the_tokens():
+  """A sequence crosses the 256-row bucket mid-generation in a 2048-row cache: two decode
+  programs, rows past the bucket are never read, tokens equal a teacher-forced forward."""
+  model = CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend=_RowSpy())
+  nnx.update(model, nnx.state(_model(), nnx.Param))
+  prompt = _prompts([250])[0]
+  traced = generation.trace_counts["decode"]
+  _RowSpy.rows.clear()
+  result = generation.generate(model, [prompt], 16, cache_capacity=2048, steps_per_dispatch=4)
+  assert result.decode_buckets == (256, 512)
+  assert generation.trace_counts["decode"] - traced == 2  # one trace per bucket
+  read = {rows for _, rows in _RowSpy.rows}
+  assert read == {256, 512}, read  # the prefill reads bucket(250) = 256 rows, never 2048
+  ids = jnp.asarray([prompt + result.tokens[0]], jnp.int32)
+  logits, _ = model(ids, model.init_cache(1, ids.shape[1]), num_cached_tokens=0)
+  teacher = np.asarray(jnp.argmax(logits[0, len(prompt) - 1:-1], -1)).tolist()
+  assert teacher == result.tokens[0]
+
+
+def test_bucket_rows():
+  assert [bucket_rows(n, 4096) for n in (1, 256, 257, 1000, 4096)] == [256, 256, 512, 1024,
+                                                                       4096]
+  assert bucket_rows(300, 300) == 300 and bucket_rows(5, 100) == 100 and MIN_BUCKET == 256
+  with pytest.raises(ValueError, match="capacity is 100"):
+    bucket_rows(101, 100)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.0, True, None])
+def test_bad_steps_per_dispatch(value):
+  with pytest.raises(ValueError, match="steps_per_dispatch must be a positive int"):
+    generation.generate(_model(), [[1, 2]], 4, steps_per_dispatch=value)
+
+
+def test_kv_rows_must_cover_the_step():
+  model = _model()
+  with pytest.raises(ValueError, match="kv_rows=8 is fewer than the 0 cached \\+ 12 new rows"):
+    model(jnp.ones((1, 12), jnp.int32), model.init_cache(1, 16), num_cached_tokens=0, kv_rows=8)
+  with pytest.raises(ValueError, match="kv_rows must be an int in \\[1, capacity=16\\]"):
+    model(jnp.ones((1, 4), jnp.int32), model.init_cache(1, 16), kv_rows=32)
