@@ -189,5 +189,6 @@ def rows_attend(topk_BTK, new_lens_B) -> None:
   empty_BT = real_BT & ~(topk_BTK >= 0).any(-1)
   flat = xp.argmax(empty_BT.reshape(-1))
   check(~empty_BT.any(), "query row {} of sequence {} has no valid top-k index: its attention "
-        "output would silently be zero (was the indexer skipped?)",
+        "output would silently be zero (was the indexer skipped, or are all its scores NaN or "
+        "-inf?)",
         flat % num_tokens, flat // num_tokens)

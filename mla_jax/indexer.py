@@ -3,8 +3,8 @@
 ``I[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s])`` with ``w`` already scaled by
 ``I**-0.5 * G**-0.5``. Its q/k layout is [rope | nope], the reverse of the main attention.
 Selection is deterministic: ``lax.top_k`` breaks ties by the lower index. Rows that see
-fewer than top-k keys are padded with -1; a NaN or inf score inside a row's window is still
-selected (see ``topk_indices``), so the sparse route shows a poisoned key as the dense one does.
+fewer than top-k keys are padded with -1. A NaN score counts as -inf: that key is never
+selected and never displaces a finite one (see ``topk_indices``).
 """
 
 from __future__ import annotations
@@ -30,24 +30,20 @@ def hadamard_matrix(n: int) -> np.ndarray:
   return (h * n**-0.5).astype(np.float32)
 
 
-def topk_indices(logits_BTS, k: int, ends_BT):
-  """int32 [B, T, k] indices of the largest logits in each row's window ``[0, end)``.
+def topk_indices(logits_BTS, k: int):
+  """int32 [B, T, k] indices of the largest logits; -1 where a row has fewer finite ones.
 
-  Slots past the window (a row that sees fewer than k keys) are -1; that is decided by the
-  window, never by a score's value. A score inside the window always competes, whatever it
-  is: NaN ranks first (``lax.top_k`` would rank a NaN by its sign bit, so a poisoned key
-  could silently drop out) and -inf ranks last but still above every column outside the
-  window. A poisoned key therefore reaches the attention, as on the dense route, where it
-  shows as NaN instead of silently vanishing. Ties go to the lower index (``lax.top_k``'s
+  A NaN logit is treated as -inf, so it is never selected: ``lax.top_k`` alone would rank a
+  NaN by its sign bit, above every finite score, and a poisoned key (or cache row) would push
+  real keys out of the selection. A row whose scores are all NaN or -inf gets no index; the
+  attention then refuses it (``mla_jax.checks.rows_attend``, eager or checked) or, unchecked
+  under ``jit``, gives that row a zero output. Ties go to the lower index (``lax.top_k``'s
   documented order), so selection is stable from run to run.
   """
   width = min(k, logits_BTS.shape[-1])
-  in_window_BTS = jnp.arange(logits_BTS.shape[-1])[None, None, :] < ends_BT[..., None]
-  lowest = jnp.finfo(logits_BTS.dtype).min
-  ranked_BTS = jnp.where(jnp.isnan(logits_BTS), jnp.inf, jnp.maximum(logits_BTS, lowest))
-  ranked_BTS = jnp.where(in_window_BTS, ranked_BTS, -jnp.inf)
-  _, idx = jax.lax.top_k(ranked_BTS, width)
-  idx = jnp.where(idx < ends_BT[..., None], idx, -1).astype(jnp.int32)
+  logits_BTS = jnp.where(jnp.isnan(logits_BTS), -jnp.inf, logits_BTS)
+  values, idx = jax.lax.top_k(logits_BTS, width)
+  idx = jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)
   if width < k:
     idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k - width)), constant_values=-1)
   return idx
@@ -105,7 +101,7 @@ class Indexer(nnx.Module):
 
     def score(q, w, ends):
       logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends)
-      return topk_indices(logits, topk, ends)
+      return topk_indices(logits, topk)
 
     b, t = ends_BT.shape
     if t <= chunk_size:

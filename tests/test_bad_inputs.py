@@ -11,6 +11,7 @@ command line.
 import dataclasses
 import functools
 import hashlib
+import json
 import re
 
 import chex
@@ -22,7 +23,7 @@ from flax import nnx
 
 import mla_jax as m
 from mla_jax import checks, cli
-from mla_jax.checkpoints import save_pretrained
+from mla_jax.checkpoints import CheckpointError, load_pretrained, save_pretrained
 from mla_jax.models.config import MoEConfig, ModelConfig, tiny_lm
 from tests.helpers import fresh_cache, make_pair
 
@@ -233,6 +234,59 @@ def test_an_empty_top_k_row_is_refused_eagerly():
            "query row 0 of sequence 0 has no valid top-k index", cache)
 
 
+# ---- kernels through a backend (the batched entry points) ----------------------------------
+
+_Q, _KV, _TOPK = np.zeros((1, 3, 4, 80), np.float32), np.zeros((1, 50, 80), np.float32), \
+    np.zeros((1, 3, 7), np.int32)
+_DQ, _DK, _DV = (np.zeros((1, 3, 2, 48), np.float32), np.zeros((1, 20, 2, 48), np.float32),
+                 np.zeros((1, 20, 2, 32), np.float32))
+_I32 = lambda *v: np.asarray(v, np.int32)
+
+
+def _sparse(**changes):
+  args = {**dict(q_BTHL=_Q, kv_BSL=_KV, topk_BTK=_TOPK, sm_scale=0.1, d_v=64), **changes}
+  return m.XlaBackend().sparse_mqa(**args)
+
+
+def _dense(**changes):
+  args = {**dict(q_BTHQ=_DQ, k_BSHQ=_DK, v_BSHV=_DV, sm_scale=0.2, q_offset_B=_I32(0),
+                 kv_len_B=_I32(20)), **changes}
+  return m.XlaBackend().dense_mha(**args)
+
+
+def _scores(**changes):
+  args = {**dict(q_BTGI=np.zeros((1, 3, 4, 32), np.float32), k_BSI=np.zeros((1, 50, 32),
+                 np.float32), w_BTG=np.zeros((1, 3, 4), np.float32),
+                 starts_BT=np.zeros((1, 3), np.int32), ends_BT=np.full((1, 3), 50, np.int32)),
+          **changes}
+  return m.XlaBackend().indexer_logits(**args)
+
+
+KERNEL_CASES = {
+    "sparse_dtypes_mixed": (lambda: _sparse(kv_BSL=_KV.astype(jnp.bfloat16)), TypeError,
+                            "kv_SL dtype bfloat16 differs from q_THL dtype float32"),
+    "sparse_d_v_zero": (lambda: _sparse(d_v=0), ValueError, r"d_v must lie in \[1, L=80\]"),
+    "sparse_topk_float": (lambda: _sparse(topk_BTK=_TOPK.astype(np.float32)), TypeError,
+                          "topk_TK must be int32"),
+    "sparse_scale_nan": (lambda: _sparse(sm_scale=NAN), ValueError,
+                         "sm_scale must be finite and positive"),
+    "sparse_batch_mismatch": (lambda: _sparse(kv_BSL=np.zeros((2, 50, 80), np.float32)),
+                              ValueError, "sparse_mqa: kv_BSL must lead with the batch axis"),
+    "dense_kv_len_float": (lambda: _dense(kv_len_B=np.full((1,), 2.5, np.float32)), TypeError,
+                           "kv_len must be an integer"),
+    "dense_batch_mismatch": (lambda: _dense(q_offset_B=_I32(0, 0)), ValueError,
+                             "dense_mha: q_offset_B must lead with the batch axis"),
+    "scores_ends_float": (lambda: _scores(ends_BT=np.zeros((1, 3), np.float32)), TypeError,
+                          "ends_T must be int32"),
+}
+
+
+@pytest.mark.parametrize("build, error, match", KERNEL_CASES.values(), ids=KERNEL_CASES.keys())
+def test_kernels_through_a_backend(build, error, match):
+  with pytest.raises(error, match=match):
+    build()
+
+
 # ---- the model ------------------------------------------------------------------------------
 
 MODEL_CALL_CASES = {
@@ -371,6 +425,55 @@ def test_generate(changes, error, match):
     m.generate(_model(), **kwargs)
 
 
+# ---- checkpoints ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_files(tmp_path_factory):
+  """The files of a saved tiny checkpoint (name -> bytes), written once per module."""
+  directory = tmp_path_factory.mktemp("checkpoint")
+  save_pretrained(_model(), directory)
+  return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+# (config.json: a dict of changed fields, a raw text, or None; load_pretrained keywords,
+#  error, match)
+CHECKPOINT_CASES = {
+    "dtype_int8": (None, dict(dtype="int8"), ValueError, "dtype must be one of"),
+    "dtype_bool": (None, dict(dtype=bool), ValueError, "dtype must be one of"),
+    "attention_unknown": (None, dict(attention="mha"), ValueError, "attention must be one of"),
+    "config_a_list": ("[1, 2]", {}, CheckpointError, "config.json: must hold a JSON object"),
+    "config_not_json": ("{not json", {}, CheckpointError, "config.json: invalid JSON"),
+    "hidden_size_string": (dict(hidden_size="big"), {}, CheckpointError,
+                           "config.json: config field 'hidden_size' must be an int"),
+    "rms_norm_eps_string": (dict(rms_norm_eps="1e-6"), {}, CheckpointError,
+                            "config field 'rms_norm_eps' must be a float"),
+    "rms_norm_eps_inf": (dict(rms_norm_eps=INF), {}, CheckpointError,
+                         "config field 'rms_norm_eps' must be finite"),
+    "vocab_bool": (dict(vocab_size=True), {}, CheckpointError, "vocab_size"),
+}
+
+
+@pytest.mark.parametrize("config, kwargs, error, match", CHECKPOINT_CASES.values(),
+                         ids=CHECKPOINT_CASES.keys())
+def test_load_pretrained(tmp_path, saved_files, config, kwargs, error, match):
+  for name, data in saved_files.items():
+    (tmp_path / name).write_bytes(data)
+  if isinstance(config, dict):
+    config = json.dumps({**json.loads(saved_files["config.json"]), **config})
+  if config is not None:
+    (tmp_path / "config.json").write_text(config)
+  before = _files(tmp_path)
+  with pytest.raises(error, match=match):
+    load_pretrained(tmp_path, backend="xla", **kwargs)
+  assert _files(tmp_path) == before
+
+
+def test_load_pretrained_missing_directory(tmp_path):
+  with pytest.raises(CheckpointError, match=f"{tmp_path / 'nowhere'} is not a directory"):
+    load_pretrained(tmp_path / "nowhere")
+  assert not (tmp_path / "nowhere").exists()
+
+
 # ---- the command line -----------------------------------------------------------------------
 
 def _files(directory):
@@ -388,6 +491,10 @@ CLI_CASES = {
     "batch_zero": (["--batch", "0"], "argument --batch"),
     "backend_name": (["--backend", "cuda"], "argument --backend: invalid choice"),
     "process_id_negative": (["--process-id", "-1"], "argument --process-id"),
+    "temperature_inf": (["--temperature", "inf"], "argument --temperature: must be a finite"),
+    "top_p_nan": (["--top-p", "nan"], "argument --top-p: must be a finite"),
+    "dtype_int8": (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    "steps_float": (["--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an int"),
 }
 
 

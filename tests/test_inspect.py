@@ -192,7 +192,8 @@ def _lm(attention: str, backend_name: str):
 
 
 def _generation_programs(model, prompt_len: int):
-  """Summaries of the programs ``generate`` compiles: its prefill and one decode step."""
+  """Summaries of the programs ``generate`` compiles: its prefill and a decode dispatch (two
+  steps, reading the live rows of the cache)."""
   graphdef, state = nnx.split(model)
   caches = model.init_cache(1, prompt_len + 4)
   ids, lens = jnp.ones((1, prompt_len), jnp.int32), jnp.array([prompt_len], jnp.int32)
@@ -200,9 +201,10 @@ def _generation_programs(model, prompt_len: int):
   prefill = summarize(lambda state, caches, ids, lens, seed: generation._prefill(
       graphdef, state, caches, ids, lens, seed, sampling=sampling, checked=False),
                       state, caches, ids, lens, seed)
-  decode = summarize(lambda state, caches, tokens, done, seed, step: generation._decode_step(
-      graphdef, state, caches, tokens, done, seed, step, sampling=sampling, eos_id=None,
-      checked=False), state, caches, lens, jnp.zeros((1,), bool), seed, jnp.int32(1))
+  decode = summarize(lambda state, caches, tokens, done, seed, first, end: generation._decode(
+      graphdef, state, caches, tokens, done, seed, first, end, sampling=sampling, eos_id=None,
+      steps=2, kv_rows=prompt_len + 2, keep_logits=False, checked=False),
+                     state, caches, lens, jnp.zeros((1,), bool), seed, jnp.int32(1), jnp.int32(4))
   return prefill, decode
 
 
