@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import mla_jax as m
-from mla_jax import generation
+from mla_jax import checks, generation
 from mla_jax import testing as mt
 from mla_jax.models.config import tiny_lm
 from mla_jax.inspect import summarize, traced_kernels, traced_scopes
@@ -226,3 +226,35 @@ def test_generate_programs_follow_the_routes(backend_name, prompt_len):
       assert set(decode.kernels) == {"indexer_logits", "sparse_mqa_attention"}
       assert set(prefill.kernels) == ({"dense_mha_prefill"} if dense_prefill else
                                       {"indexer_logits", "sparse_mqa_attention"})
+
+
+def _lowered_generation_programs(model, checked: bool):
+  """StableHLO text (no locations) of ``generate``'s prefill and a decode dispatch."""
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(1, 8)
+  ids, lens = jnp.ones((1, 3), jnp.int32), jnp.array([3], jnp.int32)
+  seed, sampling = jnp.uint32(0), generation.SamplingConfig()
+  prefill = generation._prefill.lower(graphdef, state, caches, ids, lens, seed,
+                                      sampling=sampling, checked=checked)
+  decode = generation._decode.lower(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
+                                    jnp.int32(1), jnp.int32(4), sampling=sampling, eos_id=None,
+                                    steps=2, kv_rows=8, keep_logits=False, checked=checked)
+  return [p.as_text(debug_info=False) for p in (prefill, decode)]
+
+
+def test_run_time_checks_compile_to_nothing_unless_checked(monkeypatch):
+  """The default programs are the programs without any check (every ``debug_check`` removed);
+  the checked ones differ (they carry the error state out)."""
+  model = _lm("mqa-only", "xla")
+  default = _lowered_generation_programs(model, checked=False)
+  checked = _lowered_generation_programs(model, checked=True)
+  monkeypatch.setattr(checks.checkify, "debug_check", lambda *args, **kwargs: None)
+  for fn in (generation._prefill, generation._decode):
+    fn.clear_cache()
+  try:
+    stripped = _lowered_generation_programs(model, checked=False)
+  finally:
+    for fn in (generation._prefill, generation._decode):
+      fn.clear_cache()
+  assert default == stripped
+  assert all(c != d for c, d in zip(checked, default))
