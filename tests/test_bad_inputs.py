@@ -142,6 +142,9 @@ MODULE_BUILD_CASES = {
                           "num_cached_tokens must be a static int or None, got bool"),
     "route_cached_negative": (lambda: _layer().prefill_route(4, -1), ValueError,
                               "num_cached_tokens must be >= 0"),
+    "resolve_cached_string": (lambda: m.resolve_prefill_route(
+        _layer(), m.XlaBackend(), num_new_tokens=4, num_cached_tokens="0"), TypeError,
+                              "num_cached_tokens must be a static int or None, got str '0'"),
     "route_new_none": (lambda: m.resolve_prefill_route(_layer(), m.XlaBackend(),
                                                        num_new_tokens=None, num_cached_tokens=0),
                        TypeError, "num_new_tokens"),
@@ -311,6 +314,19 @@ def test_model_calls(ids, error, match):
   _refused(lambda: _model()(ids(), caches), error, match, caches)
 
 
+@pytest.mark.parametrize("new_lens, error, match", [
+    ([3], checks.CheckError, r"new_lens must lie in \[0, 2\], got values in \[3, 3\]"),
+    ([-1], checks.CheckError, r"new_lens must lie in \[0, 2\]"),
+    ([2, 2], ValueError, r"new_lens must be int \[1\]"),
+    ([1.0], ValueError, r"new_lens must be int \[1\]")],
+    ids=["past_tokens", "negative", "batch", "float"])
+def test_model_new_lens(new_lens, error, match):
+  """Refused eagerly at the model, before the layer scans (where the lengths are traced)."""
+  caches = _model().init_cache(1, 8)
+  _refused(lambda: _model()(jnp.ones((1, 2), jnp.int32), caches, new_lens_B=jnp.asarray(new_lens)),
+           error, match, caches)
+
+
 def test_caches_of_another_model_are_refused():
   other = m.CausalLM(dataclasses.replace(tiny_lm(), num_layers=3), rngs=nnx.Rngs(0),
                      backend="xla")
@@ -414,6 +430,10 @@ GENERATE_CASES = {
     "eos_string": (dict(eos_id="a"), ValueError, "eos_id"),
     "eos_bool": (dict(eos_id=True), ValueError, "eos_id"),
     "checks_string": (dict(checks="yes"), TypeError, "checks must be a bool"),
+    "steps_per_dispatch_bool": (dict(steps_per_dispatch=True), ValueError,
+                                "steps_per_dispatch must be a positive int"),
+    "steps_per_dispatch_zero": (dict(steps_per_dispatch=0), ValueError, "steps_per_dispatch"),
+    "eos_list_with_bool": (dict(eos_id=[3, False]), ValueError, "eos_id"),
 }
 
 

@@ -305,11 +305,17 @@ class CausalLM(nnx.Module):
     b, t = ids_BT.shape
     if new_lens_B is None:
       new_lens_B = jnp.full((b,), t, jnp.int32)
+    new_lens_B = jnp.asarray(new_lens_B)
+    if new_lens_B.shape != (b,) or not jnp.issubdtype(new_lens_B.dtype, jnp.integer):
+      raise ValueError(f"new_lens must be int [{b}], got {new_lens_B.shape} {new_lens_B.dtype}")
+    # Checked here too, not only in the layers: inside the layer scans the lengths are traced,
+    # so an eager call would otherwise check them only when run checked.
     lengths_B = caches.lengths_B
-    if not isinstance(lengths_B, jax.core.Tracer):
-      check_fits(caches.layer(0), new_lens_B)
-      if num_cached_tokens is None:
-        num_cached_tokens = int(sharding.fetch(lengths_B).max())
+    checks.new_lens_in_range(new_lens_B, t)
+    checks.lengths_valid(lengths_B, new_lens_B, self.config.mla.max_position_embeddings)
+    check_fits(caches.layer(0), new_lens_B)
+    if not isinstance(lengths_B, jax.core.Tracer) and num_cached_tokens is None:
+      num_cached_tokens = int(sharding.fetch(lengths_B).max())
     if kv_rows is None and num_cached_tokens is not None:
       kv_rows = bucket_rows(num_cached_tokens + t, caches.capacity)
     routes = self.prefill_routes(t, num_cached_tokens, force_mqa=force_mqa)
