@@ -69,7 +69,7 @@ def sample(logits_BV, key, sampling: SamplingConfig):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "checked"),
                    donate_argnames=("caches",))
-def _prefill(graphdef, state, caches, ids_BT, lens_B, seed, *, sampling, checked):
+def _prefill(graphdef, state, caches, ids_BT, lens_B, seed, *, sampling, checked=False):
   """``(err, (tokens, logits, caches))``; ``err`` is None unless ``checked``."""
   trace_counts["prefill"] += 1
 
@@ -87,7 +87,7 @@ def _prefill(graphdef, state, caches, ids_BT, lens_B, seed, *, sampling, checked
                                              "kv_rows", "keep_logits", "checked"),
                    donate_argnames=("caches", "tokens_B", "done_B"))
 def _decode(graphdef, state, caches, tokens_B, done_B, seed, first_step, end_step, *, sampling,
-            eos_id, steps, kv_rows, keep_logits, checked):
+            eos_id, steps, kv_rows, keep_logits, checked=False):
   """``steps`` decode steps in one program (one dispatch), as a ``lax.scan``.
 
   Step i (``first_step <= i < first_step + steps``) samples with key ``fold_in(seed, i)`` and
