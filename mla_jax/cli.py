@@ -1,5 +1,6 @@
-"""``mla-jax`` command line: ``generate`` (the main job), ``routes`` (the route demo) and
-``plan`` (full-size memory plans on a named mesh, nothing allocated)."""
+"""``mla-jax`` command line: ``generate`` (the main job), ``routes`` (the route demo), ``plan``
+(full-size memory plans on a named mesh, nothing allocated) and ``train`` (a named training
+recipe)."""
 
 from __future__ import annotations
 
@@ -191,6 +192,23 @@ def cmd_plan(args) -> int:
   return 0
 
 
+def cmd_train(args) -> int:
+  from mla_jax.training.recipes import get_recipe, run_recipe
+
+  recipe = get_recipe(args.recipe)
+  seed = recipe.seed if args.seed is None else args.seed
+  print(f"recipe {recipe.name} ({recipe.description}), seed {seed}, "
+        f"{sum(stage.steps for stage, _ in recipe.stages)} steps")
+  trainer = run_recipe(recipe, out_dir=args.out, seed=seed, progress=not args.quiet)
+  final = trainer.evaluations[-1]
+  by_width = ", ".join(f"<={w}: {a:.3f}" for w, a in final["accuracy_by_width"].items())
+  print(f"final lookup accuracy {final['accuracy']:.3f} ({by_width}), lm loss "
+        f"{final['lm_loss']:.4f}, indexer KL {final['indexer_loss']:.4f}")
+  if args.out:
+    print(f"checkpoint: {trainer.checkpoint['path']}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -243,6 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--lower", action="store_true",
                     help="also lower one decode step for CUDA on the abstract mesh")
   plan.set_defaults(func=cmd_plan)
+  from mla_jax.training.recipes import RECIPES
+
+  train = sub.add_parser("train", help="train a named recipe (checkpoint in --out)")
+  train.add_argument("--recipe", choices=sorted(RECIPES), required=True)
+  train.add_argument("--out", metavar="DIR", help="checkpoint and history.json directory")
+  train.add_argument("--seed", type=int, default=None, help="default: the recipe's seed")
+  train.add_argument("--quiet", action="store_true", help="no progress bars")
+  train.set_defaults(func=cmd_train)
   return parser
 
 
