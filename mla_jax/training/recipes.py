@@ -15,10 +15,10 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
-from mla_jax.tokenizer import ByteTokenizer
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig
 from mla_jax.models.config import ModelConfig, tiny_lm
 from mla_jax.models.lm import CausalLM
+from mla_jax.tokenizer import ByteTokenizer
 from mla_jax.training.data import CopyTask, LookupTask
 from mla_jax.training.train import Stage, Trainer
 
@@ -110,10 +110,10 @@ def recall() -> Recipe:
       name="recall", description="key-value lookups of 8-128 tokens, top-k 16",
       model=recall_model(), task=task,
       stages=((_stage("copy", "lm", 300, 3e-3, 32, topk=dense, eval_every=300), CopyTask()),
-              (_stage("dense_lm", "lm", 800, 3e-3, 32, topk=dense, eval_every=200), task),
-              (_stage("indexer_warmup", "indexer_warmup", 300, 3e-3, 32, topk=dense,
+              (_stage("dense_lm", "lm", 400, 3e-3, 32, topk=dense, eval_every=400), task),
+              (_stage("indexer_warmup", "indexer_warmup", 150, 3e-3, 32, topk=dense,
                       eval_every=150), task),
-              (_stage("sparse", "sparse", 400, 1e-3, 32, eval_every=200), task)))
+              (_stage("sparse", "sparse", 200, 1e-3, 32, eval_every=200), task)))
 
 
 RECIPES = {"smoke": smoke, "recall": recall}
