@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.checkpoints import load_pretrained
@@ -48,7 +49,7 @@ def generation_by_length(checkpoint: Path, task: LookupTask, lengths, per_length
                       max_pairs=task.max_pairs, max_queries=1)
   result = {}
   for attention in ATTENTION_KINDS:
-    model = load_pretrained(checkpoint, attention=attention, backend="xla")
+    model = load_pretrained(checkpoint, dtype=jnp.float32, attention=attention, backend="xla")
     result[attention] = {}
     for n in lengths:
       rng = np.random.default_rng([n, 1])

@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax import sharding, tokenizer
+from mla_jax import presets, sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
 from mla_jax.checkpoints.generation_config import GenerationDefaults, read_generation_config
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
-PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}
+PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
+TRAINED_PRESETS = {"recall": presets.RECALL_CHECKPOINT}  # shipped checkpoints
 
 
 def _start_processes(args) -> None:
@@ -98,6 +99,9 @@ def _prompt_ids(args, tok: tokenizer.Tokenizer, vocab_size: int) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+  if args.preset in TRAINED_PRESETS and not args.checkpoint:
+    args.checkpoint = str(TRAINED_PRESETS[args.preset])
+    args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   _start_processes(args)
   import jax
@@ -213,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
   gen = sub.add_parser("generate", help="jit-compiled generation on a built-in or HF model")
-  gen.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="built-in model with random weights from --seed (default tiny)")
+  gen.add_argument("--preset", choices=sorted(PRESETS | TRAINED_PRESETS), default="tiny",
+                   help="built-in model: recall is the shipped model trained on key-value "
+                        "lookups (prompts like 'aQ kX zB ?k'); the others have random weights "
+                        "from --seed (default tiny)")
   gen.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face safetensors checkpoint")
   source = gen.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text prompt (the checkpoint's tokenizer.json, else the "
@@ -281,7 +287,8 @@ def main(argv=None) -> int:
     raise SystemExit("error: --max-new-tokens must be >= 1")
   if getattr(args, "batch", 1) < 1:
     raise SystemExit("error: --batch must be >= 1")
-  if getattr(args, "dtype", None) == "fp8" and not args.checkpoint:
+  if getattr(args, "dtype", None) == "fp8" and not args.checkpoint and \
+      args.preset not in TRAINED_PRESETS:
     raise SystemExit("error: --dtype fp8 keeps a checkpoint's float8 weights; it needs "
                      "--checkpoint (the presets have none)")
   try:

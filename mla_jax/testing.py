@@ -92,7 +92,7 @@ def indexer_topk_reference(scores_TS, topk: int) -> list[list[int]]:
   return rows
 
 
-def _layer_reference(params, config: MLAConfig, x_TD):
+def layer_internals_reference(params, config: MLAConfig, x_TD):
   """Float64 internals of one MLA layer on one sequence from position 0: the main attention
   logits [H, T, S] (unmasked), the values [S, H, V] and the indexer scores [T, S] (None
   without an indexer)."""
@@ -153,7 +153,7 @@ def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_
   Returns:
     float64 [T, D] layer output.
   """
-  logits, val, scores = _layer_reference(params, config, x_TD)
+  logits, val, scores = layer_internals_reference(params, config, x_TD)
   t = logits.shape[1]
   allowed = np.tril(np.ones((t, t), bool))
   if scores is not None and not dense:
@@ -164,6 +164,22 @@ def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_
   probs = _softmax_rows(logits, allowed[None])
   out = np.einsum("hts,shv->thv", probs, val).reshape(t, -1)
   return out @ params["o_proj.weight"].T
+
+
+def indexer_capture_reference(params: dict[str, np.ndarray], config: MLAConfig,
+                              x_TD) -> np.ndarray:
+  """Per query, the share of its main attention (over causal keys, summed over heads and
+  L1-normalised) that falls on the keys its indexer selects: float64 [T], 1 when the top-k
+  holds every causal key. Measures how well the indexer imitates the attention."""
+  logits, _, scores = layer_internals_reference(params, config, x_TD)
+  t = logits.shape[1]
+  causal = np.tril(np.ones((t, t), bool))
+  p = _softmax_rows(logits, causal[None]).sum(0)
+  p /= p.sum(-1, keepdims=True)
+  selected = np.zeros((t, t), bool)
+  for row, cols in enumerate(indexer_topk_reference(scores, config.indexer.topk)):
+    selected[row, cols] = True
+  return (p * selected).sum(-1)
 
 
 def indexer_kl_reference(params: dict[str, np.ndarray], config: MLAConfig, x_TD,
@@ -177,7 +193,7 @@ def indexer_kl_reference(params: dict[str, np.ndarray], config: MLAConfig, x_TD,
   Returns:
     ``(mean KL, scores_TS)``: the indexer scores let a test check a top-k set it passes in.
   """
-  logits, _, scores = _layer_reference(params, config, x_TD)
+  logits, _, scores = layer_internals_reference(params, config, x_TD)
   t = logits.shape[1]
   keys = np.tril(np.ones((t, t), bool))
   if selected_TS is not None:

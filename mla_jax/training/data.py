@@ -219,6 +219,7 @@ def encode(examples: list[Example], width: int, *, loss_on: str = "answers") -> 
     loss[:, 0] = 0.0  # nothing predicts BOS
   return Batch(ids, lens, loss, answer)
 
+
 def _distinct_keys(rng: np.random.Generator, count: int, key_len: int) -> list[str]:
   codes = rng.choice(len(_LETTERS) ** key_len, size=count, replace=False)
   keys = []
