@@ -88,6 +88,16 @@ class Indexer(nnx.Module):
     w_BTG = self.weights_proj(x_BTD.astype(jnp.float32)) * ic.score_scale
     return q_BTGI, w_BTG
 
+  def logits(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend):
+    """Every query's scores [B, T, S] against the cached keys, -inf past its causal end.
+
+    Unchunked, for training: the indexer loss needs the whole score matrix.
+    """
+    q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
+    ends_BT = positions_BT + 1  # causal, self included
+    return backend.indexer_logits(q_BTGI, keys_BSI.astype(q_BTGI.dtype), w_BTG,
+                                  jnp.zeros_like(ends_BT), ends_BT)
+
   def select(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, chunk_size: int):
     """Top-k rows of ``keys_BSI`` for every query: int32 [B, T, topk], -1 padded.
 
