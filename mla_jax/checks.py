@@ -12,8 +12,8 @@ here takes the values it needs and
 Run a jitted computation with its checks on through ``checked(fn)`` (or
 ``generate(..., checks=True)``): a failed check then raises ``CheckError`` naming the problem
 instead of giving a silently wrong result. Checks work through ``lax.scan`` (scanned layer
-groups, chunked scoring) and around the backends' ``shard_map`` calls; checkify cannot
-check inside a Pallas kernel, so every check sits outside the kernels.
+groups, chunked scoring, the multi-step decode); checkify cannot check inside a Pallas
+kernel, so every check sits outside the kernels.
 """
 
 from __future__ import annotations
