@@ -4,7 +4,7 @@
     python benchmarks/kernels.py --smoke    # tiny shapes; automatic off-GPU (interpret mode)
 
 Timing: one warm-up call (compile) excluded, then the median of ``--iters`` calls, each ended
-by ``block_until_ready``. FLOPs follow SPEC.md section 5: sparse MQA 2*T*K*H*(D + d_v), dense
+by ``block_until_ready``. FLOPs follow docs/design.md §2: sparse MQA 2*T*K*H*(D + d_v), dense
 MHA 2*H*(D + V) per causal (query, key) pair, indexer 2*T*S*G*I. GB/s counts each input and
 output array once (a lower bound on real traffic).
 """
@@ -49,7 +49,7 @@ def _mha(name, T, H, D, V):
   return Shape(name, "dense_mha", dict(T=T, S=T, H=H, D=D, V=V))
 
 
-# Named shape sets (STYLE.md section 13). Decode = T 1 per sequence, vmapped over the batch.
+# Named shape sets, one definition per shape. Decode = T 1 per sequence, vmapped over the batch.
 SHAPES = {
     "full": [
         _sparse("dsv32_sparse_prefill_8k", T=1024, S=8192),

@@ -2,7 +2,7 @@
 
 Two prefill routes of one MLA layer with the same weights:
 
-* ``dense_mha``  - ``MLAAttention``: decompress per-head K/V, causal attention (SPEC.md 5.1).
+* ``dense_mha``  - ``MLAAttention``: decompress per-head K/V, causal attention (docs/design.md §2).
   The library takes this route only while ``length <= index_topk`` (there it is exact). Past
   top-k we measure the same module built without an indexer (dense causal MLA, DeepSeek-V3
   style), which is what "dense attention" costs at that length; ``route_program`` checks the
@@ -117,7 +117,7 @@ def route_program(layers: RouteLayers, route: str, length: int, *, seed: int = 0
   return fn, args
 
 
-# ---- cost: XLA's analysis, the kernels' declared estimates, SPEC.md section 5 ----------------
+# ---- cost: XLA's analysis, the kernels' declared estimates, docs/design.md §2 -------------
 
 def _first_cost_dict(analysis) -> dict:
   """``cost_analysis()`` is a dict in new jax and a list with one dict per program in old."""
@@ -183,12 +183,12 @@ def _topk_pairs(length: int, topk: int) -> int:
 
 def analytic_flops(config: m.MLAConfig, length: int, route: str, *,
                    include_absorption: bool = False) -> float:
-  """Attention FLOPs of a fresh causal prefill of ``length`` tokens (SPEC.md 5.3 cost model).
+  """Attention FLOPs of a fresh causal prefill of ``length`` tokens (docs/design.md §2 cost model).
 
   dense_mha:  L(L+1)/2 pairs x 2H(N+R+V)  +  L x 2AH(N+V) (K/V up-projection per key)
   sparse_mqa: sum_t min(t+1, K) pairs x 2H((A+R) + A)  +  L(L+1)/2 x 2GI (indexer scores)
 
-  The SPEC model leaves out the MQA form's absorption (W_UK into q, W_UV on the output),
+  That model leaves out the MQA form's absorption (W_UK into q, W_UV on the output),
   2AH(N+V) per *query* token, which in a prefill equals the dense up-projection per *key*.
   ``include_absorption=True`` adds it to the sparse route.
   """
@@ -313,7 +313,7 @@ def measure_routes(layers: RouteLayers, lengths: Sequence[int], *, repeats: int 
 # ---- KV cache ------------------------------------------------------------------------------
 
 def kv_cache_bytes_per_token(config: m.MLAConfig) -> dict[str, int]:
-  """Bytes per token per layer of each cache layout (SPEC.md sections 6 and 7.10).
+  """Bytes per token per layer of each cache layout (docs/design.md §7).
 
   mha_bf16:        per-head K [N+R] and V [V] for every head (what dense MHA would keep)
   latent_bf16:     [c_kv (A) | k_pe (R)] in bf16 (1152 B for DeepSeek-V3.2)

@@ -5,7 +5,7 @@
     python benchmarks/routes.py --lengths 8,64,512 --repeats 7
 
 Per prompt length and route: FLOPs and bytes from XLA's ``cost_analysis()`` of the compiled
-layer, the SPEC.md section 5.3 analytic attention FLOPs, and the median wall time of
+layer, the analytic attention FLOPs (docs/design.md §2), and the median wall time of
 ``--repeats`` calls (one warm-up excluded; routes interleaved in one run; each call ended by
 ``block_until_ready``). Ratios are sparse / dense. Past ``index_topk`` the library never runs
 dense MHA (it would not be exact), so the dense column there is the same layer built without
@@ -67,7 +67,7 @@ def crossover_lines(config: m.MLAConfig, name: str, rows: list[dict], timing: bo
     spec = rm.analytic_crossover(cfg)
     full = rm.analytic_crossover(cfg, include_absorption=True)
     out.append(f"- analytic crossover, {label} (top-k {cfg.indexer.topk}): sparse MQA cheaper "
-               f"from L = {spec} (SPEC 5.3 model), L = {full} (adding the MQA absorption "
+               f"from L = {spec} (design.md §2 cost model), L = {full} (adding the MQA absorption "
                f"2AH(N+V) per query)")
   out.append(f"- measured XLA FLOPs crossover, {name}: " + rm.measured_crossover(
       lengths, [r["dense_mha_flops"] for r in rows], [r["sparse_mqa_flops"] for r in rows]))

@@ -1,6 +1,6 @@
 """MLA attention modules: the dense-capable ``MLAAttention`` and MQA-only ``DeepseekV32Attention``.
 
-One prefill flows as (ARCHITECTURE.md): project q and the latent, write the latent cache and
+One prefill flows as (docs/design.md §2, §6): project q and the latent, write the latent cache and
 the indexer key cache (always), resolve the route in Python, then run exactly one of
 
 * DENSE_MHA  - decompress per-head K/V from the latent, causal attention  (``mla_dense_mha``)
@@ -21,13 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mla_jax import checks
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, StackedLayerView, check_fits
+from mla_jax.cache import LayerCache, StackedLayerView, check_fits, check_layout
 from mla_jax.config import MLAConfig
 from mla_jax.indexer import Indexer, topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
-from mla_jax.routing import PrefillRoute, dense_mha_allowed, resolve_prefill_route
+from mla_jax.routing import (PrefillRoute, dense_mha_allowed, resolve_prefill_route,
+                             static_count)
 from mla_jax.training import losses
 
 logger = logging.getLogger("mla_jax")
@@ -47,14 +49,6 @@ def causal_indices(positions_BT, num_rows: int):
   """Every causal row as an index set: [B, T, S] with -1 past each query's position."""
   s_S = jnp.arange(num_rows, dtype=jnp.int32)
   return jnp.where(s_S[None, None, :] <= positions_BT[..., None], s_S, -1)
-
-
-def _check_rows_attend(attends_BT) -> None:
-  attends_BT = np.asarray(attends_BT)
-  if not attends_BT.all():
-    b, t = np.argwhere(~attends_BT)[0]
-    raise ValueError(f"query row {t} of sequence {b} has no valid top-k index: its attention "
-                     "output would silently be zero (was the indexer skipped?)")
 
 
 def _is_concrete(x) -> bool:
@@ -80,7 +74,7 @@ class MLAAttentionBase(nnx.Module):
 
   def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
                param_dtype=jnp.float32, index_chunk_size: int = 2048,
-               shares_topk: bool = False, debug_checks: bool = False):
+               shares_topk: bool = False):
     """
     Args:
       config: the layer's dims; ``config.indexer`` makes it a sparse (DSA) layer.
@@ -90,13 +84,17 @@ class MLAAttentionBase(nnx.Module):
       index_chunk_size: query rows scored per block of indexer logits.
       shares_topk: an IndexShare "shared" layer (GLM-5.2): no indexer weights or key cache of
         its own; it attends over the top-k of the previous full layer of the same step.
-      debug_checks: verify at run time that every real query row attends to at least one
-        index (SPEC.md 8.4); an all -1 row raises instead of silently giving zeros.
+
+    Values that only exist at run time (cache lengths, ``new_lens_B``, every real query
+    row having a top-k index) are checked by ``mla_jax.checks``: at once in an eager call,
+    and under ``jit`` when the computation runs checked (``checks.checked``).
     """
     if not isinstance(config, MLAConfig):
       raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
-    if not isinstance(index_chunk_size, int) or index_chunk_size <= 0:
+    if (not isinstance(index_chunk_size, int) or isinstance(index_chunk_size, bool)
+        or index_chunk_size <= 0):
       raise ValueError(f"index_chunk_size must be a positive int, got {index_chunk_size!r}")
+    checks.float_dtype(param_dtype, "param_dtype")
     c = config
     self.config = c
     self.backend = get_backend(backend)
@@ -123,7 +121,6 @@ class MLAAttentionBase(nnx.Module):
     if shares_topk and c.indexer is None:
       raise ValueError("shares_topk requires config.indexer (a sparse layer)")
     self.shares_topk = shares_topk
-    self.debug_checks = debug_checks
     self.indexer = (Indexer(c, rngs=rngs, param_dtype=param_dtype)
                     if c.indexer is not None and not shares_topk else None)
 
@@ -185,27 +182,23 @@ class MLAAttentionBase(nnx.Module):
     if cache.has_index_keys != (self.indexer is not None):
       raise ValueError("cache.index_keys_BSI must be present exactly when the layer has an "
                        "indexer of its own")
+    check_layout(cache, c)
     if new_lens_B.shape != (x_BTD.shape[0],) or not jnp.issubdtype(new_lens_B.dtype,
                                                                     jnp.integer):
       raise ValueError(f"new_lens must be int [{x_BTD.shape[0]}], got {new_lens_B.shape} "
                        f"{new_lens_B.dtype}")
-    if _is_concrete(new_lens_B):
-      lens = np.asarray(new_lens_B)
-      if (lens < 0).any() or (lens > x_BTD.shape[1]).any():
-        raise ValueError(f"new_lens must lie in [0, {x_BTD.shape[1]}], got {lens.tolist()}")
+    checks.new_lens_in_range(new_lens_B, x_BTD.shape[1])
+    checks.lengths_valid(cache.lengths_B, new_lens_B, c.max_position_embeddings)
     check_fits(cache, new_lens_B)
 
   def _cached_bound(self, cache: LayerCache, num_cached_tokens):
-    """The static cached-length bound for routing, checked against concrete lengths."""
-    if not _is_concrete(cache.lengths_B):
-      return num_cached_tokens
-    longest = int(np.asarray(cache.lengths_B).max())
-    if num_cached_tokens is None:
-      return longest
-    if longest > num_cached_tokens:
-      raise ValueError(f"num_cached_tokens={num_cached_tokens} but the cache already holds "
-                       f"{longest} tokens for some sequence")
-    return num_cached_tokens
+    """The static cached-length bound for routing, checked against the lengths."""
+    bound = static_count(num_cached_tokens, "num_cached_tokens")
+    if bound is not None:
+      checks.within_cached_bound(cache.lengths_B, bound)
+    elif _is_concrete(cache.lengths_B):
+      return int(np.asarray(cache.lengths_B).max())
+    return bound
 
   def _read_rows(self, cache, kv_rows, t: int, cached_bound) -> int:
     """How many cache rows attention reads: ``kv_rows`` (static), checked, or the capacity."""
@@ -311,9 +304,7 @@ class MLAAttentionBase(nnx.Module):
                                          self.backend, chunk_size=self.index_chunk_size)
       else:
         topk_BTK = causal_indices(positions_BT, num_rows)
-      if self.debug_checks:
-        real_BT = jnp.arange(t)[None, :] < new_lens_B[:, None]
-        jax.debug.callback(_check_rows_attend, (topk_BTK >= 0).any(-1) | ~real_BT)
+      checks.rows_attend(topk_BTK, new_lens_B)
       with jax.named_scope(route.scope):
         o_BTHV = self.forward_mqa(q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK)
     out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))

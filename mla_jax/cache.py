@@ -1,4 +1,4 @@
-"""Per-layer decode cache: latent rows, indexer keys and per-sequence lengths (SPEC.md 6, 7.10).
+"""Per-layer decode cache: latent rows, indexer keys and per-sequence lengths (docs/design.md §7).
 
 The cache is a pytree that a layer call takes and returns. Both buffers are written for every
 token on every route, before any scoring decision: later decode steps read them.
@@ -10,8 +10,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from mla_jax import checks
 from mla_jax.config import MLAConfig
 
 
@@ -120,18 +120,40 @@ def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype=jn
 
   ``index_keys=False`` is for a layer that shares another layer's top-k (no key cache).
   """
-  if not isinstance(batch_size, int) or batch_size <= 0:
-    raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-  if not isinstance(capacity, int) or capacity <= 0:
-    raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+  for name, value in (("batch_size", batch_size), ("capacity", capacity)):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
   if capacity > config.max_position_embeddings:
     raise ValueError(f"capacity {capacity} exceeds max_position_embeddings "
                      f"{config.max_position_embeddings}")
+  checks.float_dtype(dtype, "cache dtype")
   keys = None
   if config.indexer is not None and index_keys:
     keys = jnp.zeros((batch_size, capacity, config.indexer.head_dim), dtype)
   return LayerCache(latent_BSL=jnp.zeros((batch_size, capacity, config.latent_dim), dtype),
                     index_keys_BSI=keys, lengths_B=jnp.zeros((batch_size,), jnp.int32))
+
+
+def check_layout(cache, config: MLAConfig) -> None:
+  """The buffers' dtypes and shapes fit ``config`` (static: shapes and dtypes only).
+
+  ``cache`` is a ``LayerCache`` or a ``StackedLayerView`` (then the stacked buffers, with their
+  leading layer axis, are checked). An integer buffer would silently round every row written.
+  """
+  buffers = cache.stacked if isinstance(cache, StackedLayerView) else cache
+  checks.float_dtype(buffers.latent_BSL.dtype, "cache.latent_BSL dtype")
+  leading = tuple(buffers.latent_BSL.shape[:-1])  # ([layers,] batch, capacity)
+  keys = buffers.index_keys_BSI
+  if keys is not None:
+    checks.float_dtype(keys.dtype, "cache.index_keys_BSI dtype")
+    expected = leading + (config.indexer.head_dim,)
+    if tuple(keys.shape) != expected:
+      raise ValueError(f"cache.index_keys_BSI must be {list(expected)} ([layers,] batch, "
+                       f"capacity, indexer head_dim), got {list(keys.shape)}")
+  lengths = buffers.lengths_B
+  if tuple(lengths.shape) != leading[:-1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"cache.lengths_B must be int {list(leading[:-1])}, got "
+                    f"{lengths.dtype} {list(lengths.shape)}")
 
 
 MIN_BUCKET = 256
@@ -146,19 +168,13 @@ def bucket_rows(needed: int, capacity: int) -> int:
   return min(capacity, max(MIN_BUCKET, 1 << max(needed - 1, 0).bit_length()))
 
 
-def check_fits(cache: LayerCache, new_lens_B) -> None:
-  """Refuses, before anything is written, a step that would overflow the cache.
+def check_fits(cache, new_lens_B) -> None:
+  """Refuses a step that would overflow the cache (rows past capacity would be dropped).
 
-  Only concrete lengths can be checked; under ``jit`` the caller checks outside the trace
-  (``mla_jax.generate`` does), and rows past capacity are dropped rather than wrapped.
+  At once with concrete lengths, before anything is written; under ``jit`` only when run
+  checked (``mla_jax.checks``).
   """
-  if isinstance(cache.lengths_B, jax.core.Tracer) or isinstance(new_lens_B, jax.core.Tracer):
-    return
-  total = np.asarray(cache.lengths_B) + np.asarray(new_lens_B)
-  if (total > cache.capacity).any():
-    worst = int(total.argmax())
-    raise ValueError(f"sequence {worst} would hold {int(total[worst])} tokens, more than the "
-                     f"cache capacity {cache.capacity}; nothing was written")
+  checks.cache_fits(cache.lengths_B, new_lens_B, cache.capacity)
 
 
 def write_rows(buffer, rows_BTX, start_B, new_lens_B, *, layer=None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -24,6 +25,40 @@ PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # rando
 TRAINED_PRESETS = {"recall": presets.RECALL_CHECKPOINT}  # shipped checkpoints
 
 
+def int_in(low: int, high: int | None = None):
+  """An argparse type: an int in [low, high) (no upper bound when high is None)."""
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < low or (high is not None and value >= high):
+      bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+      raise argparse.ArgumentTypeError(f"must be an int {bound}, got {value}")
+    return value
+
+  return parse
+
+
+def float_in(low: float, high: float, *, low_open: bool = False):
+  """An argparse type: a finite float in [low, high] (or (low, high] with ``low_open``)."""
+
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and (value > low if low_open else value >= low)
+            and value <= high):
+      bound = (f"{'>' if low_open else '>='} {low:g}" if math.isinf(high) else
+               f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+      raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+    return value
+
+  return parse
+
+
 def _start_processes(args) -> None:
   """Joins a multi-process run (``jax.distributed``) before anything touches a device."""
   flags = (args.coordinator, args.num_processes, args.process_id)
@@ -31,9 +66,7 @@ def _start_processes(args) -> None:
     return
   if any(f is None for f in flags):
     raise SystemExit("error: --coordinator, --num-processes and --process-id go together")
-  if args.num_processes < 1:
-    raise SystemExit(f"error: --num-processes must be >= 1, got {args.num_processes}")
-  if not 0 <= args.process_id < args.num_processes:
+  if args.process_id >= args.num_processes:
     raise SystemExit(f"error: --process-id must be in [0, {args.num_processes}), got "
                      f"{args.process_id}")
   host, _, port = args.coordinator.rpartition(":")
@@ -225,34 +258,35 @@ def build_parser() -> argparse.ArgumentParser:
   source = gen.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text prompt (the checkpoint's tokenizer.json, else the "
                                        "byte-level tokenizer)")
-  source.add_argument("--prompt-len", type=int, default=24,
+  source.add_argument("--prompt-len", type=int_in(1), default=24,
                       help="random prompt of this many ids when no --prompt (default 24)")
-  gen.add_argument("--max-new-tokens", type=int, default=32)
+  gen.add_argument("--max-new-tokens", type=int_in(1), default=32)
   gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
   gen.add_argument("--attention", choices=ATTENTION_KINDS, default="mqa-only")
-  gen.add_argument("--seed", type=int, default=0)
+  gen.add_argument("--seed", type=int_in(0, 2**32), default=0)
   gen.add_argument("--dtype", choices=sorted(_DTYPES),
                    help="parameters: bf16 (checkpoint default), float32 (preset default) or "
                         "fp8 (a checkpoint's float8 weights stay float8)")
-  gen.add_argument("--temperature", type=float,
+  gen.add_argument("--temperature", type=float_in(0.0, math.inf),
                    help="0 is greedy (default: the checkpoint's generation_config.json, else 0)")
-  gen.add_argument("--top-p", type=float,
+  gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True),
                    help="nucleus mass (default: the checkpoint's generation_config.json, else 1)")
   gen.add_argument("--stop-at-eos", action="store_true",
                    help="stop at the tokenizer's EOS id(s)")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
-  gen.add_argument("--batch", type=int, default=1, help="sequences (copies of the prompt)")
+  gen.add_argument("--batch", type=int_in(1), default=1, help="sequences (copies of the prompt)")
   gen.add_argument("--mesh", metavar="SPEC",
                    help="shard over a device mesh, e.g. data=1,tensor=2,expert=2 (the product "
                         "must equal the number of devices of all processes)")
   gen.add_argument("--coordinator", metavar="HOST:PORT",
                    help="multi-process run: the jax.distributed coordinator (process 0's host)")
-  gen.add_argument("--num-processes", type=int, help="multi-process run: number of processes")
-  gen.add_argument("--process-id", type=int, help="multi-process run: this process, 0-based")
+  gen.add_argument("--num-processes", type=int_in(1),
+                   help="multi-process run: number of processes")
+  gen.add_argument("--process-id", type=int_in(0), help="multi-process run: this process, 0-based")
   gen.set_defaults(func=cmd_generate)
   routes = sub.add_parser("routes", help="route demo: which route each module class takes")
   routes.add_argument("--backend", choices=BACKEND_NAMES, default="xla")
-  routes.add_argument("--seed", type=int, default=0)
+  routes.add_argument("--seed", type=int_in(0, 2**32), default=0)
   routes.set_defaults(func=cmd_routes)
   plan = sub.add_parser("plan", help="per-device bytes of a full-size model on a mesh "
                                      "(nothing is allocated)")
@@ -262,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                     help="parameter storage (fp8: 128x128 block-scaled e4m3 projections)")
   plan.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16")
-  plan.add_argument("--batch", type=int, default=1)
-  plan.add_argument("--context", type=int, default=131072, help="tokens per sequence")
+  plan.add_argument("--batch", type=int_in(1), default=1)
+  plan.add_argument("--context", type=int_in(1), default=131072, help="tokens per sequence")
   plan.add_argument("--lower", action="store_true",
                     help="also lower one decode step for CUDA on the abstract mesh")
   plan.set_defaults(func=cmd_plan)
@@ -272,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="train a named recipe (checkpoint in --out)")
   train.add_argument("--recipe", choices=sorted(RECIPES), required=True)
   train.add_argument("--out", metavar="DIR", help="checkpoint and history.json directory")
-  train.add_argument("--seed", type=int, default=None, help="default: the recipe's seed")
+  train.add_argument("--seed", type=int_in(0, 2**32), default=None,
+                     help="default: the recipe's seed")
   train.add_argument("--quiet", action="store_true", help="no progress bars")
   train.set_defaults(func=cmd_train)
   return parser
@@ -281,12 +316,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
   args = build_parser().parse_args(argv)
-  if getattr(args, "prompt_len", 1) < 1:
-    raise SystemExit("error: --prompt-len must be >= 1")
-  if getattr(args, "max_new_tokens", 1) < 1:
-    raise SystemExit("error: --max-new-tokens must be >= 1")
-  if getattr(args, "batch", 1) < 1:
-    raise SystemExit("error: --batch must be >= 1")
   if getattr(args, "dtype", None) == "fp8" and not args.checkpoint and \
       args.preset not in TRAINED_PRESETS:
     raise SystemExit("error: --dtype fp8 keeps a checkpoint's float8 weights; it needs "

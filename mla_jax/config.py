@@ -35,7 +35,7 @@ def _number_at_least(field: str, value, low: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class YarnConfig:
-  """YaRN context extension (SPEC.md section 3.3); HF's rule: applied whenever configured."""
+  """YaRN context extension (docs/design.md §3); HF's rule: applied whenever configured."""
 
   factor: float = 40.0
   original_max_position_embeddings: int = 4096
@@ -68,7 +68,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerConfig:
-  """The lightning indexer (SPEC.md section 7).
+  """The lightning indexer (docs/design.md §5).
 
   ``rope_interleave`` picks the indexer's RoPE pairing: False is NeoX / half-split
   (DeepSeek-V3.2, after DeepSeek's 2025-11-17 fix), True is interleaved (GLM-5).
@@ -96,13 +96,13 @@ class IndexerConfig:
 
   @property
   def score_scale(self) -> float:
-    """I**-0.5 * G**-0.5, folded into the head weights (SPEC.md section 4)."""
+    """I**-0.5 * G**-0.5, folded into the head weights (docs/design.md §4)."""
     return self.head_dim**-0.5 * self.num_heads**-0.5
 
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
-  """Multi-head latent attention dims (SPEC.md sections 1-2), optionally with an indexer.
+  """Multi-head latent attention dims (docs/design.md §1-2), optionally with an indexer.
 
   ``latent_norm_eps`` is the eps of the two latent RMSNorms (``q_a_layernorm``,
   ``kv_a_layernorm``). Hugging Face's DeepSeek-V3/V3.2 and GLM-5 code (and DeepSeek's own)
@@ -146,7 +146,7 @@ class MLAConfig:
 
   @property
   def softmax_scale(self) -> float:
-    """(N+R)**-0.5 * m**2 with YaRN's m = 0.1 * mscale_all_dim * ln(factor) + 1 (SPEC.md 4)."""
+    """(N+R)**-0.5 * m**2, YaRN's m = 0.1 * mscale_all_dim * ln(factor) + 1 (docs/design.md §4)."""
     scale = self.qk_head_dim**-0.5
     yarn = self.rope.yarn
     if yarn is not None and yarn.mscale_all_dim and yarn.factor > 1:

@@ -1,9 +1,10 @@
-"""The lightning indexer: scores past tokens and selects each query's top-k (SPEC.md 7).
+"""The lightning indexer: scores past tokens and selects each query's top-k (docs/design.md §5).
 
 ``I[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s])`` with ``w`` already scaled by
 ``I**-0.5 * G**-0.5``. Its q/k layout is [rope | nope], the reverse of the main attention.
 Selection is deterministic: ``lax.top_k`` breaks ties by the lower index. Rows that see
-fewer than top-k keys are padded with -1.
+fewer than top-k keys are padded with -1. A NaN score counts as -inf: that key is never
+selected and never displaces a finite one (see ``topk_indices``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ def hadamard_matrix(n: int) -> np.ndarray:
 def topk_indices(logits_BTS, k: int):
   """int32 [B, T, k] indices of the largest logits; -1 where a row has fewer finite ones.
 
-  Ties go to the lower index (``lax.top_k``'s documented order), so selection is stable
-  from run to run.
+  A NaN logit is treated as -inf, so it is never selected: ``lax.top_k`` alone would rank a
+  NaN by its sign bit, above every finite score, and a poisoned key (or cache row) would push
+  real keys out of the selection. A row whose scores are all NaN or -inf gets no index; the
+  attention then refuses it (``mla_jax.checks.rows_attend``, eager or checked) or, unchecked
+  under ``jit``, gives that row a zero output. Ties go to the lower index (``lax.top_k``'s
+  documented order), so selection is stable from run to run.
   """
   width = min(k, logits_BTS.shape[-1])
+  logits_BTS = jnp.where(jnp.isnan(logits_BTS), -jnp.inf, logits_BTS)
   values, idx = jax.lax.top_k(logits_BTS, width)
   idx = jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)
   if width < k:

@@ -1,7 +1,7 @@
 """Walk a traced program: which named scopes, primitives and Pallas kernels it contains.
 
 Routes are decided while tracing, so the traced program *is* the route: tests and notebooks
-assert on these sets instead of trusting flags (JAX_NOTES.md section 8).
+assert on these sets instead of trusting flags (docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ FIT_FRACTION = 0.9
 FP8_WEIGHTS = re.compile(r"(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|wq_b|wk|"
                          r"gate_proj|up_proj|down_proj)\.weight$")
 FP8_BLOCK = 128
-# Bytes per cached token per layer: latent row + indexer key (SPEC layouts).
+# Bytes per cached token per layer: latent row + indexer key (docs/design.md §7).
 CACHE_BYTES = {"bf16": (576 * 2, 128 * 2), "fp8": (656, 132)}
 
 

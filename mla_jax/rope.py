@@ -1,9 +1,9 @@
-"""Rotary position embeddings: both pairings, YaRN frequencies and magnitude (SPEC.md 3).
+"""Rotary position embeddings: both pairings, YaRN frequencies and magnitude (docs/design.md §3).
 
 The main attention rotates adjacent pairs (2i, 2i+1) ("interleaved", GPT-J style) in both
 models. The indexer rotates pairs (i, i + R/2) ("NeoX", half-split) for DeepSeek-V3.2 and
 interleaved pairs for GLM-5: the same frequency table, a different pairing. Mixing them up
-crashes nothing and silently loses long-context quality (SPEC.md section 14, rows 3-5).
+crashes nothing and silently loses long-context quality (vLLM #28968, SGLang #13495).
 """
 
 from __future__ import annotations
@@ -82,7 +82,11 @@ def apply_rope(x, positions, rope: RopeConfig, *, interleaved: bool, max_positio
 
   Args:
     x: [..., T, (heads,) R]; the rope slice only.
-    positions: int [..., T], broadcast against x's leading axes.
+    positions: int [..., T], broadcast against x's leading axes, each in
+      ``[0, max_position)``: the angle tables end there, and a position outside reads a
+      clamped or wrapped table row (a wrong angle, silently). They are not checked here,
+      since padding rows may lie past the end and are never stored; callers check their
+      real rows (``MLAAttentionBase`` does, through ``mla_jax.checks.lengths_valid``).
     rope: frequency configuration.
     interleaved: pairs (2i, 2i+1) if True, else (i, i + R/2).
     max_position: exclusive bound on positions (the config's max_position_embeddings).

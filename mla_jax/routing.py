@@ -4,7 +4,7 @@ The decision is a pure Python function of static values (class-level capabilitie
 config's top-k, static token counts), so it is made while tracing: the branch not taken is
 never compiled, and no ``cond`` decides a route at run time.
 
-The lesson of vLLM #52512 (SPEC.md 9.8): scoring was skipped by one component and dense MHA
+The lesson of vLLM #52512 (docs/design.md §6): scoring was skipped by one component and dense MHA
 chosen by another. Here the indexer's skip is a consequence of the route being DENSE_MHA,
 which requires that both the layer class and the backend can run dense MHA.
 """
@@ -33,10 +33,17 @@ class PrefillRoute(enum.Enum):
     return "mla_" + self.value
 
 
-def _static_count(value, name: str) -> int | None:
-  """A non-negative Python int, or None when the value is not static (a tracer, None)."""
-  if value is None or not isinstance(value, numbers.Integral) or isinstance(value, bool):
+def static_count(value, name: str) -> int | None:
+  """A token count as a Python int >= 0; None (an unknown count) passes through.
+
+  Only None means unknown: a string, float, bool or traced value is a ``TypeError`` (a traced
+  count cannot route; pass it as a static argument, or None for the conservative route).
+  """
+  if value is None:
     return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be a static int or None, got {type(value).__name__} "
+                    f"{value!r}")
   if value < 0:
     raise ValueError(f"{name} must be >= 0, got {value}")
   return int(value)
@@ -55,9 +62,10 @@ def resolve_prefill_route(layer, backend, *, num_new_tokens, num_cached_tokens,
     layer: an attention module (or anything with ``supports_dense_mha_prefill`` and
       ``config.indexer``).
     backend: a ``Backend`` instance or class.
-    num_new_tokens: static count of tokens in this step.
-    num_cached_tokens: static upper bound of the cached context, or None when unknown
-      (decode); unknown means the conservative MQA route.
+    num_new_tokens: static count of tokens in this step (an int).
+    num_cached_tokens: static upper bound of the cached context (an int), or None when
+      unknown (decode); unknown means the conservative MQA route. Any other type is a
+      ``TypeError``.
     force_mqa: never take the dense route.
 
   Returns:
@@ -66,10 +74,10 @@ def resolve_prefill_route(layer, backend, *, num_new_tokens, num_cached_tokens,
     every causal key, so dense is exact); otherwise SPARSE_MQA. Without an indexer: DENSE_MHA
     if dense is allowed and not forced off, else DENSE_MQA.
   """
-  new = _static_count(num_new_tokens, "num_new_tokens")
+  new = static_count(num_new_tokens, "num_new_tokens")
   if new is None:
-    raise TypeError(f"num_new_tokens must be a static Python int, got {num_new_tokens!r}")
-  cached = _static_count(num_cached_tokens, "num_cached_tokens")
+    raise TypeError("num_new_tokens must be a static int, got None")
+  cached = static_count(num_cached_tokens, "num_cached_tokens")
   dense_ok = dense_mha_allowed(layer, backend) and not force_mqa and cached is not None
   indexer = layer.config.indexer
   if indexer is None:

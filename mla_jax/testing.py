@@ -1,7 +1,7 @@
 """Float64 NumPy references and random-input builders for users' own chex tests.
 
 ``mla_attention_reference`` recomputes one MLA layer in float64 from the module's parameters,
-the way Hugging Face's eager path does (SPEC.md 10.5): the MHA form with the indexer's top-k
+the way Hugging Face's eager path does (docs/design.md §12): the MHA form with the indexer's top-k
 folded into the causal mask. It shares no code with the JAX implementation. Deliberate
 deviations: the indexer's Hadamard rotation is omitted (it is orthogonal, so exact scores are
 unchanged) and there is no fp8 quantization.
@@ -92,6 +92,42 @@ def indexer_topk_reference(scores_TS, topk: int) -> list[list[int]]:
   return rows
 
 
+def _rope_magnitude(rope: RopeConfig) -> float:
+  """HF's YaRN cos/sin factor: yarn_get_mscale(factor, mscale) / (factor, mscale_all_dim)."""
+  if rope.yarn is None or rope.yarn.factor <= 1:
+    return 1.0
+  ms = lambda m: 0.1 * m * math.log(rope.yarn.factor) + 1
+  return ms(rope.yarn.mscale) / ms(rope.yarn.mscale_all_dim)
+
+
+def _softmax_scale(config: MLAConfig) -> float:
+  """HF's softmax scale, recomputed here rather than read from ``config.softmax_scale``:
+  ``qk_head_dim**-0.5``, times ``yarn_get_mscale(factor, mscale_all_dim)**2`` under YaRN."""
+  scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+  yarn = config.rope.yarn
+  if yarn is not None and yarn.factor > 1:
+    scale *= (0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1) ** 2
+  return scale
+
+
+def indexer_keys_reference(params: dict[str, np.ndarray], config: MLAConfig, x_TD,
+                           positions_T) -> np.ndarray:
+  """The indexer keys of tokens ``x_TD`` at ``positions_T``, float64 [T, I], before the
+  Hadamard rotation: ``LayerNorm(wk x)`` with RoPE (the indexer's pairing) on the first R dims.
+
+  ``params`` are ``numpy_params`` of an attention module (``indexer.*`` names).
+  """
+  ic, r = config.indexer, config.qk_rope_head_dim
+  x = np.asarray(x_TD, np.float64)
+  pos = np.asarray(positions_T, np.float64)
+  k = x @ params["indexer.wk.weight"].T
+  k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + ic.norm_eps)
+  k = k * params["indexer.k_norm.weight"] + params["indexer.k_norm.bias"]
+  k[..., :r] = _rotate_pairs(k[..., :r], pos, _inv_freq(config.rope, r),
+                             interleaved=ic.rope_interleave) * _rope_magnitude(config.rope)
+  return k
+
+
 def layer_internals_reference(params, config: MLAConfig, x_TD):
   """Float64 internals of one MLA layer on one sequence from position 0: the main attention
   logits [H, T, S] (unmasked), the values [S, H, V] and the indexer scores [T, S] (None
@@ -103,10 +139,7 @@ def layer_internals_reference(params, config: MLAConfig, x_TD):
                    c.kv_lora_rank)
   pos = np.arange(t, dtype=np.float64)
   inv_freq = _inv_freq(c.rope, r)
-  mag = 1.0
-  if c.rope.yarn is not None and c.rope.yarn.factor > 1:
-    ms = lambda m: 0.1 * m * math.log(c.rope.yarn.factor) + 1
-    mag = ms(c.rope.yarn.mscale) / ms(c.rope.yarn.mscale_all_dim)
+  mag = _rope_magnitude(c.rope)
   q_resid = _rms(x @ p["q_a_proj.weight"].T, p["q_a_layernorm.weight"], c.latent_norm_eps)
   q = (q_resid @ p["q_b_proj.weight"].T).reshape(t, h, n + r)
   q_pe = _rotate_pairs(q[..., n:], pos, inv_freq, interleaved=True) * mag
@@ -117,16 +150,13 @@ def layer_internals_reference(params, config: MLAConfig, x_TD):
   k_nope = np.einsum("sa,hna->shn", c_kv, w_kvb[:, :n])
   val = np.einsum("sa,hva->shv", c_kv, w_kvb[:, n:])
   logits = (np.einsum("thn,shn->hts", q[..., :n], k_nope)
-            + np.einsum("thr,sr->hts", q_pe, k_pe)) * c.softmax_scale
+            + np.einsum("thr,sr->hts", q_pe, k_pe)) * _softmax_scale(c)
   scores = None
   if c.indexer is not None:
     ic = c.indexer
     qi = (q_resid @ p["indexer.wq_b.weight"].T).reshape(t, ic.num_heads, ic.head_dim)
-    ki = x @ p["indexer.wk.weight"].T
-    ki = (ki - ki.mean(-1, keepdims=True)) / np.sqrt(ki.var(-1, keepdims=True) + ic.norm_eps)
-    ki = ki * p["indexer.k_norm.weight"] + p["indexer.k_norm.bias"]
+    ki = indexer_keys_reference(p, c, x, pos)
     qi[..., :r] = _rotate_pairs(qi[..., :r], pos, inv_freq, interleaved=ic.rope_interleave) * mag
-    ki[..., :r] = _rotate_pairs(ki[..., :r], pos, inv_freq, interleaved=ic.rope_interleave) * mag
     w = (x @ p["indexer.weights_proj.weight"].T) * ic.num_heads**-0.5
     dots = np.einsum("tgi,si->tgs", qi, ki) * ic.head_dim**-0.5
     scores = np.einsum("tg,tgs->ts", w, np.maximum(dots, 0.0))

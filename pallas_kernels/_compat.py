@@ -1,4 +1,4 @@
-"""Every jax-version-dependent Pallas import and call, in one place (STYLE.md section 7).
+"""Every jax-version-dependent Pallas import and call, in one place (docs/design.md §8).
 
 Supported: jax 0.10.2 (Python 3.11) and jax 0.12.x (Python 3.12). The Pallas Triton backend is
 deprecated from jax 0.11; when it moves or goes, only this file should change.
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 with warnings.catch_warnings():
-  # jax >= 0.11 warns that the Triton backend is deprecated; we know (JAX_NOTES.md section 1).
+  # jax >= 0.11 warns that the Triton backend is deprecated; it still works through 0.12.
   warnings.simplefilter("ignore", DeprecationWarning)
   from jax.experimental.pallas import triton as pltriton
 
@@ -57,7 +57,7 @@ def gpu_lowering_context():
   """Context in which ``.lower(lowering_platforms=("cuda",))`` works without a GPU.
 
   jax 0.10.2 silently assumes compute capability 9.0; jax >= 0.12 needs an abstract GPU device
-  (JAX_NOTES.md section 5).
+  (docs/design.md §8).
   """
   abstract_device_cls = getattr(jax.sharding, "AbstractDevice", None)
   if abstract_device_cls is None or jax.devices()[0].platform == "gpu":
@@ -79,7 +79,7 @@ def lower_for_cuda(fn, *args):
 def capture_ttir():
   """Collects ``(kernel_name, ttir_text)`` for every Triton module lowered inside the block.
 
-  Private API: wraps ``lower_jaxpr_to_triton_module`` (JAX_NOTES.md section 6.1); pinned to the
+  Private API: wraps ``lower_jaxpr_to_triton_module`` (jax's Triton lowering); pinned to the
   jax versions above.
   """
   from jax._src.pallas.triton import lowering as triton_lowering

@@ -1,4 +1,4 @@
-"""Dense causal multi-head attention for the MHA prefill route (SPEC.md section 5.1).
+"""Dense causal multi-head attention for the MHA prefill route (docs/design.md §2).
 
 Kernel layout: flash attention with grid (query blocks, heads); each program walks key blocks
 up to the causal diagonal with a dynamic ``fori_loop`` trip count (q_offset and kv_len arrive

@@ -1,4 +1,4 @@
-"""Lightning-indexer logits (SPEC.md sections 7.1, 7.6).
+"""Lightning-indexer logits (docs/design.md §5, §8).
 
 Kernel layout: one program computes a ``block_t`` x ``block_s`` logits tile. The key tile is
 loaded once and the G heads are looped inside, each a plain 2-D dot ``q[:, g, :] @ k^T``

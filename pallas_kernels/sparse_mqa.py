@@ -1,6 +1,6 @@
-"""Sparse MQA attention over gathered top-k latent rows (SPEC.md section 8.1).
+"""Sparse MQA attention over gathered top-k latent rows (FlashMLA's semantics, docs/design.md §8).
 
-Kernel layout (STYLE.md sections 9-10): one program handles ``block_h`` query heads of one token,
+Kernel layout (docs/design.md §8): one program handles ``block_h`` query heads of one token,
 so heads are the M dimension of every dot and each gathered latent row is loaded once per
 program, not once per head. The program walks the token's top-k row ``block_k`` indices at a
 time: clamp, gather ``kv[idx]``, replace the logits of invalid slots (-1 / >= S) by a finite

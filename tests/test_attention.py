@@ -11,6 +11,7 @@ from absl.testing import parameterized
 from flax import nnx
 
 import mla_jax as m
+from mla_jax import checks
 from mla_jax import testing as mt
 from mla_jax.routing import PrefillRoute
 from tests.conftest import module_backends
@@ -19,14 +20,37 @@ from tests.helpers import XlaNoDenseBackend, call, fresh_cache, make_pair, tiny_
 TOPK = m.tiny().indexer.topk
 
 
+def _yarn(mscale: float, mscale_all_dim: float) -> m.MLAConfig:
+  """tiny() with YaRN: the softmax scale is no longer qk_head_dim**-0.5, and when the two
+  mscales differ RoPE's cos/sin carry a magnitude != 1 as well."""
+  yarn = m.YarnConfig(factor=4.0, original_max_position_embeddings=32, mscale=mscale,
+                      mscale_all_dim=mscale_all_dim)
+  return dataclasses.replace(m.tiny(), rope=m.RopeConfig(theta=10000.0, yarn=yarn))
+
+
+CONFIGS = {"tiny": m.tiny(), "yarn_equal_mscales": _yarn(1.0, 1.0),
+           "yarn_mscales_differ": _yarn(1.0, 0.5)}
+
+
 def _run(layer, x, **kwargs):
   return call(layer, x, fresh_cache(layer.config, x.shape[0]), **kwargs)
 
 
+def test_yarn_configs_separate_the_softmax_scale_from_the_default():
+  """What the YaRN cases are for: a module using qk_head_dim**-0.5 would fail them."""
+  for name in ("yarn_equal_mscales", "yarn_mscales_differ"):
+    cfg = CONFIGS[name]
+    assert abs(cfg.softmax_scale / cfg.qk_head_dim**-0.5 - 1) > 0.1, name
+
+
 @pytest.mark.parametrize("backend", module_backends())
-@pytest.mark.parametrize("length", [1, TOPK - 1, TOPK, TOPK + 1, 4 * TOPK])
-def test_both_classes_match_float64_reference(backend, length):
-  dense, mqa = make_pair(backend=backend)
+@pytest.mark.parametrize("config_name, length", [
+    *(("tiny", n) for n in (1, TOPK - 1, TOPK, TOPK + 1, 4 * TOPK)),
+    *((name, n) for name in ("yarn_equal_mscales", "yarn_mscales_differ")
+      for n in (TOPK, 4 * TOPK))])
+def test_both_classes_match_float64_reference(backend, config_name, length):
+  """At length <= TOPK the dense-capable class takes dense MHA and the other sparse MQA."""
+  dense, mqa = make_pair(CONFIGS[config_name], backend=backend)
   x = mt.random_hidden(length, (1, length, dense.config.hidden_size))
   ref = mt.mla_attention_reference(mt.numpy_params(dense), dense.config, np.asarray(x[0]))
   for layer in (dense, mqa):
@@ -94,16 +118,55 @@ def test_mqa_only_short_prefill_reaches_scoring_with_valid_rows():
   assert float(jnp.abs(out.out_BTD).min(axis=-1).max()) > 0
 
 
-def test_index_keys_are_written_on_every_route():
-  dense, mqa = make_pair()
-  x = mt.random_hidden(15, (1, 10, dense.config.hidden_size))
-  a, b = _run(dense, x), _run(mqa, x)
-  assert dense.prefill_route(10) is PrefillRoute.DENSE_MHA
-  keys = mqa.indexer.keys(x, jnp.arange(10)[None])
-  for res in (a, b):
-    np.testing.assert_allclose(res.cache.index_keys_BSI[:, :10], keys, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(res.cache.index_keys_BSI[:, 10:], 0.0)
-    np.testing.assert_array_equal(res.cache.lengths_B, [10])
+def _hadamard(n):
+  """Orthonormal Walsh-Hadamard matrix by Kronecker products (built apart from the module's)."""
+  h = np.ones((1, 1))
+  while h.shape[0] < n:
+    h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+  return h / np.sqrt(n)
+
+
+def _expected_keys(layer, x_BTD, lengths_B, new_lens_B):
+  """Per sequence, the float64 keys of its real new rows at their positions (rotated by the
+  Hadamard matrix when configured), from ``testing.indexer_keys_reference``."""
+  params, cfg = mt.numpy_params(layer), layer.config
+  rotate = _hadamard(cfg.indexer.head_dim) if cfg.indexer.use_hadamard else 1.0
+  out = []
+  for b, (start, n) in enumerate(zip(lengths_B, new_lens_B)):
+    keys = mt.indexer_keys_reference(params, cfg, np.asarray(x_BTD[b, :n]), start + np.arange(n))
+    out.append(keys @ rotate)
+  return out
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["neox", "interleaved"])
+def test_index_key_cache_matches_float64_on_every_route(interleave):
+  """Keys written by a fresh ragged prefill (dense route on the dense-capable class, sparse on
+  the MQA-only one) and by a cached-prefix dense step, against an independent float64
+  computation; padding rows and rows past each sequence stay unwritten."""
+  cfg = dataclasses.replace(m.tiny(), indexer=dataclasses.replace(m.tiny().indexer,
+                                                                  rope_interleave=interleave))
+  dense, mqa = make_pair(cfg)
+  x = mt.random_hidden(15, (2, 10, cfg.hidden_size))
+  more = mt.random_hidden(35, (2, 4, cfg.hidden_size))
+  first_lens, more_lens = np.array([10, 6]), np.array([4, 2])
+  assert dense.prefill_route(10, 0) is PrefillRoute.DENSE_MHA
+  assert dense.prefill_route(4, 10) is PrefillRoute.DENSE_MHA  # 14 <= top-k: dense again
+  for layer in (dense, mqa):
+    first = call(layer, x, fresh_cache(cfg, 2, capacity=32), new_lens=first_lens)
+    second = call(layer, more, first.cache, new_lens=more_lens)
+    assert (first.topk_BTK is None) == (second.topk_BTK is None) == (layer is dense)
+    got_first = np.asarray(first.cache.index_keys_BSI)
+    got = np.asarray(second.cache.index_keys_BSI)
+    expect_first = _expected_keys(layer, x, [0, 0], first_lens)
+    expect_more = _expected_keys(layer, more, first_lens, more_lens)
+    for b in range(2):
+      n0, n1 = first_lens[b], more_lens[b]
+      np.testing.assert_allclose(got_first[b, :n0], expect_first[b], rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(got_first[b, n0:], 0.0)  # padding rows not written
+      np.testing.assert_array_equal(got[b, :n0], got_first[b, :n0])  # the prefix is kept
+      np.testing.assert_allclose(got[b, n0:n0 + n1], expect_more[b], rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(got[b, n0 + n1:], 0.0)
+    np.testing.assert_array_equal(second.cache.lengths_B, first_lens + more_lens)
 
 
 def test_prefill_then_continuation_matches_one_long_prefill():
@@ -177,21 +240,67 @@ def test_poisoned_stale_cache_rows_never_reach_real_rows(backend, poison):
 @pytest.mark.parametrize("backend", module_backends())
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
 def test_poisoned_future_token_never_reaches_earlier_rows(backend, poison):
-  """A poisoned token 5 of 12: rows 0-4 are unchanged on both routes, and on the dense route
-  every row that sees it is non-finite (it shows rather than hides). How the sparse route
-  scores a poisoned key is the indexer's business, not the attention kernels'."""
+  """A poisoned token 5 of 12: rows 0-4 are unchanged on both routes. The dense route attends
+  to it, so every row that sees it is non-finite (it shows rather than hides). On the sparse
+  route its indexer score is NaN, which counts as -inf: no row selects it, and the later rows
+  stay finite (row 5's own scores are all NaN, so it has no index at all)."""
   dense, mqa = make_pair(backend=backend)
   x = mt.random_hidden(31, (1, 12, dense.config.hidden_size))
   bad_x = x.at[:, 5].set(poison)
   assert dense.prefill_route(12) is PrefillRoute.DENSE_MHA
+  assert mqa.prefill_route(12) is PrefillRoute.SPARSE_MQA
   outs = []
   for layer in (dense, mqa):
-    clean, got = _run(layer, x).out_BTD[0], np.asarray(_run(layer, bad_x).out_BTD[0])
-    np.testing.assert_array_equal(got[:5], clean[:5])
-    chex.assert_tree_all_finite(got[:5])
-    outs.append(got)
-  assert not np.isfinite(outs[0][5:]).all(axis=-1).any()  # dense: rows 5-11 see token 5
-  assert mt.relative_error(outs[0][:5], outs[1][:5]) < 1e-5
+    clean, got = _run(layer, x), _run(layer, bad_x)
+    out = np.asarray(got.out_BTD[0])
+    np.testing.assert_array_equal(out[:5], clean.out_BTD[0][:5])
+    chex.assert_tree_all_finite(out[:5])
+    outs.append((out, got.topk_BTK))
+  assert not np.isfinite(outs[0][0][5:]).all(axis=-1).any()  # dense: rows 5-11 see token 5
+  sparse_out, topk = outs[1][0], np.asarray(outs[1][1][0])
+  assert not (topk == 5).any() and (topk[5] == -1).all()
+  chex.assert_tree_all_finite(sparse_out[6:])
+  np.testing.assert_array_equal((topk[6:] >= 0).sum(-1), np.arange(6, 12))  # all but token 5
+  assert mt.relative_error(outs[0][0][:5], sparse_out[:5]) < 1e-5
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+def test_poisoned_key_never_displaces_real_keys_past_top_k(poison):
+  """Past top-k the indexer chooses: a poisoned token's NaN score never enters any row's
+  selection, and every later row still selects top-k real keys, among them every key it
+  selected without the poison (the poisoned key's slot goes to the next-best real key)."""
+  _, mqa = make_pair()
+  length = 3 * TOPK
+  x = mt.random_hidden(34, (1, length, mqa.config.hidden_size))
+  clean = _run(mqa, x)
+  got = _run(mqa, x.at[:, 5].set(poison))
+  clean_topk, topk = np.asarray(clean.topk_BTK[0]), np.asarray(got.topk_BTK[0])
+  np.testing.assert_array_equal(topk[:5], clean_topk[:5])
+  assert not (topk == 5).any()
+  for t in range(6, length):
+    kept = set(clean_topk[t][clean_topk[t] >= 0]) - {5}
+    assert kept <= set(topk[t]), t
+    assert (topk[t] >= 0).sum() == min(t, TOPK), t
+  out = np.asarray(got.out_BTD[0])
+  np.testing.assert_array_equal(out[:5], np.asarray(clean.out_BTD[0])[:5])
+  chex.assert_tree_all_finite(out[6:])
+
+
+def test_topk_never_selects_a_nan_score():
+  """NaN (of either sign) counts as -inf: never selected, never ahead of a finite score;
+  -1 marks slots without a finite score; ties go to the lower index."""
+  from mla_jax.indexer import topk_indices
+
+  nan, inf = np.nan, np.inf
+  logits = jnp.array([[[1.0, nan, 3.0, -inf, 3.0, -nan, 0.0],
+                       [-inf, nan, -inf, 0.5, -nan, 0.5, -inf],
+                       [nan, -nan, -inf, -inf, -inf, -inf, -inf]]], jnp.float32)
+  got = np.asarray(topk_indices(logits, 4))[0]
+  np.testing.assert_array_equal(got[0], [2, 4, 0, 6])
+  np.testing.assert_array_equal(got[1], [3, 5, -1, -1])
+  np.testing.assert_array_equal(got[2], [-1, -1, -1, -1])
+  wide = np.asarray(topk_indices(logits, 9))[0]  # k > S: padded with -1
+  np.testing.assert_array_equal(wide[0], [2, 4, 0, 6, -1, -1, -1, -1, -1])
 
 
 def test_chunked_scoring_selects_the_same_indices():
@@ -227,9 +336,11 @@ def test_two_runs_are_bitwise_equal():
 class JitVariantsTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.named_parameters(("short", TOPK), ("long", 2 * TOPK + 3))
-  def test_variants_agree_with_reference(self, length):
-    dense, mqa = make_pair()
+  @parameterized.named_parameters(("short", "tiny", TOPK), ("long", "tiny", 2 * TOPK + 3),
+                                  ("yarn_equal_mscales", "yarn_equal_mscales", TOPK),
+                                  ("yarn_mscales_differ", "yarn_mscales_differ", TOPK))
+  def test_variants_agree_with_reference(self, config_name, length):
+    dense, mqa = make_pair(CONFIGS[config_name])
     x = mt.random_hidden(23, (1, length, dense.config.hidden_size))
     ref = mt.mla_attention_reference(mt.numpy_params(dense), dense.config, np.asarray(x[0]))
     for layer in (dense, mqa):
@@ -292,7 +403,7 @@ def test_config_type_checked():
 def test_bfloat16_layers_match_float64_reference(length):
   """bf16 within 2e-2 of float64; past top-k, on the rows whose bf16 selection is exact.
 
-  bf16 indexer scores can flip near-ties at the k-th boundary (SPEC.md 7.8), which changes
+  bf16 indexer scores can flip near-ties at the k-th boundary (docs/design.md §5), which changes
   the attended set; those rows are a different (valid) selection, not an error.
   """
   cfg = m.tiny()
@@ -315,18 +426,22 @@ def test_bfloat16_layers_match_float64_reference(length):
     assert mt.relative_error(res.out_BTD[0][rows], ref[rows]) < 2e-2, type(layer).__name__
 
 
-def test_debug_checks_catch_an_all_minus_one_buffer():
-  """The #52512 symptom made loud: a shared layer handed an unfilled buffer raises."""
+def test_an_all_minus_one_buffer_raises_eagerly_and_when_checked():
+  """The #52512 symptom made loud: a shared layer handed an unfilled buffer raises, at once
+  in an eager call and through ``checks.checked`` under jit; padding rows may be empty."""
   cfg = m.tiny()
-  layer = m.DeepseekV32Attention(cfg, rngs=nnx.Rngs(0), backend="xla", shares_topk=True,
-                                 debug_checks=True)
+  layer = m.DeepseekV32Attention(cfg, rngs=nnx.Rngs(0), backend="xla", shares_topk=True)
   x = mt.random_hidden(28, (1, 5, cfg.hidden_size))
   cache = m.init_layer_cache(cfg, 1, 16, index_keys=False)
   unfilled = jnp.full((1, 5, TOPK), -1, jnp.int32)
-  with pytest.raises(Exception, match="no valid top-k index"):
-    jax.block_until_ready(layer(x, cache, shared_topk_BTK=unfilled).out_BTD)
+  jitted = nnx.jit(lambda layer, x, c, k, n: layer(x, c, new_lens_B=n, shared_topk_BTK=k).out_BTD)
+  with pytest.raises(checks.CheckError, match="query row 0 of sequence 0 has no valid top-k"):
+    layer(x, cache, shared_topk_BTK=unfilled)
+  with pytest.raises(checks.CheckError, match="query row 3 of sequence 0 has no valid top-k"):
+    checks.checked(jitted)(layer, x, cache, unfilled.at[:, :3, 0].set(0), jnp.array([5]))
   filled = jnp.where(jnp.arange(TOPK) <= jnp.arange(5)[:, None], jnp.arange(TOPK), -1)[None]
-  out = layer(x, cache, shared_topk_BTK=filled.astype(jnp.int32)).out_BTD
+  filled = filled.astype(jnp.int32).at[:, 4].set(-1)  # row 4 is padding: allowed to be empty
+  out = checks.checked(jitted)(layer, x, cache, filled, jnp.array([4]))
   chex.assert_tree_all_finite(out)
   with pytest.raises(ValueError, match="no top-k"):
     layer(x, cache)

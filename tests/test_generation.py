@@ -1,5 +1,6 @@
 """Decode against full forwards, greedy agreement of the two attention classes, generation."""
 
+import collections
 import functools
 
 import chex
@@ -10,8 +11,9 @@ import pytest
 from flax import nnx
 
 import mla_jax as m
-from mla_jax import generation
+from mla_jax import checks, generation
 from mla_jax import testing as mt
+from mla_jax.indexer import Indexer
 from mla_jax.models.config import tiny_lm
 from mla_jax.routing import PrefillRoute
 
@@ -86,12 +88,47 @@ def test_ragged_batch_matches_each_prompt_alone():
     assert m.generate(model, [prompt], 10).tokens[0] == tokens
 
 
-def test_decode_is_traced_once_for_a_long_generation():
+def _clear_programs():
+  generation._executables.clear()
+  for fn in (generation._prefill, generation._decode):
+    fn.clear_cache()
+
+
+@pytest.fixture
+def fresh_programs(monkeypatch):
+  """Empty compile caches and trace counters for one test, whatever ran before it in this
+  process (``generate``'s executables, the jitted programs' own caches, the counters); the
+  programs it compiles are dropped afterwards."""
+  monkeypatch.setattr(generation, "_executables", {})
+  monkeypatch.setattr(generation, "trace_counts", collections.Counter())
+  _clear_programs()
+  yield generation.trace_counts
+  _clear_programs()
+
+
+def test_decode_is_traced_once_for_a_long_generation(fresh_programs):
+  """One prefill and one decode program for 64 tokens (one cache bucket), and none more for
+  a second generation of the same shapes."""
   model = _models()["mqa-only"]
-  before = generation.trace_counts["decode"]
-  result = m.generate(model, [[5, 6, 7]], 64, cache_capacity=97)  # a capacity no test uses
-  assert generation.trace_counts["decode"] - before == 1
+  result = m.generate(model, [[5, 6, 7]], 64, cache_capacity=97)
+  assert fresh_programs == {"prefill": 1, "decode": 1}
   assert len(result.tokens[0]) == 64 and result.decode_tokens == 63
+  again = m.generate(model, [[1, 2, 3]], 64, cache_capacity=97)
+  assert fresh_programs == {"prefill": 1, "decode": 1} and len(again.tokens[0]) == 64
+
+
+def test_checked_generate_raises_where_unchecked_is_silent(fresh_programs, monkeypatch):
+  """``checks=True`` gives the same tokens when nothing is wrong; with scoring broken (every
+  top-k slot -1, the vLLM #52512 symptom) it raises, where the unchecked run goes on."""
+  model, prompt = _models()["mqa-only"], [[5, 6, 7]]
+  assert m.generate(model, prompt, 4, checks=True).tokens == m.generate(model, prompt, 4).tokens
+  monkeypatch.setattr(Indexer, "select",
+                      lambda self, x_BTD, *args, **kwargs: jnp.full(x_BTD.shape[:2] + (TOPK,),
+                                                                    -1, jnp.int32))
+  _clear_programs()
+  with pytest.raises(checks.CheckError, match="query row 0 of sequence 0 has no valid top-k"):
+    m.generate(model, prompt, 4, checks=True)
+  assert len(m.generate(model, prompt, 4).tokens[0]) == 4
 
 
 def test_eos_stops_one_sequence_while_the_other_continues():

@@ -5,7 +5,7 @@ loads the directory with ``mla_jax.checkpoints.load_pretrained`` and compares fl
 on a prompt longer than ``index_topk``, so the indexer's selection matters.
 
 16 indexer heads: with few heads, ReLU often zeroes every head and exact-zero scores tie at
-the k-th place; mla_jax breaks ties by the lower index (SPEC.md 7.8) while ``torch.topk``
+the k-th place; mla_jax breaks ties by the lower index (docs/design.md §5) while ``torch.topk``
 leaves the order unspecified, so tied selections (not bugs) would differ.
 """
 

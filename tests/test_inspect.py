@@ -1,11 +1,18 @@
 """The traced program is the route: assert on scopes, primitives and kernels."""
 
+import dataclasses
+import functools
+import re
+
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 import mla_jax as m
+from mla_jax import checks, generation
 from mla_jax import testing as mt
+from mla_jax.models.config import tiny_lm
 from mla_jax.inspect import summarize, traced_kernels, traced_scopes
 from tests.conftest import module_backends
 from tests.helpers import XlaNoDenseBackend, fresh_cache, make_pair, tiny_no_indexer
@@ -135,3 +142,132 @@ def test_pallas_backend_without_dense_kernel_compiles_only_sparse_kernels():
   for summary in _summaries(dense, 3):
     assert set(summary.kernels) == {"indexer_logits", "sparse_mqa_attention"}
     assert "mla_dense_mha" not in summary.scopes
+
+
+def _prefill_after(layer, cached: int, new: int):
+  """Summary of a jitted step of ``new`` tokens after ``cached`` rows (static bound)."""
+  cache = dataclasses.replace(fresh_cache(layer.config), lengths_B=jnp.array([cached]))
+  step = nnx.jit(lambda layer, x, c: layer(x, c, num_cached_tokens=cached))
+  return summarize(step, layer, mt.random_hidden(5, (1, new, layer.config.hidden_size)), cache)
+
+
+@pytest.mark.parametrize("backend", module_backends())
+@pytest.mark.parametrize("cached, new", [(4, 3), (TOPK - 3, 3), (TOPK - 3, 4), (2 * TOPK, 2)])
+def test_cached_prefixes_route_on_the_total_length(backend, cached, new):
+  """With a cached prefix the dense-capable class goes dense only while cached + new <= top-k;
+  the MQA-only class never does."""
+  dense, mqa = make_pair(backend=backend)
+  short = cached + new <= TOPK
+  dense_summary, mqa_summary = _prefill_after(dense, cached, new), _prefill_after(mqa, cached, new)
+  assert dense_summary.scopes & ROUTE_SCOPES == (
+      {"indexer_cache_update", "mla_dense_mha"} if short else
+      {"indexer_cache_update", "indexer_score", "mla_sparse_mqa"})
+  assert mqa_summary.scopes & ROUTE_SCOPES == {"indexer_cache_update", "indexer_score",
+                                               "mla_sparse_mqa"}
+  for summary in (dense_summary, mqa_summary):
+    assert _no_runtime_routing(summary)
+  assert "dense_mha_prefill" not in mqa_summary.kernels
+  if backend.name == "pallas_triton":
+    assert set(dense_summary.kernels) == ({"dense_mha_prefill"} if short else
+                                          {"indexer_logits", "sparse_mqa_attention"})
+
+
+@pytest.mark.parametrize("backend", module_backends())
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mqa_only_decode_steps_score_and_never_compile_dense(backend, tokens):
+  """Decode (and multi-token verification) steps: traced lengths, so MQA for both classes."""
+  for layer in make_pair(backend=backend):
+    x = mt.random_hidden(6, (2, tokens, layer.config.hidden_size))
+    summary = summarize(nnx.jit(lambda layer, x, c: layer(x, c)), layer, x,
+                        fresh_cache(layer.config, 2))
+    assert summary.scopes & ROUTE_SCOPES == {"indexer_cache_update", "indexer_score",
+                                             "mla_sparse_mqa"}
+    assert _no_runtime_routing(summary)
+    if backend.name == "pallas_triton":
+      assert set(summary.kernels) == {"indexer_logits", "sparse_mqa_attention"}
+
+
+@functools.lru_cache(maxsize=None)
+def _lm(attention: str, backend_name: str):
+  return m.CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend=backend_name)
+
+
+def _generation_programs(model, prompt_len: int):
+  """Summaries of the programs ``generate`` compiles: its prefill and a decode dispatch (two
+  steps, reading the live rows of the cache)."""
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(1, prompt_len + 4)
+  ids, lens = jnp.ones((1, prompt_len), jnp.int32), jnp.array([prompt_len], jnp.int32)
+  seed, sampling = jnp.uint32(0), generation.SamplingConfig()
+  prefill = summarize(lambda state, caches, ids, lens, seed: generation._prefill(
+      graphdef, state, caches, ids, lens, seed, sampling=sampling, checked=False),
+                      state, caches, ids, lens, seed)
+  decode = summarize(lambda state, caches, tokens, done, seed, first, end: generation._decode(
+      graphdef, state, caches, tokens, done, seed, first, end, sampling=sampling, eos_id=None,
+      steps=2, kv_rows=prompt_len + 2, keep_logits=False, checked=False),
+                     state, caches, lens, jnp.zeros((1,), bool), seed, jnp.int32(1), jnp.int32(4))
+  return prefill, decode
+
+
+@pytest.mark.parametrize("backend_name", ["xla", "pallas"])
+@pytest.mark.parametrize("prompt_len", [3, TOPK, TOPK + 1])
+def test_generate_programs_follow_the_routes(backend_name, prompt_len):
+  """The compiled prefill and decode of ``generate`` (every layer, through the scanned layer
+  groups): the MQA-only model never compiles dense MHA, the dense-capable one only in a
+  prefill of at most top-k tokens, and every decode step scores."""
+  sparse = {"indexer_cache_update", "indexer_score", "mla_sparse_mqa"}
+  for attention in ("mqa-only", "dense-capable"):
+    prefill, decode = _generation_programs(_lm(attention, backend_name), prompt_len)
+    dense_prefill = attention == "dense-capable" and prompt_len <= TOPK
+    assert prefill.scopes & ROUTE_SCOPES == (
+        {"indexer_cache_update", "mla_dense_mha"} if dense_prefill else sparse), attention
+    assert decode.scopes & ROUTE_SCOPES == sparse, attention
+    assert _no_runtime_routing(prefill) and _no_runtime_routing(decode)
+    if backend_name == "pallas":
+      assert set(decode.kernels) == {"indexer_logits", "sparse_mqa_attention"}
+      assert set(prefill.kernels) == ({"dense_mha_prefill"} if dense_prefill else
+                                      {"indexer_logits", "sparse_mqa_attention"})
+
+
+def _generation_programs_lowered(model, checked: bool):
+  """``generate``'s prefill and a decode dispatch, lowered."""
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(1, 8)
+  ids, lens = jnp.ones((1, 3), jnp.int32), jnp.array([3], jnp.int32)
+  seed, sampling = jnp.uint32(0), generation.SamplingConfig()
+  prefill = generation._prefill.lower(graphdef, state, caches, ids, lens, seed,
+                                      sampling=sampling, checked=checked)
+  decode = generation._decode.lower(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
+                                    jnp.int32(1), jnp.int32(4), sampling=sampling, eos_id=None,
+                                    steps=2, kv_rows=8, keep_logits=False, checked=checked)
+  return prefill, decode
+
+
+def _instructions(lowered) -> list[str]:
+  """The compiled program's instructions, sorted, without names' numbering, metadata and
+  source tables (which follow the traced program, dead code included)."""
+  text = re.sub(r", metadata=\{[^}]*\}", "", lowered.compile().as_text())
+  text = re.sub(r"(\.\d+\b|(?<=region_)\d+)", "", text)
+  return sorted(line for line in text.splitlines()
+                if not re.match(r"^(\d+ |FileNames|FunctionNames|FileLocations|StackFrames)", line))
+
+
+def test_run_time_checks_compile_to_nothing_unless_checked(monkeypatch):
+  """The default compiled programs hold the same instructions as with every ``debug_check``
+  removed (XLA drops the unused predicates); the checked ones differ (they carry the error
+  state out)."""
+  model = _lm("mqa-only", "xla")
+  jitted = (generation._prefill, generation._decode)
+  default = _generation_programs_lowered(model, checked=False)
+  checked = _generation_programs_lowered(model, checked=True)
+  assert all(c.as_text() != d.as_text() for c, d in zip(checked, default))
+  monkeypatch.setattr(checks.checkify, "debug_check", lambda *args, **kwargs: None)
+  for fn in jitted:
+    fn.clear_cache()
+  try:
+    stripped = _generation_programs_lowered(model, checked=False)
+  finally:
+    for fn in jitted:
+      fn.clear_cache()
+  for d, s in zip(default, stripped):
+    assert _instructions(d) == _instructions(s)

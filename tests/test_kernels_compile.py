@@ -1,6 +1,6 @@
 """Compiles each kernel's Triton IR to sm_90a PTX/cubin with pip ``triton``; fails on spills.
 
-No GPU needed (JAX_NOTES.md section 6). XLA compiles the same TTIR with its own Triton fork, so
+No GPU needed (docs/design.md §8). XLA compiles the same TTIR with its own Triton fork, so
 this is a close proxy for register pressure, not the final word. Run the report with
 
     /work/venv311/bin/python tests/test_kernels_compile.py

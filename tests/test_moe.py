@@ -1,6 +1,6 @@
-"""MoE router, experts and dense MLP vs an independent float64 NumPy reference (SPEC.md 11).
+"""MoE router, experts and dense MLP vs an independent float64 NumPy reference (docs/design.md §9).
 
-The reference below is written from SPEC.md section 11, one token at a time, and shares no
+The reference below is written from docs/design.md §9, one token at a time, and shares no
 code with ``mla_jax.models.moe``. Inputs are fresh random normals, so selections are free of
 ties; one constructed case checks the lower-index tie rule on its own.
 """
@@ -60,7 +60,7 @@ def ref_silu(x):
 
 
 def ref_route(logits, bias, cfg: MoEConfig):
-  """SPEC.md 11 steps 1-5 for each token: (expert ids, weights), best first."""
+  """The router of docs/design.md §9 for each token: (expert ids, weights), best first."""
   logits = np.asarray(logits, np.float64)
   bias = np.asarray(bias, np.float64)
   num_tokens, num_experts = logits.shape
@@ -89,7 +89,7 @@ def ref_mlp(x, params, prefix):
 
 
 def ref_moe(x, params, cfg: MoEConfig):
-  """out_t = sum_k w_tk * expert_{idx_tk}(x_t) + shared(x_t) (SPEC.md 11 step 6)."""
+  """out_t = sum_k w_tk * expert_{idx_tk}(x_t) + shared(x_t) (docs/design.md §9)."""
   x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
   idx, weights = ref_route(x @ params["gate.weight"].T, params["gate.e_score_correction_bias"],
                            cfg)
@@ -561,7 +561,7 @@ class MoETest(chex.TestCase):
       expected[f"{prefix}.up_proj.weight"] = (width, HIDDEN)
       expected[f"{prefix}.down_proj.weight"] = (HIDDEN, width)
     self.assertEqual({k: v.shape for k, v in params.items()}, expected)
-    # The router stays fp32 whatever the model dtype (SPEC.md 10.2).
+    # The router stays fp32 whatever the model dtype (docs/design.md §9).
     self.assertEqual(params["gate.weight"].dtype, np.float32)
     self.assertEqual(params["gate.e_score_correction_bias"].dtype, np.float32)
     self.assertEqual(params["experts.0.gate_proj.weight"].dtype, jnp.dtype(dtype))

@@ -1,4 +1,4 @@
-"""RoPE against complex multiplication in float64; YaRN against the formulas of SPEC.md 3.3."""
+"""RoPE against complex multiplication in float64; YaRN against docs/design.md §3's formulas."""
 
 import math
 

@@ -91,6 +91,7 @@ class Backend(abc.ABC):
 
   def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int):
     """Returns ``(out_BTHV, lse_BTH)`` with natural-log LSE; invalid indices are -1 or >= S."""
+    _same_batch("sparse_mqa", q_BTHL=q_BTHL, kv_BSL=kv_BSL, topk_BTK=topk_BTK)
     fn = jax.vmap(lambda q, kv, idx: self._sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v))
     return self._sharded(fn, (_HEADS, _BATCH, _BATCH), (_HEADS, _HEADS))(q_BTHL, kv_BSL,
                                                                          topk_BTK)
@@ -101,12 +102,28 @@ class Backend(abc.ABC):
     On a mesh every tensor shard computes all the logits (the indexer is replicated), so
     all shards select the same top-k.
     """
+    _same_batch("indexer_logits", q_BTGI=q_BTGI, k_BSI=k_BSI, w_BTG=w_BTG, starts_BT=starts_BT,
+                ends_BT=ends_BT)
     fn = jax.vmap(self._indexer_logits)
     return self._sharded(fn, (_BATCH,) * 5, _BATCH)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT)
 
   def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
     """Causal attention; query t of sequence b sits at position ``q_offset_B[b] + t``."""
+    _same_batch("dense_mha", q_BTHQ=q_BTHQ, k_BSHQ=k_BSHQ, v_BSHV=v_BSHV, q_offset_B=q_offset_B,
+                kv_len_B=kv_len_B)
     fn = jax.vmap(lambda q, k, v, off, n: self._dense_mha(q, k, v, sm_scale=sm_scale,
                                                           q_offset=off, kv_len=n))
     return self._sharded(fn, (_HEADS, _HEADS, _HEADS, _BATCH, _BATCH), (_HEADS, _HEADS))(
         q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)
+
+
+def _same_batch(op: str, **arrays) -> None:
+  """Every argument of a batched op leads with the same batch axis (the kernels' own checks
+  then see one sequence each); a mismatch would otherwise surface as a ``vmap`` error."""
+  sizes = {name: getattr(a, "shape", ())[:1] for name, a in arrays.items()}
+  first_name, first = next(iter(sizes.items()))
+  for name, size in sizes.items():
+    if not size or size != first:
+      raise ValueError(f"{op}: {name} must lead with the batch axis of {first_name} "
+                       f"({first[0] if first else '?'}), got shape "
+                       f"{list(getattr(arrays[name], 'shape', ()))}")

@@ -16,7 +16,7 @@ def _int_at_least(value, low: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-  """DeepSeek MoE (SPEC.md section 11): sigmoid router, group-limited top-k, shared experts."""
+  """DeepSeek MoE (docs/design.md §9): sigmoid router, group-limited top-k, shared experts."""
 
   num_experts: int = 256
   num_experts_per_tok: int = 8

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax import sharding
+from mla_jax import checks, sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
 from mla_jax.cache import LayerCache, StackedLayerView, bucket_rows, check_fits, init_layer_cache
@@ -218,6 +218,7 @@ class CausalLM(nnx.Module):
                attention_class: type[MLAAttentionBase] | None = None):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    checks.float_dtype(param_dtype, "param_dtype")
     if attention_class is not None and not (isinstance(attention_class, type) and
                                             issubclass(attention_class, MLAAttentionBase)):
       raise TypeError(f"attention_class must be a subclass of MLAAttentionBase, got "
@@ -259,6 +260,7 @@ class CausalLM(nnx.Module):
 
   def init_cache(self, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelCache:
     """Empty caches for every layer, placed by the cache rules on the model's mesh."""
+    checks.float_dtype(dtype, "cache dtype")
 
     def build():
       groups = []
@@ -295,17 +297,15 @@ class CausalLM(nnx.Module):
     return routes
 
   def _check_ids(self, ids_BT, caches):
-    if getattr(ids_BT, "ndim", None) != 2 or not jnp.issubdtype(ids_BT.dtype, jnp.integer):
+    if getattr(ids_BT, "ndim", None) != 2:
       raise ValueError(f"token ids must be an int array [batch, tokens], got "
-                       f"{getattr(ids_BT, 'dtype', type(ids_BT))} {getattr(ids_BT, 'shape', '')}")
+                       f"{type(ids_BT).__name__} of shape {getattr(ids_BT, 'shape', None)}")
+    if not jnp.issubdtype(ids_BT.dtype, jnp.integer):
+      raise TypeError(f"token ids must be an int array, got dtype {ids_BT.dtype}")
     if not isinstance(caches, ModelCache) or caches.layout != self.layer_groups:
       raise ValueError("caches must be the ModelCache of this model's init_cache (layer groups "
                        f"{self.layer_groups}), got {type(caches).__name__}")
-    if not isinstance(ids_BT, jax.core.Tracer):
-      ids = sharding.fetch(ids_BT)
-      if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-        raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got "
-                         f"[{ids.min()}, {ids.max()}]")
+    checks.ids_in_vocab(ids_BT, self.config.vocab_size)
 
   def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, num_cached_tokens=None,
                force_mqa: bool = False, kv_rows: int | None = None):
@@ -346,11 +346,17 @@ class CausalLM(nnx.Module):
     b, t = ids_BT.shape
     if new_lens_B is None:
       new_lens_B = jnp.full((b,), t, jnp.int32)
+    new_lens_B = jnp.asarray(new_lens_B)
+    if new_lens_B.shape != (b,) or not jnp.issubdtype(new_lens_B.dtype, jnp.integer):
+      raise ValueError(f"new_lens must be int [{b}], got {new_lens_B.shape} {new_lens_B.dtype}")
+    # Checked here too, not only in the layers: inside the layer scans the lengths are traced,
+    # so an eager call would otherwise check them only when run checked.
     lengths_B = caches.lengths_B
-    if not isinstance(lengths_B, jax.core.Tracer):
-      check_fits(caches.layer(0), new_lens_B)
-      if num_cached_tokens is None:
-        num_cached_tokens = int(sharding.fetch(lengths_B).max())
+    checks.new_lens_in_range(new_lens_B, t)
+    checks.lengths_valid(lengths_B, new_lens_B, self.config.mla.max_position_embeddings)
+    check_fits(caches.layer(0), new_lens_B)
+    if not isinstance(lengths_B, jax.core.Tracer) and num_cached_tokens is None:
+      num_cached_tokens = int(sharding.fetch(lengths_B).max())
     if kv_rows is None and num_cached_tokens is not None:
       kv_rows = bucket_rows(num_cached_tokens + t, caches.capacity)
     routes = self.prefill_routes(t, num_cached_tokens, force_mqa=force_mqa)

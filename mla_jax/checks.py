@@ -1,0 +1,194 @@
+"""Runtime checks on values: eager on concrete inputs, opt-in under ``jit`` through checkify.
+
+Shapes, dtypes and Python arguments are checked where they are given, before anything is
+traced. Values (cache lengths, token ids, top-k rows) are only known at run time. Each check
+here takes the values it needs and
+
+* raises ``CheckError`` at once when they are concrete (an eager call);
+* otherwise adds a ``checkify.debug_check``: a no-op in the compiled program unless the
+  computation runs checkified, so the default path keeps its program (XLA removes the dead
+  predicate) and its speed.
+
+Run a jitted computation with its checks on through ``checked(fn)`` (or
+``generate(..., checks=True)``): a failed check then raises ``CheckError`` naming the problem
+instead of giving a silently wrong result. Checks work through ``lax.scan`` (scanned layer
+groups, chunked scoring, the multi-step decode); checkify cannot check inside a Pallas
+kernel, so every check sits outside the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import checkify
+
+from mla_jax import sharding
+
+
+class CheckError(ValueError):
+  """A run-time value is out of its contract (eager, or in a checked computation)."""
+
+
+class IdOutOfRangeError(CheckError, IndexError):
+  """A token id outside [0, vocab_size)."""
+
+
+_ERROR_TYPES: dict[str, type[CheckError]] = {}  # message format -> the class it raises
+
+
+def float_dtype(dtype, name: str) -> jnp.dtype:
+  """``dtype`` as a floating ``jnp.dtype``; a ``TypeError`` naming ``name`` otherwise.
+
+  Parameters and cache rows hold floats: an integer dtype would silently round them (random
+  weights to 0, cache rows to integers).
+  """
+  try:
+    resolved = jnp.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{name} must be a floating dtype, got {dtype!r}") from None
+  if isinstance(dtype, bool) or not jnp.issubdtype(resolved, jnp.floating):
+    raise TypeError(f"{name} must be a floating dtype, got {resolved}")
+  return resolved
+
+
+def _is_concrete(*values) -> bool:
+  return not any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def check(pred, message: str, *values, error: type[CheckError] = CheckError) -> None:
+  """Raises ``error(message.format(*values))`` unless ``pred``; see the module docstring.
+
+  ``pred`` is a scalar bool (array); ``values`` are scalar arrays named in ``message``.
+  """
+  if _is_concrete(pred, *values):
+    if not bool(pred):
+      raise error(message.format(*(np.asarray(v).item() for v in values)))
+    return
+  _ERROR_TYPES[message] = error
+  checkify.debug_check(jnp.asarray(pred), message, *(jnp.asarray(v) for v in values))
+
+
+def throw(err) -> None:
+  """Raises the first failed check of a checkify ``Error`` (None: nothing was checked)."""
+  if err is None:
+    return
+  exc = err.get_exception()
+  if exc is None:
+    return
+  # checkify's exception classes are private: tell them apart by their attributes.
+  if hasattr(exc, "error_mapping"):  # a check under vmap / shard_map: report the first one
+    exc = next(iter(exc.error_mapping.values()))
+  if not hasattr(exc, "fmt_string"):  # not a user check (only those are enabled here)
+    raise CheckError(str(exc))
+  values = (np.asarray(v).item() for v in exc.args)
+  raise _ERROR_TYPES.get(exc.fmt_string, CheckError)(exc.fmt_string.format(*values))
+
+
+def functionalize(fn, enabled: bool):
+  """``fn`` returning ``(err, out)``: checkified when ``enabled``, else ``(None, out)``.
+
+  For jitted entry points that choose at trace time (a static flag) whether to check.
+  """
+  if enabled:
+    return nnx.checkify(fn)
+  return lambda *args, **kwargs: (None, fn(*args, **kwargs))
+
+
+def checked(fn):
+  """``fn`` with its run-time checks on: returns its result or raises ``CheckError``.
+
+  ``fn`` may be jitted (``jax.jit``, ``nnx.jit``) or contain jitted calls::
+
+    step = checks.checked(nnx.jit(lambda model, ids, caches: model(ids, caches)))
+    logits, caches = step(model, ids, caches)  # CheckError on overflow, bad ids, ...
+  """
+  run_checkified = nnx.checkify(fn)  # the reference-aware checkify: modules may be arguments
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    err, out = run_checkified(*args, **kwargs)
+    throw(err)
+    return out
+
+  return run
+
+
+# ---- the value checks shared by the modules -----------------------------------------------
+# Each takes arrays that are either all concrete (computed on the host with NumPy) or traced.
+
+def _on_host_or_traced(*arrays):
+  """NumPy and host copies of concrete arrays; jnp and the arrays themselves when traced."""
+  if _is_concrete(*arrays):
+    return np, tuple(sharding.fetch(a) for a in arrays)
+  return jnp, tuple(jnp.asarray(a) for a in arrays)
+
+
+def _worst(xp, values_B):
+  """The index of the largest entry and that entry."""
+  b = xp.argmax(values_B)
+  return b, values_B[b]
+
+
+def cache_fits(lengths_B, new_lens_B, capacity: int) -> None:
+  """A step appending ``new_lens_B`` tokens must fit: rows past capacity would be dropped."""
+  xp, (lengths_B, new_lens_B) = _on_host_or_traced(lengths_B, new_lens_B)
+  b, total = _worst(xp, lengths_B + new_lens_B)
+  check(total <= capacity, "sequence {} would hold {} tokens, more than the cache capacity "
+        f"{capacity}; the step is refused", b, total)
+
+
+def new_lens_in_range(new_lens_B, num_tokens: int) -> None:
+  """Each sequence's count of real tokens lies in [0, T]."""
+  xp, (new_lens_B,) = _on_host_or_traced(new_lens_B)
+  low, high = xp.min(new_lens_B), xp.max(new_lens_B)
+  check((low >= 0) & (high <= num_tokens),
+        f"new_lens must lie in [0, {num_tokens}], got values in [{{}}, {{}}]", low, high)
+
+
+def lengths_valid(lengths_B, new_lens_B, max_positions: int) -> None:
+  """Cache lengths are >= 0 and the new tokens' positions stay below ``max_positions``.
+
+  RoPE's angle tables end there: a later position would be rotated by a clamped angle.
+  """
+  xp, (lengths_B, new_lens_B) = _on_host_or_traced(lengths_B, new_lens_B)
+  low = xp.min(lengths_B)
+  check(low >= 0, "cache lengths must be >= 0, got {}", low)
+  b, end = _worst(xp, lengths_B + new_lens_B)
+  check(end <= max_positions, "sequence {} would write position {}, past "
+        f"max_position_embeddings {max_positions} (RoPE's angle tables end there)", b, end - 1)
+
+
+def within_cached_bound(lengths_B, num_cached_tokens: int) -> None:
+  """The static ``num_cached_tokens`` bound holds (the dense route reads only that many rows)."""
+  xp, (lengths_B,) = _on_host_or_traced(lengths_B)
+  longest = xp.max(lengths_B)
+  check(longest <= num_cached_tokens, f"num_cached_tokens={num_cached_tokens} but the cache "
+        "already holds {} tokens for some sequence", longest)
+
+
+def ids_in_vocab(ids_BT, vocab_size: int) -> None:
+  """Token ids lie in [0, vocab_size) (a gather past the table would read its last row)."""
+  xp, (ids_BT,) = _on_host_or_traced(ids_BT)
+  if ids_BT.size == 0:
+    return
+  low, high = xp.min(ids_BT), xp.max(ids_BT)
+  check((low >= 0) & (high < vocab_size),
+        f"token ids must lie in [0, {vocab_size}), got values in [{{}}, {{}}]", low, high,
+        error=IdOutOfRangeError)
+
+
+def rows_attend(topk_BTK, new_lens_B) -> None:
+  """Every real query row has at least one valid top-k index (else its output would be 0)."""
+  xp, (topk_BTK, new_lens_B) = _on_host_or_traced(topk_BTK, new_lens_B)
+  num_tokens = topk_BTK.shape[1]
+  real_BT = xp.arange(num_tokens)[None, :] < new_lens_B[:, None]
+  empty_BT = real_BT & ~(topk_BTK >= 0).any(-1)
+  flat = xp.argmax(empty_BT.reshape(-1))
+  check(~empty_BT.any(), "query row {} of sequence {} has no valid top-k index: its attention "
+        "output would silently be zero (was the indexer skipped, or are all its scores NaN or "
+        "-inf?)",
+        flat % num_tokens, flat // num_tokens)
