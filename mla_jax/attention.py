@@ -24,6 +24,7 @@ from flax import nnx
 from mla_jax.backends import Backend, get_backend
 from mla_jax.cache import LayerCache, StackedLayerView, check_fits
 from mla_jax.config import MLAConfig
+from mla_jax.fp8_cache import Fp8LatentRows, dense_latent
 from mla_jax.indexer import Indexer
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
@@ -150,7 +151,9 @@ class MLAAttentionBase(nnx.Module):
                             w_uk_HNA.astype(dtype), preferred_element_type=jnp.float32)
     q_lat_BTHA = jnp.moveaxis(q_lat_HBTA, 0, 2).astype(dtype)
     q_BTHL = jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
-    out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL.astype(dtype), topk_BTK,
+    if not isinstance(latent_BSL, Fp8LatentRows):  # fp8 rows are dequantized by the backend
+      latent_BSL = latent_BSL.astype(dtype)
+    out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL, topk_BTK,
                                               sm_scale=self.config.softmax_scale,
                                               d_v=self.config.kv_lora_rank)
     return jnp.einsum("btha,hva->bthv", out_lat_BTHA, w_uv_HVA.astype(dtype),
@@ -300,8 +303,9 @@ class MLAAttention(MLAAttentionBase):
     c = self.config
     w_uk_HNA, w_uv_HVA = self._kv_b_heads()
     dtype = q_nope_BTHN.dtype
-    c_kv_BSA = latent_BSL[..., :c.kv_lora_rank].astype(dtype)
-    k_pe_BSR = latent_BSL[..., c.kv_lora_rank:].astype(dtype)
+    latent_BSL = dense_latent(latent_BSL, dtype)  # dequantizes an fp8 cache's rows
+    c_kv_BSA = latent_BSL[..., :c.kv_lora_rank]
+    k_pe_BSR = latent_BSL[..., c.kv_lora_rank:]
     k_nope_BSHN = jnp.einsum("bsa,hna->bshn", c_kv_BSA, w_uk_HNA.astype(dtype),
                              preferred_element_type=jnp.float32).astype(dtype)
     v_BSHV = jnp.einsum("bsa,hva->bshv", c_kv_BSA, w_uv_HVA.astype(dtype),

@@ -15,6 +15,7 @@ from flax import nnx
 
 from mla_jax import sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
+from mla_jax.cache import CACHE_DTYPE_NAMES
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}
@@ -90,6 +91,7 @@ def cmd_generate(args) -> int:
   eos = tokenizer.EOS_ID if args.stop_at_eos else None
   result = generate(model, [prompt] * args.batch, args.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_id=eos,
+                    cache_dtype=args.cache_dtype,
                     progress=not args.quiet and jax.process_index() == 0)
   for i, route in enumerate(result.prefill_routes):
     print(f"prefill route, layer {i}: {route.value}")
@@ -175,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--stop-at-eos", action="store_true", help="stop at the tokenizer's EOS id")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--batch", type=int, default=1, help="sequences (copies of the prompt)")
+  gen.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default="fp32",
+                   help="latent and indexer-key caches; fp8: e4m3 values with float32 scales")
   gen.add_argument("--mesh", metavar="SPEC",
                    help="shard over a device mesh, e.g. data=1,tensor=2,expert=2 (the product "
                         "must equal the number of devices of all processes)")

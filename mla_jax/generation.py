@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import sharding
-from mla_jax.cache import bucket_rows
+from mla_jax.cache import bucket_rows, resolve_cache_dtype
 from mla_jax.progress import ProgressBar
 from mla_jax.routing import PrefillRoute
 
@@ -184,7 +184,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     seed: sampling seed (one key per step, folded from it).
     eos_id: a sequence stops after emitting it; the others go on.
     cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
-    cache_dtype: dtype of the latent and indexer-key caches.
+    cache_dtype: the latent and indexer-key caches: ``"fp32" | "bf16"`` (or a float dtype),
+      or ``"fp8"``: e4m3 with float32 scales (656 + 132 bytes per token per layer at
+      DeepSeek-V3.2 sizes), quantized on write and dequantized where attention reads them.
     steps_per_dispatch: decode steps run by one compiled program (one host round trip);
       tokens and logits do not depend on it.
     progress: draw a progress bar on stderr while decoding (advanced per dispatch).
@@ -201,6 +203,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   if not isinstance(steps_per_dispatch, int) or isinstance(steps_per_dispatch, bool) or \
       steps_per_dispatch < 1:
     raise ValueError(f"steps_per_dispatch must be a positive int, got {steps_per_dispatch!r}")
+  cache_dtype = resolve_cache_dtype(cache_dtype)
   sampling = SamplingConfig(float(temperature), float(top_p))
   cfg = model.config
   ids_BT, lens_B = _pad_prompts(prompt_ids, cfg.vocab_size)

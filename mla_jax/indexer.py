@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from mla_jax.config import MLAConfig
+from mla_jax.fp8_cache import Fp8Keys, quantize_indexer_queries
 from mla_jax.layers import LayerNorm, Linear
 from mla_jax.rope import apply_rope
 
@@ -85,15 +86,24 @@ class Indexer(nnx.Module):
   def select(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, chunk_size: int):
     """Top-k rows of ``keys_BSI`` for every query: int32 [B, T, topk], -1 padded.
 
-    Query rows are scored ``chunk_size`` at a time so that a long prefill never holds more
-    than a [B, chunk_size, S] block of logits.
+    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache): then the queries are quantized
+    to e4m3 too, one scale per (token, head) folded into the head weights, and the backend
+    applies the per-key scales. Query rows are scored ``chunk_size`` at a time so that a
+    long prefill never holds more than a [B, chunk_size, S] block of logits.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
     ends_BT = positions_BT + 1  # causal, self included
     topk = self.config.indexer.topk
+    k_scale_BS = None
+    if isinstance(keys_BSI, Fp8Keys):
+      q_BTGI, w_BTG = quantize_indexer_queries(q_BTGI, w_BTG)
+      keys_BSI, k_scale_BS = keys_BSI
+    else:
+      keys_BSI = keys_BSI.astype(q_BTGI.dtype)
 
     def score(q, w, ends):
-      logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends)
+      logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends,
+                                      k_scale_BS=k_scale_BS)
       return topk_indices(logits, topk)
 
     b, t = ends_BT.shape

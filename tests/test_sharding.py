@@ -61,6 +61,23 @@ def test_sharded_generation_equals_unsharded(preset, mesh_spec):
   assert mt.relative_error(logits, ref_logits) < 1e-5
 
 
+def test_fp8_cache_generation_sharded_equals_unsharded():
+  """fp8 values, scales and RoPE are split over ``data`` like the arrays they replace, and the
+  key scales travel through the sharded indexer."""
+  mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
+  kwargs = dict(return_logits=True, cache_dtype="fp8")
+  ref = generation.generate(CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla"),
+                            _prompts(), NEW, **kwargs)
+  model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  got = generation.generate(model, _prompts(), NEW, **kwargs)
+  assert got.tokens == ref.tokens
+  np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-4, atol=1e-4)
+  caches = model.init_cache(4, 32, "fp8")
+  for leaf in jax.tree.leaves(caches):  # [reps, B, ...]: the batch axis is 1
+    assert leaf.sharding.spec == P(None, "data", *(None,) * (leaf.ndim - 2))
+    assert {s.data.shape[1] for s in leaf.addressable_shards} == {2}
+
+
 def _expected_spec(layout, ndim):
   return sharding.param_spec(layout.rule_name, layout.leading, ndim)
 
