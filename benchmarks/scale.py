@@ -31,7 +31,7 @@ from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig  # noqa: E402
 from mla_jax.generation import generate  # noqa: E402
 from mla_jax.models.config import ModelConfig, MoEConfig, small_lm  # noqa: E402
 from mla_jax.models.lm import CausalLM  # noqa: E402
-from mla_jax.models.moe import MoE  # noqa: E402
+from mla_jax.models.moe import MoE, tile_plan  # noqa: E402
 
 
 def narrow_config(num_layers: int) -> ModelConfig:
@@ -93,31 +93,39 @@ def _all_experts(moe: MoE, x_BTD):
   return jnp.einsum("tef,edf->td", h, moe.experts.down_proj[...])
 
 
-def table_moe(expert_counts, tokens: int, repeats: int) -> None:
+def table_moe(expert_counts, token_counts, repeats: int) -> None:
   hidden, ffn, top = 256, 128, 8
-  print(f"\n### MoE layer against the number of experts ({tokens} tokens, top-{top}, "
-        f"D {hidden}, F {ffn}; median ms of {repeats} warm runs)\n")
-  print("| experts | tiled ms | ragged_dot ms | all experts ms | tiled GFLOP (XLA) | "
-        "ragged_dot GFLOP | all experts GFLOP |")
-  print("|---|---|---|---|---|---|---|")
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, tokens, hidden)), jnp.float32)
-  for num_experts in expert_counts:
-    cfg = MoEConfig(num_experts=num_experts, num_experts_per_tok=top, n_group=1, topk_group=1,
-                    n_shared_experts=0, moe_intermediate_size=ffn)
-    row = []
-    flops = []
-    for impl in ("tiled", "ragged_dot", "all"):
-      backend = XlaBackend(grouped_matmul="tiled" if impl == "all" else impl)
-      moe = MoE(hidden, cfg, rngs=nnx.Rngs(0), backend=backend)
-      graphdef, state = nnx.split(moe)
-      body = (lambda s, x: _all_experts(nnx.merge(graphdef, s), x)) if impl == "all" else \
-          (lambda s, x: nnx.merge(graphdef, s)(x))
-      fn = jax.jit(body)
-      cost = fn.lower(state, x).compile().cost_analysis()
-      flops.append((cost[0] if isinstance(cost, list) else cost)["flops"] / 1e9)
-      row.append(timed(fn, state, x, repeats=repeats) * 1e3)
-    print(f"| {num_experts} | {row[0]:.1f} | {row[1]:.1f} | {row[2]:.1f} | {flops[0]:.2f} | "
-          f"{flops[1]:.2f} | {flops[2]:.2f} |")
+  print(f"\n### MoE layer against the number of experts (top-{top}, D {hidden}, F {ffn}; "
+        f"median ms of {repeats} warm runs). Rows multiplied per expert matmul: tiled = its "
+        "padded tiles; ragged_dot on XLA:CPU = every routed row by every expert; all experts "
+        "= every token by every expert\n")
+  print("| tokens | experts | tiled ms | ragged_dot ms | all experts ms | tiled rows | "
+        "ragged_dot rows | all-experts rows |")
+  print("|---|---|---|---|---|---|---|---|")
+  for tokens in token_counts:
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, tokens, hidden)), jnp.float32)
+    for num_experts in expert_counts:
+      _moe_row(x, num_experts, ffn, top, repeats)
+
+
+def _moe_row(x, num_experts, ffn, top, repeats):
+  """One row: the grouped matmuls and the former all-experts computation, side by side."""
+  hidden, tokens = x.shape[-1], x.shape[1]
+  cfg = MoEConfig(num_experts=num_experts, num_experts_per_tok=top, n_group=1, topk_group=1,
+                  n_shared_experts=0, moe_intermediate_size=ffn)
+  times = []
+  for impl in ("tiled", "ragged_dot", "all"):
+    backend = XlaBackend(grouped_matmul="tiled" if impl == "all" else impl)
+    graphdef, state = nnx.split(MoE(hidden, cfg, rngs=nnx.Rngs(0), backend=backend))
+    if impl == "all":
+      fn = jax.jit(lambda s, x: _all_experts(nnx.merge(graphdef, s), x))
+    else:
+      fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    times.append(timed(fn, state, x, repeats=repeats) * 1e3)
+  pairs = tokens * top
+  tile, num_tiles = tile_plan(pairs, num_experts)
+  print(f"| {tokens} | {num_experts} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | "
+        f"{tile * num_tiles} | {pairs * num_experts} | {tokens * num_experts} |")
 
 
 def table_decode(new_tokens: int) -> None:
@@ -147,11 +155,11 @@ def main() -> None:
         f"{os.cpu_count()} CPU cores")
   if args.quick:
     table_compile((4, 8))
-    table_moe((8, 64), tokens=64, repeats=3)
+    table_moe((8, 64), (8, 64), repeats=3)
     table_decode(new_tokens=8)
   else:
     table_compile((4, 16, 61))
-    table_moe((8, 64, 256), tokens=512, repeats=10)
+    table_moe((8, 64, 256), (8, 512), repeats=10)
     table_decode(new_tokens=32)
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ from flax import nnx
 from mla_jax import sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
 from mla_jax.cache import CACHE_DTYPE_NAMES
+from mla_jax.checkpoints.generation_config import GenerationDefaults, read_generation_config
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}
@@ -44,24 +46,53 @@ def _start_processes(args) -> None:
                              num_processes=args.num_processes, process_id=args.process_id)
 
 
-def _build_model(args, mesh):
+_DTYPES = {"bf16": jnp.bfloat16, "float32": jnp.float32, "fp8": "fp8"}
+
+
+def _config(args):
+  """The model's config, read before anything is built (a checkpoint's from config.json)."""
+  if args.checkpoint:
+    from mla_jax.checkpoints import config_from_hf
+    from mla_jax.checkpoints.loading import read_config
+
+    return config_from_hf(read_config(Path(args.checkpoint)), attention=args.attention)
+  return PRESETS[args.preset](args.attention)
+
+
+def _build_model(args, config, mesh):
   from mla_jax.models.lm import CausalLM
 
   if args.checkpoint:
     from mla_jax.checkpoints import load_pretrained
 
-    return load_pretrained(args.checkpoint, attention=args.attention, backend=args.backend)
-  return CausalLM(PRESETS[args.preset](args.attention), rngs=nnx.Rngs(args.seed),
-                  backend=args.backend, mesh=mesh)
+    return load_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype or "bf16"],
+                           attention=args.attention, backend=args.backend, mesh=mesh)
+  return CausalLM(config, rngs=nnx.Rngs(args.seed), backend=args.backend, mesh=mesh,
+                  param_dtype=_DTYPES[args.dtype or "float32"])
 
 
-def _prompt_ids(args, vocab_size: int) -> list[int]:
+def _tokenizer(args, vocab_size: int) -> tokenizer.Tokenizer:
+  """The checkpoint's tokenizer (byte tokenizer without a tokenizer.json or for presets),
+  checked against the model's vocabulary where it will be used."""
+  tok = tokenizer.checkpoint_tokenizer(args.checkpoint) if args.checkpoint else \
+      tokenizer.ByteTokenizer()
+  if isinstance(tok, tokenizer.HFTokenizer) or args.prompt is not None or args.stop_at_eos:
+    tok.check_fits(vocab_size)
+  if args.stop_at_eos and not tok.eos_ids:
+    raise ValueError(f"--stop-at-eos: {tok.describe()} names no EOS token")
+  return tok
+
+
+def _sampling(args) -> tuple[float, float]:
+  """Temperature and top_p: a flag wins, then the checkpoint's generation_config.json."""
+  defaults = read_generation_config(args.checkpoint) if args.checkpoint else GenerationDefaults()
+  return (defaults.temperature if args.temperature is None else args.temperature,
+          defaults.top_p if args.top_p is None else args.top_p)
+
+
+def _prompt_ids(args, tok: tokenizer.Tokenizer, vocab_size: int) -> list[int]:
   if args.prompt is not None:
-    ids = tokenizer.encode(args.prompt)
-    if max(ids) >= vocab_size:
-      raise SystemExit(f"error: the byte tokenizer needs a vocabulary of {tokenizer.VOCAB_SIZE}, "
-                       f"the model has {vocab_size}")
-    return ids
+    return tok.encode(args.prompt)
   rng = np.random.default_rng(args.seed)
   return rng.integers(0, min(vocab_size, 256), size=args.prompt_len).tolist()
 
@@ -76,10 +107,13 @@ def cmd_generate(args) -> int:
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
   if jax.process_index() != 0:  # every process computes; the first one reports
     sys.stdout = open(os.devnull, "w")
+  config = _config(args)
+  tok = _tokenizer(args, config.vocab_size)
+  temperature, top_p = _sampling(args)
   t0 = time.perf_counter()
-  model = _build_model(args, mesh)
+  model = _build_model(args, config, mesh)
   build_s = time.perf_counter() - t0
-  prompt = _prompt_ids(args, model.config.vocab_size)
+  prompt = _prompt_ids(args, tok, model.config.vocab_size)
   print(f"model: {type(model.layer_module(0).self_attn).__name__} x "
         f"{model.config.num_layers} layers, backend {model.backend.name}, "
         f"index_topk {model.config.mla.indexer.topk if model.config.mla.indexer else '-'}, "
@@ -87,10 +121,12 @@ def cmd_generate(args) -> int:
   if mesh is not None:
     print(f"mesh: {args.mesh} over {jax.device_count()} devices in "
           f"{jax.process_count()} process(es)")
+  print(f"tokenizer: {tok.describe()}")
   print(f"prompt: {len(prompt)} tokens")
-  eos = tokenizer.EOS_ID if args.stop_at_eos else None
+  print(f"sampling: temperature {temperature:g}, top_p {top_p:g}")
+  eos = tok.eos_ids if args.stop_at_eos else None
   result = generate(model, [prompt] * args.batch, args.max_new_tokens,
-                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_id=eos,
+                    temperature=temperature, top_p=top_p, seed=args.seed, eos_id=eos,
                     cache_dtype=args.cache_dtype,
                     progress=not args.quiet and jax.process_index() == 0)
   for i, route in enumerate(result.prefill_routes):
@@ -98,7 +134,7 @@ def cmd_generate(args) -> int:
   ids = result.tokens[0]
   print(f"generated ids: {ids}")
   if args.prompt is not None:
-    print(f"generated text: {tokenizer.decode(ids)!r}")
+    print(f"generated text: {tok.decode(ids)!r}")
   print(f"compile time: {result.compile_s:.2f}s")
   print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s")
   print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
@@ -165,16 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in model with random weights from --seed (default tiny)")
   gen.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face safetensors checkpoint")
   source = gen.add_mutually_exclusive_group()
-  source.add_argument("--prompt", help="text prompt (byte-level tokenizer)")
+  source.add_argument("--prompt", help="text prompt (the checkpoint's tokenizer.json, else the "
+                                       "byte-level tokenizer)")
   source.add_argument("--prompt-len", type=int, default=24,
                       help="random prompt of this many ids when no --prompt (default 24)")
   gen.add_argument("--max-new-tokens", type=int, default=32)
   gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
   gen.add_argument("--attention", choices=ATTENTION_KINDS, default="mqa-only")
   gen.add_argument("--seed", type=int, default=0)
-  gen.add_argument("--temperature", type=float, default=0.0)
-  gen.add_argument("--top-p", type=float, default=1.0)
-  gen.add_argument("--stop-at-eos", action="store_true", help="stop at the tokenizer's EOS id")
+  gen.add_argument("--dtype", choices=sorted(_DTYPES),
+                   help="parameters: bf16 (checkpoint default), float32 (preset default) or "
+                        "fp8 (a checkpoint's float8 weights stay float8)")
+  gen.add_argument("--temperature", type=float,
+                   help="0 is greedy (default: the checkpoint's generation_config.json, else 0)")
+  gen.add_argument("--top-p", type=float,
+                   help="nucleus mass (default: the checkpoint's generation_config.json, else 1)")
+  gen.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the tokenizer's EOS id(s)")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--batch", type=int, default=1, help="sequences (copies of the prompt)")
   gen.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default="fp32",
@@ -216,6 +259,9 @@ def main(argv=None) -> int:
     raise SystemExit("error: --max-new-tokens must be >= 1")
   if getattr(args, "batch", 1) < 1:
     raise SystemExit("error: --batch must be >= 1")
+  if getattr(args, "dtype", None) == "fp8" and not args.checkpoint:
+    raise SystemExit("error: --dtype fp8 keeps a checkpoint's float8 weights; it needs "
+                     "--checkpoint (the presets have none)")
   try:
     return args.func(args)
   except (ValueError, TypeError, OSError) as err:

@@ -91,7 +91,7 @@ def _decode(graphdef, state, caches, tokens_B, done_B, seed, first_step, end_ste
     key = jax.random.fold_in(jax.random.key(seed), step)
     next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, sampling), tokens_B)
     if eos_id is not None:
-      done_B = done_B | (active_B & (next_B == eos_id))
+      done_B = done_B | (active_B & jnp.isin(next_B, jnp.asarray(eos_id, jnp.int32)))
     emitted_B = jnp.where(active_B, next_B, -1)
     return (next_B, done_B, caches), (emitted_B, logits_B1V[:, 0] if keep_logits else None)
 
@@ -169,8 +169,19 @@ def _place(array, mesh, spec=P(sharding.DATA)):
 DEFAULT_STEPS_PER_DISPATCH = 8  # benchmarks/decode.py: beyond ~8 the per-token gain is small
 
 
+def _eos_ids(eos_id) -> tuple[int, ...] | None:
+  """``eos_id`` as a tuple of ids (a tokenizer may have several end-of-sequence tokens)."""
+  if eos_id is None:
+    return None
+  ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
+  if not ids or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0
+                        for i in ids):
+    raise ValueError(f"eos_id must be an id >= 0 or a non-empty list of them, got {eos_id!r}")
+  return tuple(int(i) for i in ids)
+
+
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | list[int] | None = None,
              cache_capacity: int | None = None, cache_dtype=jnp.float32,
              steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, progress: bool = False,
              return_logits: bool = False) -> GenerationResult:
@@ -182,7 +193,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     max_new_tokens: tokens to generate per sequence (fewer when it emits ``eos_id``).
     temperature, top_p: 0 is greedy; otherwise nucleus sampling.
     seed: sampling seed (one key per step, folded from it).
-    eos_id: a sequence stops after emitting it; the others go on.
+    eos_id: a sequence stops after emitting it (or any id of a list); the others go on.
     cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
     cache_dtype: the latent and indexer-key caches: ``"fp32" | "bf16"`` (or a float dtype),
       or ``"fp8"``: e4m3 with float32 scales (656 + 132 bytes per token per layer at
@@ -205,6 +216,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     raise ValueError(f"steps_per_dispatch must be a positive int, got {steps_per_dispatch!r}")
   cache_dtype = resolve_cache_dtype(cache_dtype)
   sampling = SamplingConfig(float(temperature), float(top_p))
+  eos_id = _eos_ids(eos_id)
   cfg = model.config
   ids_BT, lens_B = _pad_prompts(prompt_ids, cfg.vocab_size)
   batch, longest = ids_BT.shape
@@ -248,7 +260,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   prefill_s = time.perf_counter() - t0
 
   out, logits = [sharding.fetch(tokens_B)[:, None]], []
-  done = out[0][:, 0] == eos_id if eos_id is not None else np.zeros((batch,), bool)
+  done = np.isin(out[0][:, 0], eos_id) if eos_id is not None else np.zeros((batch,), bool)
   done_B = _place(done, mesh)
   bar = ProgressBar(max_new_tokens, "decode") if progress else None
   if bar:

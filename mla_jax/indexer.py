@@ -99,7 +99,7 @@ class Indexer(nnx.Module):
       q_BTGI, w_BTG = quantize_indexer_queries(q_BTGI, w_BTG)
       keys_BSI, k_scale_BS = keys_BSI
     else:
-      keys_BSI = keys_BSI.astype(q_BTGI.dtype)
+      keys_BSI = keys_BSI.astype(q_BTGI.dtype)  # a cache may be wider than the model's dtype
 
     def score(q, w, ends):
       logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends,

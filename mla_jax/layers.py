@@ -12,7 +12,13 @@ from flax import nnx
 
 
 class Linear(nnx.Module):
-  """``y = x @ weight.T`` (no bias, as every MLA/MoE projection)."""
+  """``y = x @ weight.T`` (no bias, as every MLA/MoE projection).
+
+  A loaded fp8 checkpoint may put a ``quant.BlockScaledWeight`` in ``weight``: reading it
+  dequantizes inside the jitted program, right before the matmul.
+  """
+
+  block_scalable = ("weight",)
 
   def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
                param_dtype=jnp.float32):

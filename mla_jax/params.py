@@ -15,6 +15,13 @@ def dotted_name(path) -> str:
   return ".".join(str(part) for part in path)
 
 
+def module_at(root: nnx.Module, path) -> nnx.Module:
+  """The module (or parameter) at ``path`` below ``root``; int parts index ``nnx.List``s."""
+  for key in path:
+    root = root[key] if isinstance(key, int) else getattr(root, key)
+  return root
+
+
 def flat_params(module: nnx.Module) -> dict[str, jax.Array]:
   """``{"layers.0.self_attn.q_a_proj.weight": array}`` for every ``nnx.Param``."""
   return {dotted_name(path): variable[...]

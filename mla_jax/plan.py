@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mla_jax import sharding
+from mla_jax import quant, sharding
 from mla_jax.backends import XlaBackend
 from mla_jax.models.config import FULL_SIZE, ModelConfig
 from mla_jax.models.hf_layout import param_layouts
@@ -59,40 +59,37 @@ class Plan:
     return self.device_bytes <= FIT_FRACTION * GPUS[gpu]
 
 
-def abstract_model(config: ModelConfig, param_dtype=jnp.bfloat16) -> CausalLM:
-  """The model as shapes only (no parameter is allocated)."""
-  return nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=XlaBackend(),
-                                         param_dtype=param_dtype))
-
-
-def _shard_bytes(shape, spec, mesh, itemsize: float) -> float:
-  return math.prod(NamedSharding(mesh, spec).shard_shape(tuple(shape))) * itemsize
-
-
-def param_bytes(config: ModelConfig, state, mesh, dtype: str) -> tuple[int, int]:
-  """(bytes on the busiest device, bytes in total) of every parameter for ``dtype``.
+def abstract_model(config: ModelConfig, dtype: str = "bf16") -> CausalLM:
+  """The model as shapes only (no parameter is allocated).
 
   bf16: every parameter in bfloat16 except what HF keeps in float32 (router, indexer head
-  weights). fp8: ``FP8_WEIGHTS`` as 1-byte values plus one float32 scale per 128 x 128 block
-  of each HF tensor (a device holds the scales of the blocks it holds).
+  weights). fp8: ``FP8_WEIGHTS`` as e4m3 ``BlockScaledWeight``s with one float32 scale per
+  128 x 128 block, as ``load_pretrained(dtype="fp8")`` holds DeepSeek's fp8 release.
   """
+  model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=XlaBackend(),
+                                          param_dtype=jnp.bfloat16))
+  if dtype == "fp8":
+    for path, layout in param_layouts(nnx.state(model, nnx.Param)).items():
+      if FP8_WEIGHTS.search(layout.rule_name) and quant.is_block_scalable(model, path):
+        quant.block_scale_abstract(model, path, jnp.float8_e4m3fn, (FP8_BLOCK, FP8_BLOCK))
+  return model
+
+
+def param_bytes(state, mesh) -> tuple[int, int]:
+  """(bytes on the busiest device, bytes in total) of every parameter of an abstract state,
+  split by the partition rules (fp8 scales like their weights; a split that would cut a
+  scale block is refused)."""
   shardings = dict(state_shardings(state, mesh).flat_state())
   layouts = param_layouts(state)
-  per_device = total = 0.0
+  per_device = total = 0
   for path, leaf in nnx.state(state, nnx.Param).flat_state():
-    shape, spec = tuple(leaf.shape), shardings[path].spec
-    layout = layouts[path]
-    itemsize = np.dtype(leaf.dtype).itemsize
-    if dtype == "fp8" and FP8_WEIGHTS.search(layout.rule_name):
-      itemsize = 1
-      shard = NamedSharding(mesh, spec).shard_shape(shape)
-      lead = len(layout.leading)
-      blocks = lambda s: math.prod(s[:lead]) * math.prod(-(-d // FP8_BLOCK) for d in s[lead:])
-      per_device += blocks(shard) * 4
-      total += blocks(shape) * 4
-    per_device += _shard_bytes(shape, spec, mesh, itemsize)
+    shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
+    if path[-1] == quant.VALUES:
+      quant.check_block_split(layouts[path].rule_name, shape, shardings[path].spec, mesh,
+                              (FP8_BLOCK, FP8_BLOCK))
+    per_device += math.prod(shardings[path].shard_shape(shape)) * itemsize
     total += math.prod(shape) * itemsize
-  return int(per_device), int(total)
+  return per_device, total
 
 
 def cache_bytes(config: ModelConfig, mesh, batch: int, context: int, cache_dtype: str) -> int:
@@ -125,8 +122,8 @@ def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
   if batch % mesh.shape[sharding.DATA]:
     raise ValueError(f"batch {batch} cannot be split over mesh axis 'data' of size "
                      f"{mesh.shape[sharding.DATA]}")
-  state = nnx.state(abstract_model(config))
-  per_device, total = param_bytes(config, state, mesh, dtype)
+  state = nnx.state(abstract_model(config, dtype))
+  per_device, total = param_bytes(state, mesh)
   return Plan(model, mesh_spec, dtype, batch, context, per_device,
               cache_bytes(config, mesh, batch, context, cache_dtype), total)
 
@@ -146,8 +143,11 @@ def format_plans(plans: list[Plan]) -> str:
 
 
 def format_rules() -> str:
+  """The partition rules as a markdown table (pipes in the regexes escaped)."""
   lines = ["| HF parameter (regex) | PartitionSpec |", "|---|---|"]
-  lines += [f"| `{pattern}` | `{spec}` |" for pattern, spec in sharding.PARTITION_RULES]
+  for pattern, spec in sharding.PARTITION_RULES:
+    escaped = pattern.replace("|", "\\|")
+    lines.append(f"| `{escaped}` | `{spec}` |")
   lines += [f"| stacked {kind} axis | `{axis}` |"
             for kind, axis in sharding.LEADING_AXIS_SPECS.items()]
   return "\n".join(lines)

@@ -29,14 +29,19 @@ DATA, TENSOR, EXPERT = "data", "tensor", "expert"
 AXES = (DATA, TENSOR, EXPERT)
 
 # HF parameter name (regex, searched) -> PartitionSpec of that HF tensor. First match wins.
+# An fp8 weight's ``weight_scale_inv`` [rows / 128, cols / 128] is split like the weight, so
+# a device holds the scales of the blocks it holds (quant.check_block_split refuses a split
+# that would cut a block).
 PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"embed_tokens\.weight$", P(TENSOR, None)),          # vocab rows
     (r"lm_head\.weight$", P(TENSOR, None)),               # vocab rows
-    (r"self_attn\.q_b_proj\.weight$", P(TENSOR, None)),   # rows are heads x (N + R)
-    (r"self_attn\.kv_b_proj\.weight$", P(TENSOR, None)),  # rows are heads x (N + V)
-    (r"self_attn\.o_proj\.weight$", P(None, TENSOR)),     # columns are heads x V
-    (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight$", P(TENSOR, None)),
-    (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight$", P(None, TENSOR)),
+    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TENSOR, None)),   # rows: heads x (N + R)
+    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P(TENSOR, None)),  # rows: heads x (N + V)
+    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, TENSOR)),     # columns: heads x V
+    (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
+     P(TENSOR, None)),
+    (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
+     P(None, TENSOR)),
     # Everything else is replicated: norms, q_a / kv_a projections, the indexer, the router.
     (r".", P()),
 )

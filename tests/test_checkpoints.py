@@ -65,14 +65,14 @@ def test_round_trip_runs_and_is_bitwise(tmp_path, kind, model_type):
   save_pretrained(source, tmp_path / "a")
   hf = json.loads((tmp_path / "a" / "config.json").read_text())
   assert hf["model_type"] == model_type
-  loaded = load_pretrained(tmp_path / "a")
+  loaded = load_pretrained(tmp_path / "a", dtype=jnp.float32)
   assert loaded.config == source.config
   _assert_same_params(source, loaded)
   logits = _logits(loaded, _ids())
   assert np.isfinite(logits).all()
   np.testing.assert_array_equal(logits, _logits(source, _ids()))
   save_pretrained(loaded, tmp_path / "b")
-  again = load_pretrained(tmp_path / "b")
+  again = load_pretrained(tmp_path / "b", dtype=jnp.float32)
   assert again.config == loaded.config
   _assert_same_params(loaded, again)
   for name in ("model.safetensors", "config.json"):
@@ -106,7 +106,7 @@ def test_handwritten_glm52_style_config_with_mtp_keys(tmp_path):
   tensors["model.layers.3.self_attn.indexer.wk.weight"] = np.ones((7,), ml_dtypes.bfloat16)
   write_safetensors(tensors, tmp_path / "model.safetensors", {"format": "pt"})
   (tmp_path / "config.json").write_text(json.dumps(hf))
-  loaded = load_pretrained(tmp_path)
+  loaded = load_pretrained(tmp_path, dtype=jnp.float32)
   _assert_same_params(source, loaded)
   np.testing.assert_array_equal(_logits(loaded, _ids()), _logits(source, _ids()))
 
@@ -117,7 +117,7 @@ def test_sharded_checkpoint(tmp_path, ds32_dir):
   index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())
   shards = sorted(set(index["weight_map"].values()))
   assert len(shards) > 2 and not (tmp_path / "s" / "model.safetensors").exists()
-  _assert_same_params(source, load_pretrained(tmp_path / "s"))
+  _assert_same_params(source, load_pretrained(tmp_path / "s", dtype=jnp.float32))
   index_file = tmp_path / "s" / "model.safetensors.index.json"
   good = index_file.read_text()
   index["weight_map"]["lm_head.weight"] = shards[-1] if index["weight_map"][
@@ -134,7 +134,7 @@ def test_sharded_checkpoint(tmp_path, ds32_dir):
 
 def test_dtype_cast_keeps_router_and_weights_proj_fp32(tmp_path, ds32_dir):
   _, path = ds32_dir
-  model = load_pretrained(path, dtype=jnp.bfloat16)
+  model = load_pretrained(path)  # bfloat16 unless asked otherwise
   dtypes = {name: value.dtype for name, value in hf_params(model).items()}
   fp32 = {name for name, d in dtypes.items() if d == jnp.float32}
   assert fp32 == {n for n in dtypes if n.endswith(("weights_proj.weight", "mlp.gate.weight",
@@ -192,7 +192,7 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path, ds32_dir):
   hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
   (tmp_path / "config.json").write_text(json.dumps(hf))
   write_safetensors(tensors, tmp_path / "model.safetensors")
-  loaded = hf_params(load_pretrained(tmp_path))
+  loaded = hf_params(load_pretrained(tmp_path, dtype=jnp.float32))
   for name, value in expected.items():
     np.testing.assert_array_equal(np.asarray(loaded[name]), value, err_msg=name)
   del tensors["lm_head.weight"]
@@ -379,7 +379,7 @@ def _unrolled(model, ids):
 
 def test_glm_shared_layers_use_the_full_layers_topk(tmp_path):
   save_pretrained(random_model(small_config("glm"), seed=3), tmp_path)
-  model = load_pretrained(tmp_path)
+  model = load_pretrained(tmp_path, dtype=jnp.float32)
   assert [model.layer_module(i).self_attn.indexer is None for i in range(3)] == [False, True,
                                                                                 False]
   ids = _ids(12, seed=4)
@@ -394,8 +394,9 @@ def test_dense_capable_short_prefill_matches_mqa_only(tmp_path):
   indexer keys that prefill wrote (no stale or missing indices in the shared layer)."""
   save_pretrained(random_model(small_config("glm"), seed=5), tmp_path)
   ids = _ids(12, seed=6)
-  reference = _logits(load_pretrained(tmp_path), ids)  # mqa-only; causal, so prefixes agree
-  model = load_pretrained(tmp_path, attention="dense-capable")
+  # mqa-only; causal, so prefixes agree
+  reference = _logits(load_pretrained(tmp_path, dtype=jnp.float32), ids)
+  model = load_pretrained(tmp_path, dtype=jnp.float32, attention="dense-capable")
   assert set(model.prefill_routes(TOPK, 0)) == {PrefillRoute.DENSE_MHA}
   prefill, caches = _step(model, ids[:, :TOPK], model.init_cache(1, 16), 0)
   decode, _ = _step(model, ids[:, TOPK:TOPK + 1], caches, None)  # 5 keys > top-k 4

@@ -34,7 +34,8 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv", [["generate", "--max-new-tokens", "0"],
                                   ["generate", "--prompt-len", "0"],
-                                  ["generate", "--backend", "cuda"]])
+                                  ["generate", "--backend", "cuda"],
+                                  ["generate", "--dtype", "fp8"]])
 def test_bad_arguments_exit(argv):
   with pytest.raises(SystemExit):
     cli.main(argv)

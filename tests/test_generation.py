@@ -107,6 +107,24 @@ def test_eos_stops_one_sequence_while_the_other_continues():
   assert len(stopped[1]) > len(stopped[0])
 
 
+def test_eos_list_stops_each_sequence_at_its_first_eos():
+  """Several EOS ids (GLM-5 ends on any of three): a row is done at the first one it emits."""
+  model = _models()["mqa-only"]
+  prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5], [3, 3, 3]]
+  free = m.generate(model, prompts, 10).tokens
+  eos = [free[0][2], free[1][5]]
+  stopped = m.generate(model, prompts, 10, eos_id=eos).tokens
+  for row, tokens in zip(free, stopped):
+    ends = [i for i, t in enumerate(row) if t in eos]
+    assert tokens == (row[:ends[0] + 1] if ends else row)
+  assert len(stopped[0]) <= 3 and len(stopped[1]) <= 6
+  assert (m.generate(model, prompts, 10, eos_id=(eos[0],)).tokens
+          == m.generate(model, prompts, 10, eos_id=eos[0]).tokens)
+  for bad in ([], [1, -2], [True], "1"):
+    with pytest.raises(ValueError, match="eos_id must be"):
+      m.generate(model, prompts, 2, eos_id=bad)
+
+
 def test_sampling_is_seeded_and_tiny_top_p_is_greedy():
   model = _models()["mqa-only"]
   a = m.generate(model, [[1, 2, 3]], 8, temperature=1.0, seed=3).tokens

@@ -73,7 +73,7 @@ def test_logits_match_transformers(tmp_path, model_type):
   ids = np.random.default_rng(2).integers(0, 64, (1, 12))
   with torch.no_grad():
     expected = hf_model(torch.as_tensor(ids)).logits.float().numpy()
-  model = load_pretrained(tmp_path)
+  model = load_pretrained(tmp_path, dtype=jnp.float32)
   got = np.asarray(model(jnp.asarray(ids, jnp.int32), model.init_cache(1, 16))[0])
   diff = float(np.abs(got - expected).max())
   print(f"{model_type}: max |logit diff| = {diff:.3g}")

@@ -70,7 +70,7 @@ def test_scanned_groups_equal_layer_by_layer_and_round_trip(tmp_path):
       params["model.layers.5.self_attn.q_a_proj.weight"],
       np.asarray(model.layer_module(5).self_attn.q_a_proj.weight[...]))
   save_pretrained(model, tmp_path)
-  loaded = load_pretrained(tmp_path, backend="xla")
+  loaded = load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
   for name, value in hf_params(loaded).items():
     np.testing.assert_array_equal(value, params[name], err_msg=name)
 

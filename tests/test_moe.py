@@ -19,7 +19,7 @@ from flax import nnx
 from mla_jax.models.config import MoEConfig, tiny_lm
 from mla_jax.models.mlp import MLP
 from mla_jax.backends import XlaBackend
-from mla_jax.models.moe import MoE, route_tokens, routed_experts
+from mla_jax.models.moe import MoE, route_tokens, routed_experts, tile_plan
 from mla_jax.params import dotted_name
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -276,6 +276,178 @@ class RouterTest(chex.TestCase):
     idx, weights = route(np.zeros((2, 8), np.float32), np.zeros(8, np.float32), config=cfg)
     np.testing.assert_array_equal(np.asarray(idx), [[0, 1, 2]] * 2)
     np.testing.assert_allclose(np.asarray(weights), cfg.routed_scaling_factor / 3, rtol=1e-6)
+
+  def test_deterministic(self):
+    cfg = ROUTER_CASES["dsv32"]
+    logits, bias = random_router_inputs(cfg, seed=7)
+    chex.assert_trees_all_equal(route(logits, bias, config=cfg), route(logits, bias, config=cfg))
+
+
+IMPLS = ("tiled", "ragged_dot")
+
+
+class MoETest(chex.TestCase):
+
+  def check_against_reference(self, cfg, dtype, fn=jit_apply, impl="tiled", moe_x=None):
+    moe, x = moe_x or make_moe(cfg, dtype, impl=impl)
+    out = run_module(moe, x, fn)
+    chex.assert_shape(out, x.shape)
+    chex.assert_type(out, dtype)
+    chex.assert_tree_all_finite(out)
+    params = float64_params(moe)
+    expected = ref_moe(np.asarray(x.astype(jnp.float32)), params, cfg)
+    err = rel_err(np.asarray(out.astype(jnp.float32)).reshape(expected.shape), expected)
+    assert err < TOLERANCE[dtype], err
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(*MOE_CASES.items())
+  def test_matches_reference_float32(self, cfg):
+    self.check_against_reference(cfg, jnp.float32, self.variant(apply, static_argnums=0))
+
+  @parameterized.named_parameters(
+      (f"{name}_{jnp.dtype(dtype).name}_{impl}", cfg, dtype, impl)
+      for name, cfg in {**MOE_CASES, **MORE_MOE_CASES}.items()
+      for dtype in (jnp.float32, jnp.bfloat16) for impl in IMPLS)
+  def test_matches_reference_jit(self, cfg, dtype, impl):
+    self.check_against_reference(cfg, dtype, impl=impl)
+
+  @parameterized.named_parameters(*((impl, impl) for impl in IMPLS))
+  def test_crowded_and_empty_experts(self, impl):
+    """Every token routed to experts 0 and 1 (bias drives selection): two large groups,
+    six experts with no token at all; the weights stay the unbiased scores."""
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    n_shared_experts=1, moe_intermediate_size=32)
+    moe, x = make_moe(cfg, impl=impl, tokens=16)
+    moe.gate.e_score_correction_bias[...] = jnp.array([50.0, 40.0] + [0.0] * 6)
+    idx, _ = moe.gate(x.reshape(-1, HIDDEN))
+    assert set(np.unique(np.asarray(idx))) == {0, 1}
+    self.check_against_reference(cfg, jnp.float32, moe_x=(moe, x))
+
+  @parameterized.named_parameters(*((impl, impl) for impl in IMPLS))
+  def test_expert_shards_add_up_to_the_whole(self, impl):
+    """What each expert-parallel shard computes (its own experts only) sums to the whole."""
+    rng = np.random.default_rng(3)
+    num_experts, tokens, top, ffn = 8, 12, 3, 16
+    x = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(num_experts, top, replace=False)
+                                for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(num_experts, ffn, HIDDEN)) / 8, jnp.float32)
+                for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(num_experts, HIDDEN, ffn)) / 4, jnp.float32)
+    whole = routed_experts(x, idx, w, gate, up, down, impl=impl)
+    parts = sum(routed_experts(x, idx, w, gate[s:s + 2], up[s:s + 2], down[s:s + 2],
+                               first_expert=s, impl=impl) for s in range(0, num_experts, 2))
+    params = {f"experts.{e}.{n}_proj.weight": np.asarray(v[e], np.float64)
+              for e in range(num_experts) for n, v in (("gate", gate), ("up", up),
+                                                       ("down", down))}
+    expected = np.zeros((tokens, HIDDEN))
+    for t in range(tokens):
+      for e, weight in zip(np.asarray(idx[t]), np.asarray(w[t], np.float64)):
+        expected[t] += weight * ref_mlp(np.asarray(x[t], np.float64), params, f"experts.{e}.")
+    assert rel_err(whole, expected) < 1e-5
+    assert rel_err(parts, expected) < 1e-5
+
+  @parameterized.parameters(1, 7, 64, 512, 4096)
+  def test_tiled_work_is_bounded_by_routed_rows(self, rows):
+    """Whatever the number of experts, the tiled matmul multiplies at most 2x the routed
+    rows and reads at most 2x min(experts, rows) weight matrices (static shapes), and its
+    tiles hold every way the rows can fall into groups (else rows would be dropped)."""
+    rng = np.random.default_rng(rows)
+    for num_experts in (1, 8, 64, 256, 4096):
+      tile, num_tiles = tile_plan(rows, num_experts)
+      assert tile * num_tiles <= 2 * rows, (rows, num_experts)
+      assert num_tiles <= 2 * min(num_experts, rows), (rows, num_experts)
+      used = min(num_experts, rows)
+      worst = [1] * (used - 1) + [rows - used + 1]  # every used group with a ragged tile
+      splits = [worst] + [np.bincount(rng.integers(0, num_experts, rows)) for _ in range(5)]
+      for sizes in splits:
+        assert sum(-(-int(n) // tile) for n in sizes) <= num_tiles, (rows, num_experts)
+
+  def test_deterministic(self):
+    cfg = ROUTER_CASES["dsv32"]
+    logits, bias = random_router_inputs(cfg, seed=7)
+    chex.assert_trees_all_equal(route(logits, bias, config=cfg), route(logits, bias, config=cfg))
+
+
+IMPLS = ("tiled", "ragged_dot")
+
+
+class MoETest(chex.TestCase):
+
+  def check_against_reference(self, cfg, dtype, fn=jit_apply, impl="tiled", moe_x=None):
+    moe, x = moe_x or make_moe(cfg, dtype, impl=impl)
+    out = run_module(moe, x, fn)
+    chex.assert_shape(out, x.shape)
+    chex.assert_type(out, dtype)
+    chex.assert_tree_all_finite(out)
+    params = float64_params(moe)
+    expected = ref_moe(np.asarray(x.astype(jnp.float32)), params, cfg)
+    err = rel_err(np.asarray(out.astype(jnp.float32)).reshape(expected.shape), expected)
+    assert err < TOLERANCE[dtype], err
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(*MOE_CASES.items())
+  def test_matches_reference_float32(self, cfg):
+    self.check_against_reference(cfg, jnp.float32, self.variant(apply, static_argnums=0))
+
+  @parameterized.named_parameters(
+      (f"{name}_{jnp.dtype(dtype).name}_{impl}", cfg, dtype, impl)
+      for name, cfg in {**MOE_CASES, **MORE_MOE_CASES}.items()
+      for dtype in (jnp.float32, jnp.bfloat16) for impl in IMPLS)
+  def test_matches_reference_jit(self, cfg, dtype, impl):
+    self.check_against_reference(cfg, dtype, impl=impl)
+
+  @parameterized.named_parameters(*((impl, impl) for impl in IMPLS))
+  def test_crowded_and_empty_experts(self, impl):
+    """Every token routed to experts 0 and 1 (bias drives selection): two large groups,
+    six experts with no token at all; the weights stay the unbiased scores."""
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    n_shared_experts=1, moe_intermediate_size=32)
+    moe, x = make_moe(cfg, impl=impl, tokens=16)
+    moe.gate.e_score_correction_bias[...] = jnp.array([50.0, 40.0] + [0.0] * 6)
+    idx, _ = moe.gate(x.reshape(-1, HIDDEN))
+    assert set(np.unique(np.asarray(idx))) == {0, 1}
+    self.check_against_reference(cfg, jnp.float32, moe_x=(moe, x))
+
+  @parameterized.named_parameters(*((impl, impl) for impl in IMPLS))
+  def test_expert_shards_add_up_to_the_whole(self, impl):
+    """What each expert-parallel shard computes (its own experts only) sums to the whole."""
+    rng = np.random.default_rng(3)
+    num_experts, tokens, top, ffn = 8, 12, 3, 16
+    x = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(num_experts, top, replace=False)
+                                for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top)), jnp.float32)
+    gate, up = (jnp.asarray(rng.normal(size=(num_experts, ffn, HIDDEN)) / 8, jnp.float32)
+                for _ in range(2))
+    down = jnp.asarray(rng.normal(size=(num_experts, HIDDEN, ffn)) / 4, jnp.float32)
+    whole = routed_experts(x, idx, w, gate, up, down, impl=impl)
+    parts = sum(routed_experts(x, idx, w, gate[s:s + 2], up[s:s + 2], down[s:s + 2],
+                               first_expert=s, impl=impl) for s in range(0, num_experts, 2))
+    params = {f"experts.{e}.{n}_proj.weight": np.asarray(v[e], np.float64)
+              for e in range(num_experts) for n, v in (("gate", gate), ("up", up),
+                                                       ("down", down))}
+    expected = np.zeros((tokens, HIDDEN))
+    for t in range(tokens):
+      for e, weight in zip(np.asarray(idx[t]), np.asarray(w[t], np.float64)):
+        expected[t] += weight * ref_mlp(np.asarray(x[t], np.float64), params, f"experts.{e}.")
+    assert rel_err(whole, expected) < 1e-5
+    assert rel_err(parts, expected) < 1e-5
+
+  @parameterized.parameters(1, 7, 64, 512, 4096)
+  def test_tiled_work_is_bounded_by_routed_rows(self, rows):
+    """Whatever the number of experts, the tiled matmul multiplies at most 2x the routed
+    rows and reads at most 2x min(experts, rows) weight matrices (static shapes)."""
+    for num_experts in (1, 8, 64, 256, 4096):
+      tile, num_tiles = tile_plan(rows, num_experts)
+      assert tile * num_tiles <= 2 * rows, (rows, num_experts)
+      assert num_tiles <= 2 * min(num_experts, rows), (rows, num_experts)
+    # The bound is tight enough to hold every grouping: the worst case fills every tile.
+    sizes = np.zeros(8, np.int64)
+    sizes[:7], sizes[7] = 1, rows - 7 if rows > 7 else 0
+    tile, num_tiles = tile_plan(rows, 8)
+    assert sum(-(-n // tile) for n in sizes if n) <= num_tiles or rows < 8
 
   def test_deterministic(self):
     cfg = ROUTER_CASES["dsv32"]

@@ -2,9 +2,11 @@
 
 - ``hf_config``: HF's config rules (``config_from_hf``); ``hf_export``: ``config_to_hf``.
 - ``reading``: lazy, memory-mapped tensor handles over single or sharded safetensors.
-- ``loading``: ``load_pretrained`` (all mismatches reported before anything is built).
+- ``loading``: ``load_pretrained`` (all mismatches reported before anything is read; each
+  device's piece of each parameter is then read on its own, fp8 weights kept or dequantized).
 - ``writing``: ``save_pretrained`` (validated first, staged, then moved into place).
 - ``mapping``: tensor names <-> model parameters, the only layout-specific part.
+- ``generation_config``: a checkpoint's sampling defaults and special token ids.
 
 Only safetensors are read: pickle-based ``*.bin`` / ``*.pt`` files can run code on load and
 are refused.

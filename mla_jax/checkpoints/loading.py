@@ -1,43 +1,71 @@
-"""Loading an HF checkpoint directory into a ``CausalLM``.
+"""Loading an HF checkpoint directory into a ``CausalLM``, streamed piece by piece.
 
-Before anything is built the loader checks every tensor against the model and reports all
-missing, unexpected and mis-shaped ones in one ``CheckpointError``. Multi-token-prediction
-layers (``model.layers.{L}.*`` with L >= num_hidden_layers: layer 61 of DeepSeek-V3.2, 78 of
-GLM-5) are skipped, as HF's model does. fp8 weights with a ``weight_scale_inv`` are
-dequantized per block (128x128 unless the config says otherwise).
+Before anything is read the loader checks every tensor against the model and reports all
+missing, unexpected and mis-shaped ones in one ``CheckpointError`` (the mesh and the splits
+are checked before that, when the abstract model is built). Multi-token-prediction layers
+(``model.layers.{L}.*`` with L >= num_hidden_layers: layer 61 of DeepSeek-V3.2, 78 of GLM-5)
+are skipped, as HF's model does.
+
+Each parameter is then made with ``jax.make_array_from_callback``: every device's piece is
+read from the memory-mapped files as a slice of the HF tensors it covers, so a process reads
+only what its own devices hold, and a stacked parameter (scanned layers) is filled one layer
+at a time into an array allocated on the devices (``mapping.fill_parameters``).
+
+fp8 weights (``weight_scale_inv`` per 128 x 128 block unless the config says otherwise) are
+either kept fp8 (``dtype="fp8"``: ``quant.BlockScaledWeight``, dequantized inside the
+matmuls) or dequantized slice by slice while loading.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax.backends import Backend
+from mla_jax import quant, sharding
+from mla_jax.backends import Backend, get_backend
 from mla_jax.checkpoints.errors import CheckpointError
 from mla_jax.checkpoints.hf_config import config_from_hf, fp8_block_size
 from mla_jax.checkpoints.mapping import expected_tensors, fill_parameters
-from mla_jax.checkpoints.reading import TensorHandle, open_checkpoint
+from mla_jax.checkpoints.reading import TensorHandle, open_checkpoint, read_json_object
 from mla_jax.models.config import ATTENTION_KINDS
-from mla_jax.models.lm import CausalLM
+from mla_jax.models.hf_layout import param_layouts
+from mla_jax.models.lm import CausalLM, state_shardings
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 _MAX_LISTED = 50  # per problem kind, to keep one error readable
 _PARAM_DTYPES = ("bfloat16", "float16", "float32", "float64")
+FP8 = "fp8"  # keep the checkpoint's float8 weights (and bfloat16 for everything else)
 
 
 def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray,
-                          block: tuple[int, int] = (128, 128)) -> np.ndarray:
-  """float32 ``weight * scale_inv`` per [block] tile; edge tiles may be ragged."""
+                          block: tuple[int, int] = (128, 128),
+                          offset: tuple[int, int] = (0, 0)) -> np.ndarray:
+  """float32 ``weight * scale_inv`` per [block] tile; edge tiles may be ragged.
+
+  ``offset`` is where ``weight[0, 0]`` sits inside the first block of ``scale_inv`` (for a
+  slice of a larger weight).
+  """
   rows, cols = weight.shape
   scale = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0),
-                    block[1], axis=1)[:rows, :cols]
-  return weight.astype(np.float32) * scale
+                    block[1], axis=1)
+  return weight.astype(np.float32) * scale[offset[0]:offset[0] + rows,
+                                           offset[1]:offset[1] + cols]
+
+
+def _dequantized_slice(weight: TensorHandle, scale_inv: TensorHandle, tail: tuple[slice, ...],
+                       block: tuple[int, int]) -> np.ndarray:
+  """``dequantize(weight)[tail]``, reading only the weight slice and the scales it needs."""
+  (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(tail, weight.shape))
+  first = (r0 // block[0], c0 // block[1])
+  scales = scale_inv[first[0]:-(-r1 // block[0]), first[1]:-(-c1 // block[1])]
+  return dequantize_fp8_blocks(weight[tail], scales, block,
+                               (r0 - first[0] * block[0], c0 - first[1] * block[1]))
 
 
 def _is_mtp(name: str, num_layers: int) -> bool:
@@ -46,22 +74,51 @@ def _is_mtp(name: str, num_layers: int) -> bool:
   return m is not None and int(m.group(1)) >= num_layers
 
 
-def _plan(path: Path, expected: dict, available: dict[str, TensorHandle],
-          block: tuple[int, int]) -> dict[str, str | None]:
-  """Each model parameter -> its fp8 scale key (or None); raises listing every mismatch."""
-  missing, wrong, plan = [], [], {}
+def _is_float8(handle: TensorHandle) -> bool:
+  return handle.st_dtype.startswith("F8_")
+
+
+def _keep_fp8(path: Path, model: CausalLM, available: dict[str, TensorHandle],
+              block: tuple[int, int]) -> None:
+  """Turns every weight that the checkpoint stores as float8 with a ``weight_scale_inv``
+  into an abstract ``BlockScaledWeight`` (Linear weights and stacked expert matrices; an fp8
+  embedding would be dequantized while loading). A stacked parameter takes its first HF
+  tensor's dtype; ``_check_tensors`` checks the others against it."""
+  params = nnx.state(model, nnx.Param)
+  kept = 0
+  for p, layout in param_layouts(params).items():
+    name = layout.rule_name
+    if (name in available and _is_float8(available[name]) and name + "_scale_inv" in available
+        and quant.is_block_scalable(model, p)):
+      quant.block_scale_abstract(model, p, available[name].dtype, block,
+                                 available[name + "_scale_inv"].dtype)
+      kept += 1
+  if not kept:
+    raise CheckpointError(f"{path}: dtype='fp8' keeps a checkpoint's float8 weights, but no "
+                          "weight is stored as float8 with a weight_scale_inv; load it with "
+                          "dtype='bfloat16' or 'float32'")
+
+
+def _check_tensors(path: Path, expected: dict, available: dict[str, TensorHandle],
+                   block: tuple[int, int]) -> dict[str, str]:
+  """Each parameter stored as fp8 but held in a wider dtype -> its scale's name; raises
+  listing every mismatch."""
+  missing, wrong, scales = [], [], {}
   for name, target in sorted(expected.items()):
     if name not in available:
       missing.append(name)
       continue
     handle = available[name]
+    keeps_fp8 = jnp.dtype(target.dtype).itemsize == 1  # a float8 parameter
     if handle.shape != tuple(target.shape):
       wrong.append(f"{name}: checkpoint shape {handle.shape} != model shape "
                    f"{tuple(target.shape)}")
     elif not handle.st_dtype.startswith(("F", "BF")) or handle.dtype is None:
       wrong.append(f"{name}: dtype {handle.st_dtype} cannot hold a parameter")
-    plan[name] = None
-    if handle.st_dtype.startswith("F8_"):
+    elif keeps_fp8 and handle.dtype != target.dtype:
+      wrong.append(f"{name}: dtype {handle.st_dtype}, but the model keeps this stacked "
+                   f"parameter as {jnp.dtype(target.dtype).name} (its first layer's dtype)")
+    if _is_float8(handle) and not keeps_fp8:
       scale = name + "_scale_inv"
       want = tuple(-(-d // b) for d, b in zip(target.shape, block))
       if len(target.shape) != 2:
@@ -71,8 +128,8 @@ def _plan(path: Path, expected: dict, available: dict[str, TensorHandle],
       elif available[scale].shape != want:
         wrong.append(f"{scale}: checkpoint shape {available[scale].shape} != expected {want} "
                      f"for {block} blocks of {tuple(target.shape)}")
-      plan[name] = scale
-  unexpected = sorted(set(available) - set(expected) - {s for s in plan.values() if s})
+      scales[name] = scale
+  unexpected = sorted(set(available) - set(expected) - set(scales.values()))
   problems = [(f"missing ({len(missing)})", missing),
               (f"unexpected ({len(unexpected)})", unexpected),
               (f"wrong shape or dtype ({len(wrong)})", wrong)]
@@ -85,53 +142,70 @@ def _plan(path: Path, expected: dict, available: dict[str, TensorHandle],
         lines.append(f"    ... and {len(items) - _MAX_LISTED} more")
   if lines:
     raise CheckpointError(f"{path}: checkpoint does not match the model:\n" + "\n".join(lines))
-  return plan
+  return scales
 
 
-def _param_dtype(dtype) -> jnp.dtype:
+def _param_dtype(dtype) -> tuple[jnp.dtype, bool]:
+  """(dtype of the parameters that are not fp8, whether fp8 weights stay fp8)."""
   if dtype is None:
-    return jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.bfloat16), False
+  if isinstance(dtype, str) and dtype == FP8:
+    return jnp.dtype(jnp.bfloat16), True
   try:
     resolved = jnp.dtype(dtype)
   except TypeError:
     resolved = None
   if isinstance(dtype, bool) or resolved is None or resolved.name not in _PARAM_DTYPES:
-    raise ValueError(f"dtype must be one of {', '.join(_PARAM_DTYPES)} (or None for float32), "
-                     f"got {dtype!r}")
-  return resolved
+    raise ValueError(f"dtype must be one of {', '.join(_PARAM_DTYPES)} or 'fp8' (None: "
+                     f"bfloat16), got {dtype!r}")
+  return resolved, False
+
+
+def _shardings(params: nnx.State, mesh, block: tuple[int, int]) -> dict:
+  """Where each parameter goes: the partition rules on a mesh, else the first local device."""
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return {p: device for p, _ in params.flat_state()}
+  layouts = param_layouts(params)
+  for p, var in params.flat_state():  # first: a cut block says more than an odd scale count
+    if p[-1] == quant.VALUES:
+      layout = layouts[p]
+      spec = sharding.param_spec(layout.rule_name, layout.leading, len(var.shape))
+      quant.check_block_split(layout.rule_name, var.shape, spec, mesh, block)
+  return dict(state_shardings(params, mesh).flat_state())
 
 
 def read_config(path: Path) -> dict:
   """The ``config.json`` of a checkpoint directory as a dict."""
-  file = path / "config.json"
-  try:
-    hf = json.loads(file.read_text(encoding="utf-8"))
-  except FileNotFoundError:
-    raise CheckpointError(f"{path}: no config.json") from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{file}: invalid JSON: {e}") from None
-  if not isinstance(hf, dict):
-    raise CheckpointError(f"{file}: must hold a JSON object, got a JSON {type(hf).__name__}")
+  hf = read_json_object(path / "config.json")
+  if hf is None:
+    raise CheckpointError(f"{path}: no config.json")
   return hf
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mqa-only",
-                    backend: str | Backend = "auto") -> CausalLM:
+                    backend: str | Backend = "auto", mesh=None) -> CausalLM:
   """A ``CausalLM`` from an HF directory (``config.json`` + safetensors, single or sharded).
 
   Args:
     path: the checkpoint directory.
-    dtype: parameter dtype (bfloat16, float16, float32 or float64); None is float32. The
-      MoE router and the indexer's ``weights_proj`` stay float32 whatever is asked, as in HF.
+    dtype: parameter dtype (bfloat16, float16, float32 or float64; None is bfloat16), or
+      ``"fp8"``: weights the checkpoint stores as float8 with a ``weight_scale_inv`` stay
+      float8 with their block scales (dequantized inside each matmul), the rest is bfloat16.
+      Otherwise fp8 weights are dequantized while loading. The MoE router and the indexer's
+      ``weights_proj`` stay float32 whatever is asked, as in HF.
     attention: ``"mqa-only"`` or ``"dense-capable"`` (``ModelConfig.attention``).
     backend: ``"auto" | "xla" | "pallas"`` or a ``Backend``.
+    mesh: a ``jax.sharding.Mesh`` (``mla_jax.sharding.make_mesh``): parameters are placed by
+      the partition rules, each process reading only its own devices' pieces, and the model
+      computes sharded. None: the first local device (or the backend's mesh, if it has one).
 
   Raises:
     CheckpointError: a bad config, file or tensor set; every tensor mismatch is listed
-      together and nothing is built before all checks pass.
-    ValueError: a bad ``dtype`` or ``attention``.
+      together and nothing is read before all checks pass.
+    ValueError: a bad ``dtype`` or ``attention``, or a mesh the model cannot be split over.
   """
-  param_dtype = _param_dtype(dtype)
+  param_dtype, keep_fp8 = _param_dtype(dtype)
   if attention not in ATTENTION_KINDS:
     raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
   path = Path(path)
@@ -143,18 +217,27 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
     block = fp8_block_size(hf)
   except CheckpointError as e:
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+  backend = get_backend(backend)
+  if mesh is not None:
+    backend = backend.on_mesh(mesh)
+  # Shapes only; on a mesh this also refuses heads, experts or dimensions that do not split.
   abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                              param_dtype=param_dtype))
-  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   tensors = open_checkpoint(path)
   available = {name: handle for name, handle in tensors.items()
                if not _is_mtp(name, config.num_layers)}
-  plan = _plan(path, expected_tensors(params), available, block)
+  if keep_fp8:
+    _keep_fp8(path, abstract, available, block)
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  scales = _check_tensors(path, expected_tensors(params), available, block)
+  shardings = _shardings(params, backend.mesh, block)
 
-  def read(name, index):
-    value = available[name].read()
-    if plan[name] is not None:
-      value = dequantize_fp8_blocks(value, available[plan[name]].read(), block)
-    return value[index]
+  def read(name, tail):
+    if name in scales:
+      return _dequantized_slice(available[name], available[scales[name]], tail, block)
+    return available[name][tail]
 
-  return nnx.merge(graphdef, fill_parameters(params, read), rest)
+  # Unmapping the files after each placed piece keeps the pages read for it from piling up
+  # in this process's memory (re-mapping costs a header parse).
+  state = fill_parameters(params, read, shardings, placed=tensors.release)
+  return nnx.merge(graphdef, state, rest)

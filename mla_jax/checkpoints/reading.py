@@ -3,7 +3,8 @@
 ``open_checkpoint(directory)`` maps each tensor name to a ``TensorHandle``: ``.shape``,
 ``.dtype`` (NumPy or ml_dtypes) and ``handle[index]``, which reads just that slice. A sharded
 checkpoint opens a shard the first time one of its tensors is touched, so a caller that reads
-some tensors opens only their files (``opened_files`` says which).
+some tensors opens only their files (``opened_files`` says which; opening reads the header
+alone). ``bytes_read`` counts the tensor data each file has given, per file.
 
 The library validates each file as it opens it (header, dtypes, offsets, coverage). When it
 refuses one, the header is read here again to say which tensor and what is wrong, since its
@@ -164,11 +165,19 @@ class SafetensorsFile:
     self._file = None
     self._keys: frozenset[str] | None = None
     self._info: dict[str, tuple[str, tuple[int, ...]]] = {}
-    self._raw = None  # (memory map of the data buffer, {name: (begin, end)}) for float8 reads
+    self._offsets: dict[str, tuple[int, int]] | None = None  # for float8 reads
+    self._mapped = None  # our own memory map of the data buffer, for float8 reads
+    self.bytes_read = 0  # tensor data read so far (headers not counted)
 
   @property
   def opened(self) -> bool:
-    return self._file is not None
+    """Whether the file has been opened (its header read), whatever ``release`` did since."""
+    return self._keys is not None
+
+  def release(self) -> None:
+    """Unmaps the file; its pages leave this process (the page cache may keep them). The
+    header stays known, and the next read maps the file again."""
+    self._file = self._mapped = None
 
   def _library(self):
     if self._file is None:
@@ -202,17 +211,16 @@ class SafetensorsFile:
     return self._info[name]
 
   def _raw_view(self, name: str, dtype: np.dtype, shape) -> np.ndarray:
-    if self._raw is None:
+    if self._mapped is None:
       with open(self.path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
       header.pop("__metadata__", None)
       start, size = 8 + header_len, self.path.stat().st_size - 8 - header_len
-      mapped = np.memmap(self.path, np.uint8, "r", offset=start, shape=(size,)) if size else None
-      self._raw = mapped, {n: tuple(e["data_offsets"]) for n, e in header.items()}
-    mapped, offsets = self._raw
-    begin, end = offsets[name]
-    return mapped[begin:end].view(dtype).reshape(shape)
+      self._mapped = np.memmap(self.path, np.uint8, "r", offset=start, shape=(size,))
+      self._offsets = {n: tuple(e["data_offsets"]) for n, e in header.items()}
+    begin, end = self._offsets[name]
+    return self._mapped[begin:end].view(dtype).reshape(shape)
 
   def read(self, name: str, index=()) -> np.ndarray:
     """``tensor[index]`` as a NumPy array that owns its memory (basic indexing only)."""
@@ -234,7 +242,9 @@ class SafetensorsFile:
         raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
       if data.dtype != dtype:  # bf16 arrives as ml_dtypes.bfloat16; a raw uint16 is viewed
         data = data.view(dtype)
-    return np.array(data[after], copy=True, order="C")
+    data = np.array(data[after], copy=True, order="C")
+    self.bytes_read += data.nbytes
+    return data
 
 
 class TensorHandle:
@@ -299,14 +309,38 @@ class CheckpointTensors(Mapping):
 
   @property
   def opened_files(self) -> list[str]:
-    """Names of the files opened so far."""
+    """Names of the files opened so far (a header read, for shapes and dtypes)."""
     return [f.path.name for f in self._files if f.opened]
+
+  def release(self) -> None:
+    """Unmaps every file opened so far (``SafetensorsFile.release``)."""
+    for file in self._files:
+      file.release()
+
+  @property
+  def bytes_read(self) -> dict[str, int]:
+    """File name -> bytes of tensor data read from it so far (files with none left out)."""
+    return {f.path.name: f.bytes_read for f in self._files if f.bytes_read}
 
 
 def open_safetensors(path: str | os.PathLike) -> CheckpointTensors:
   """Every tensor of one safetensors file (opened and validated now, read lazily)."""
   file = SafetensorsFile(path)
   return CheckpointTensors({name: TensorHandle(file, name) for name in file.keys()}, [file])
+
+
+def read_json_object(file: Path) -> dict | None:
+  """A JSON object file (a config), or None when it does not exist; anything else is a clear
+  error naming the file."""
+  try:
+    value = json.loads(Path(file).read_text(encoding="utf-8"))
+  except FileNotFoundError:
+    return None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file}: invalid JSON: {e}") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{file}: must hold a JSON object, got a JSON {type(value).__name__}")
+  return value
 
 
 def _read_index(path: Path) -> dict[str, str]:

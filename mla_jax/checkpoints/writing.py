@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
+from flax import nnx
+
+from mla_jax import quant
 
 from mla_jax.checkpoints.hf_export import config_to_hf
 from mla_jax.checkpoints.mapping import model_tensors
@@ -40,6 +43,26 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike,
   _check_dtypes(tensors)
   safetensors.numpy.save_file({name: np.asarray(array, order="C")
                                for name, array in tensors.items()}, str(path), metadata)
+
+
+def quantization_config(model: CausalLM) -> dict | None:
+  """HF's ``quantization_config`` for a model holding fp8 weights (as DeepSeek's release
+  writes it), None for one without."""
+  weights = [m for _, m in nnx.iter_modules(model) if isinstance(m, quant.BlockScaledWeight)]
+  if not weights:
+    return None
+  blocks = {w.block for w in weights}
+  formats = {getattr(w, quant.VALUES).dtype for w in weights}
+  if len(blocks) > 1 or len(formats) > 1:
+    raise ValueError(f"fp8 weights with several block sizes {sorted(blocks)} or formats "
+                     f"{sorted(map(str, formats))} cannot be described by one "
+                     "quantization_config")
+  fmt = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}.get(str(formats.pop()))
+  if fmt is None:
+    raise ValueError(f"fp8 weights of dtype {getattr(weights[0], quant.VALUES).dtype} have no "
+                     "HF quantization format (e4m3 or e5m2)")
+  return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": fmt,
+          "weight_block_size": list(blocks.pop())}
 
 
 def is_checkpoint_file(name: str) -> bool:
@@ -98,6 +121,8 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, model_type: str
                     max_shard_bytes: int | None = None) -> None:
   """Writes ``config.json`` and ``model.safetensors`` (sharded with an index beyond
   ``max_shard_bytes``); parameters keep their dtypes, so load -> save -> load is bitwise.
+  fp8 weights are written as they are held, values and ``weight_scale_inv`` blocks, with
+  their ``quantization_config``.
 
   Raises:
     ValueError: the model, config, a dtype or ``max_shard_bytes`` cannot be saved; nothing
@@ -108,6 +133,9 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, model_type: str
   if max_shard_bytes is not None and (type(max_shard_bytes) is not int or max_shard_bytes <= 0):
     raise ValueError(f"max_shard_bytes must be a positive int or None, got {max_shard_bytes!r}")
   hf = config_to_hf(model.config, model_type)
+  quantization = quantization_config(model)
+  if quantization is not None:
+    hf["quantization_config"] = quantization
   tensors = model_tensors(model)
   _check_dtypes(tensors)
   target = Path(path).resolve()  # the staging directory must share its file system

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterator
 
 import numpy as np
 from flax import nnx
 
 from mla_jax.models.config import LayerGroup
-from mla_jax.params import dotted_name
+from mla_jax.quant import SCALE_INV, VALUES
 
 LAYER, EXPERT = "layer", "expert"
+_QUANTIZED_SUFFIXES = {VALUES: "", SCALE_INV: "_scale_inv"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +64,18 @@ class ParamLayout:
 
 def _layout(path: tuple, groups: tuple[LayerGroup, ...]) -> ParamLayout:
   names = [str(p) for p in path]
+  # A block-scaled fp8 weight holds two parameters: HF's ``X`` and ``X_scale_inv``.
+  suffix = ""
+  if names[-1] in _QUANTIZED_SUFFIXES:
+    suffix = _QUANTIZED_SUFFIXES[names.pop()]
   if names[:2] != ["model", "groups"]:
-    return ParamLayout(path, dotted_name(path))
+    return ParamLayout(path, ".".join(names) + suffix)
   group, position, rest = groups[int(names[2])], int(names[5]), names[6:]
   leading = (LAYER,)
   if rest[:2] == ["mlp", "experts"]:  # stacked [E, ...]; HF: one ``.weight`` per expert
     rest = ["mlp", "experts", "{expert}", *rest[2:], "weight"]
     leading += (EXPERT,)
-  template = ".".join(["model", "layers", "{layer}", *rest])
+  template = ".".join(["model", "layers", "{layer}", *rest]) + suffix
   return ParamLayout(path, template, leading, group, position)
 
 
@@ -132,10 +138,16 @@ def assemble(layout: ParamLayout, shape: tuple[int, ...], index: tuple[slice, ..
 
   ``read(hf_name, tail)`` returns the ``tail`` slice of one HF tensor, so a caller can read
   only what one device holds (``jax.make_array_from_callback`` passes such an ``index``).
+  Each slice is copied into the piece as it arrives, so at most one slice sits beside it.
   """
   index = tuple(index) + (slice(None),) * (len(shape) - len(index))
   num_leading = len(layout.leading)
   head, tail = index[:num_leading], index[num_leading:]
   ranges = [range(*s.indices(n)) for s, n in zip(head, shape[:num_leading])]
-  pieces = np.stack([read(layout.hf_name(i), tail) for i in itertools.product(*ranges)])
-  return pieces.reshape(*map(len, ranges), *pieces.shape[1:])
+  piece = None
+  for at, i in enumerate(itertools.product(*ranges)):
+    value = read(layout.hf_name(i), tail)
+    if piece is None:
+      piece = np.empty((math.prod(map(len, ranges)), *value.shape), value.dtype)
+    piece[at] = value
+  return piece.reshape(*map(len, ranges), *piece.shape[1:])

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from mla_jax import sharding
-from mla_jax.attention import DeepseekV32Attention, MLAAttention
+from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
 from mla_jax.cache import (LayerCache, StackedLayerView, bucket_rows, check_fits, init_layer_cache,
                            resolve_cache_dtype)
@@ -74,10 +74,10 @@ class Embed(nnx.Module):
 
 class DecoderLayer(nnx.Module):
   def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, backend: Backend,
-               param_dtype):
+               param_dtype, attention_class=None):
     d = config.mla.hidden_size
     self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
-    self.self_attn = ATTENTION_CLASSES[config.attention](
+    self.self_attn = (attention_class or ATTENTION_CLASSES[config.attention])(
         config.mla, rngs=rngs, backend=backend, param_dtype=param_dtype,
         shares_topk=config.shares_topk(layer_idx))
     self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
@@ -105,11 +105,11 @@ class LayerUnit(nnx.Module):
   """
 
   def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, rep, *,
-               backend: Backend, param_dtype):
+               backend: Backend, param_dtype, attention_class):
     self.layers = nnx.List([
         DecoderLayer(config, group.layer(0, u),
                      rngs=nnx.Rngs(params=jax.random.fold_in(layers_key, group.layer(rep, u))),
-                     backend=backend, param_dtype=param_dtype)
+                     backend=backend, param_dtype=param_dtype, attention_class=attention_class)
         for u in range(group.unit_len)])
 
 
@@ -117,12 +117,13 @@ class LayerStack(nnx.Module):
   """A group: its unit's parameters stacked over ``reps``, run by one ``lax.scan``."""
 
   def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, *, backend: Backend,
-               param_dtype):
+               param_dtype, attention_class):
     graphdef = None
 
     def init(rep):
       nonlocal graphdef
-      unit = LayerUnit(config, group, layers_key, rep, backend=backend, param_dtype=param_dtype)
+      unit = LayerUnit(config, group, layers_key, rep, backend=backend, param_dtype=param_dtype,
+                       attention_class=attention_class)
       graphdef, state = nnx.split(unit)
       return state
 
@@ -163,12 +164,12 @@ class LayerStack(nnx.Module):
 
 class Model(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: Backend, param_dtype,
-               groups: tuple[LayerGroup, ...]):
+               groups: tuple[LayerGroup, ...], attention_class):
     self.embed_tokens = Embed(config.vocab_size, config.mla.hidden_size, rngs=rngs,
                               param_dtype=param_dtype)
     layers_key = rngs.params()
     self.groups = nnx.List([LayerStack(config, group, layers_key, backend=backend,
-                                       param_dtype=param_dtype)
+                                       param_dtype=param_dtype, attention_class=attention_class)
                             for group in groups])
     self.norm = RMSNorm(config.mla.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
@@ -176,12 +177,13 @@ class Model(nnx.Module):
 class _Parts(nnx.Module):
   """What ``CausalLM`` holds, built from one key (so that it can be built under ``jit``)."""
 
-  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype, scan_layers: bool):
+  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype, scan_layers: bool,
+               attention_class):
     rngs = nnx.Rngs(params=key)
     groups = (layer_groups(config) if scan_layers else
               tuple(LayerGroup(i, 1, 1) for i in range(config.num_layers)))
     self.model = Model(config, rngs=rngs, backend=backend, param_dtype=param_dtype,
-                       groups=groups)
+                       groups=groups, attention_class=attention_class)
     self.lm_head = Linear(config.mla.hidden_size, config.vocab_size, rngs=rngs,
                           param_dtype=param_dtype)
 
@@ -193,13 +195,20 @@ class CausalLM(nnx.Module):
   ``mla_jax.sharding``'s rules: each device computes and holds only its own shards, and no
   full copy of a parameter ever sits on one device. The same ``rngs`` give the same weights
   with and without a mesh. ``scan_layers=False`` runs every layer on its own (one group per
-  layer; the compile time then grows with depth), for comparisons.
+  layer; the compile time then grows with depth), for comparisons. ``attention_class``
+  replaces the config's attention module in every layer (a subclass of ``MLAAttentionBase``
+  with the same parameters), for experiments such as ``mla_jax.misrouted``.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
-               param_dtype=jnp.float32, mesh=None, scan_layers: bool = True):
+               param_dtype=jnp.float32, mesh=None, scan_layers: bool = True,
+               attention_class: type[MLAAttentionBase] | None = None):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if attention_class is not None and not (isinstance(attention_class, type) and
+                                            issubclass(attention_class, MLAAttentionBase)):
+      raise TypeError(f"attention_class must be a subclass of MLAAttentionBase, got "
+                      f"{attention_class!r}")
     backend = get_backend(backend)
     mesh = backend.mesh if mesh is None else mesh
     if mesh is not None:
@@ -208,7 +217,7 @@ class CausalLM(nnx.Module):
     self.config = config
     self.backend = backend
     key = rngs.params()
-    build = lambda k: _Parts(config, k, backend, param_dtype, scan_layers)
+    build = lambda k: _Parts(config, k, backend, param_dtype, scan_layers, attention_class)
     parts = build(key) if mesh is None else _build_sharded(build, key, mesh)
     self.model, self.lm_head = parts.model, parts.lm_head
 
