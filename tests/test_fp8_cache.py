@@ -167,12 +167,15 @@ def _teacher_forced_logits(model, ids, cache_dtype, prompt_len):
   return np.asarray(logits[:, prompt_len - 1:-1])
 
 
-# Measured on these seeds (4 prompts of 40 tokens, 64 new tokens; report in the README):
-# (greedy agreement with the bf16 cache, max |logit delta|) must stay within these bounds.
-# With top-k selection and expert routing (the presets) a few rounded rows flip discrete
-# choices, which moves some logits by O(1): the fp32 cache differs from bf16 similarly.
-AGREEMENT_BOUNDS = {"tiny": (0.45, 6.0), "tiny_moe": (0.25, 6.0),
-                    "tiny_dense_no_selection": (0.85, 0.5)}
+# Measured on these seeds (4 prompts of 40 tokens, 64 new tokens): greedy agreement with the
+# bf16 cache / max |logit delta| = tiny 0.543 / 4.35, tiny_moe 0.297 / 4.21, no selection
+# 0.934 / 0.255. The bounds sit a little below. The random-weight presets have small top-1
+# margins (median 0.21 for logits of std 1), and with top-k selection (16 of ~100 rows) and
+# expert routing a few rounded indexer scores flip discrete choices that move logits by O(1):
+# on tiny, fp8 latent rows alone agree 0.77 with the fp32 cache, fp8 indexer keys alone 0.49,
+# while the bf16 cache agrees 0.93 with fp32.
+AGREEMENT_BOUNDS = {"tiny": (0.5, 6.0), "tiny_moe": (0.27, 6.0),
+                    "tiny_dense_no_selection": (0.9, 0.4)}
 
 
 @pytest.mark.parametrize("preset", list(AGREEMENT_BOUNDS))
