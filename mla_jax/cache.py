@@ -55,6 +55,11 @@ def _row_array(part):
   return part.values if isinstance(part, (Fp8LatentRows, fp8_cache.Fp8Keys)) else part
 
 
+def _readable(parts):
+  latent, keys = parts
+  return fp8_cache.readable(latent), None if keys is None else fp8_cache.readable(keys)
+
+
 def _row_width(latent) -> int:
   return latent.width if isinstance(latent, Fp8LatentRows) else latent.shape[-1]
 
@@ -66,7 +71,7 @@ class LayerCache:
 
   Attributes:
     latent_BSL: rows [normalized c_kv (A) | rotated k_pe (R)], L = A + R (576 for DSv3.2):
-      an array, or ``Fp8LatentRows`` in an fp8 cache.
+      an array, or ``Fp8LatentRows`` in an fp8 cache (held as bits, read through ``rows``).
     index_keys_BSI: the indexer's keys (an array, or ``Fp8Keys`` in an fp8 cache), or None
       for a layer without an indexer.
     lengths_B: int32 number of valid rows per sequence.
@@ -100,8 +105,9 @@ class LayerCache:
 
   def rows(self, num_rows: int):
     """The first ``num_rows`` rows of the latent and key caches (keys None without them), in
-    the cache's layout."""
-    return jax.tree.map(lambda a: a[:, :num_rows], (self.latent_BSL, self.index_keys_BSI))
+    the cache's layout (fp8 parts as ``fp8_cache.readable`` views)."""
+    return _readable(jax.tree.map(lambda a: a[:, :num_rows],
+                                  (self.latent_BSL, self.index_keys_BSI)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> LayerCache:
     """Appends ``new_lens_B[b]`` rows to sequence b (see ``write_rows``), quantized first in
@@ -153,7 +159,8 @@ class StackedLayerView:
       return jax.lax.dynamic_slice(buffer, start, (1, buffer.shape[1], num_rows,
                                                    *buffer.shape[3:]))[0]
 
-    return jax.tree.map(layer_rows, (self.stacked.latent_BSL, self.stacked.index_keys_BSI))
+    return _readable(jax.tree.map(layer_rows,
+                                  (self.stacked.latent_BSL, self.stacked.index_keys_BSI)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> StackedLayerView:
     lengths_B = self.lengths_B
@@ -180,11 +187,13 @@ def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype=jn
   if capacity > config.max_position_embeddings:
     raise ValueError(f"capacity {capacity} exceeds max_position_embeddings "
                      f"{config.max_position_embeddings}")
+  fp8 = isinstance(dtype, str)
   keys = None
   if config.indexer is not None and index_keys:
-    keys = (fp8_cache.empty_keys(batch_size, capacity, config.indexer.head_dim)
-            if isinstance(dtype, str) else jnp.zeros((batch_size, capacity, config.indexer.head_dim), dtype))
-  if isinstance(dtype, str):  # "fp8"
+    head_dim = config.indexer.head_dim
+    keys = fp8_cache.empty_keys(batch_size, capacity, head_dim) if fp8 else \
+        jnp.zeros((batch_size, capacity, head_dim), dtype)
+  if fp8:
     latent = fp8_cache.empty_latent(batch_size, capacity, config.kv_lora_rank,
                                     config.qk_rope_head_dim)
   else:

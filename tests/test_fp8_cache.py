@@ -102,17 +102,22 @@ def test_bytes_per_token_per_layer(config, dtype, expected):
 def test_writes_quantize_and_rows_read_only_live_rows():
   config = m.tiny()
   cache = init_layer_cache(config, 2, 16, "fp8")
+  # Stored as bits: XLA:CPU would scatter e4m3 / bf16 buffers through a float32 copy.
+  assert [a.dtype for a in jax.tree.leaves(cache)] == [jnp.uint8, jnp.float32, jnp.uint16,
+                                                       jnp.uint8, jnp.float32, jnp.int32]
   latent = random_rows((2, 5, config.latent_dim), seed=2)
   keys = random_rows((2, 5, config.indexer.head_dim), seed=3)
   lens = jnp.array([5, 3], jnp.int32)
   written = cache.write(latent, keys, lens)
+  got_latent, got_keys = written.rows(16)
   want = fp8_cache.quantize_latent(latent, config.kv_lora_rank)
-  for got, ref in zip(written.latent_BSL, want):
+  for got, ref in zip(got_latent, want):
+    assert got.dtype == ref.dtype
     chex.assert_trees_all_equal(got[0, :5], ref[0])
     chex.assert_trees_all_equal(got[1, :3], ref[1, :3])
     assert not np.asarray(got[1, 3:], np.float32).any()  # padding rows are not written
-  chex.assert_trees_all_equal(written.index_keys_BSI.values[0, :5],
-                              fp8_cache.quantize_keys(keys).values[0])
+  chex.assert_trees_all_equal(got_keys.values[0, :5], fp8_cache.quantize_keys(keys).values[0])
+  chex.assert_trees_all_equal(got_keys.scales[1, :3], fp8_cache.quantize_keys(keys).scales[1, :3])
   # The stacked view writes the same bytes into layer 1 of a stack and leaves layer 0 alone.
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), cache)
   view = StackedLayerView(stacked, jnp.int32(1)).write(latent, keys, lens)
@@ -122,6 +127,18 @@ def test_writes_quantize_and_rows_read_only_live_rows():
   chex.assert_trees_all_equal(live, written.rows(8))
   chex.assert_shape(jax.tree.leaves(live), [(2, 8, 64), (2, 8, 1), (2, 8, 16), (2, 8, 32),
                                             (2, 8)])
+
+
+def test_fp8_writes_update_the_cache_in_place():
+  """A donated write touches only the new rows: the compiled program holds no float
+  conversion of a whole cache buffer (XLA:CPU scatters e4m3 / bf16 through float32)."""
+  cache = init_layer_cache(m.tiny(), 2, 4096, "fp8")
+  rows = random_rows((2, 2, m.tiny().latent_dim))[:, :1]
+  keys = random_rows((2, 2, m.tiny().indexer.head_dim))[:, :1]
+  write = jax.jit(lambda c: c.write(rows, keys, jnp.ones((2,), jnp.int32)), donate_argnums=0)
+  hlo = write.lower(cache).compile().as_text()
+  whole = [line for line in hlo.splitlines() if "convert(" in line and "4096" in line]
+  assert not whole, whole
 
 
 @pytest.mark.parametrize("value", ["fp4", "float32", jnp.int8, jnp.float8_e5m2, None, 3])

@@ -71,7 +71,11 @@ def test_fp8_cache_generation_sharded_equals_unsharded():
   model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
   got = generation.generate(model, _prompts(), NEW, **kwargs)
   assert got.tokens == ref.tokens
-  np.testing.assert_allclose(got.step_logits, ref.step_logits, rtol=1e-4, atol=1e-4)
+  # Sharded matmuls sum in another order, which can move a value across an e4m3 rounding
+  # boundary (a step of 1/8 relative): logits agree to the fp8 rounding, not to float32.
+  error = mt.relative_error(got.step_logits, ref.step_logits)
+  print(f"fp8 cache, sharded vs unsharded logits: relative error {error:.2e}")
+  assert error < 1e-2
   caches = model.init_cache(4, 32, "fp8")
   for leaf in jax.tree.leaves(caches):  # [reps, B, ...]: the batch axis is 1
     assert leaf.sharding.spec == P(None, "data", *(None,) * (leaf.ndim - 2))
