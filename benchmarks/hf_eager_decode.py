@@ -2,11 +2,12 @@
 
     PYTHON_WITH_TORCH benchmarks/hf_eager_decode.py OUT_DIR --batches 1 8 32
 
-Needs only torch, transformers and numpy (not mla_jax), so ``benchmarks/decode.py`` runs it
+Needs only torch, transformers and numpy (not mla_jax; torch is imported where it is used, so
+``prompts`` can be imported without it), so ``benchmarks/decode.py`` runs it
 with the interpreter of a side virtual environment given as ``--hf-python``. It builds a random
 ``DeepseekV32ForCausalLM`` with the dimensions of mla_jax's tiny preset, saves it to OUT_DIR
 (safetensors, for mla_jax to load the same weights), then times greedy decoding with the KV
-cache in eager attention and prints one JSON object: decode tokens/s per batch (median of
+cache in eager attention and prints one JSON object: decode tokens/s per batch (the best of
 ``--repeats`` runs after a warm-up) and the batch-1 greedy tokens.
 """
 
@@ -15,17 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import warnings
 
-# This folder's kernels.py would shadow the optional ``kernels`` package transformers probes.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(__file__)]
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import numpy as np
 
 # mla_jax's tiny preset (models/config.py tiny_lm) in HF's field names.
 TINY_V32 = dict(
@@ -44,6 +39,9 @@ def prompts(seed: int, batch: int, length: int) -> np.ndarray:
 
 
 def build(out_dir: str, seed: int):
+  import torch
+  import transformers
+
   torch.manual_seed(seed)
   model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**TINY_V32))
   model = model.to(torch.float32).eval()
@@ -62,21 +60,29 @@ def build(out_dir: str, seed: int):
   return model
 
 
-@torch.no_grad()
 def decode(model, ids: np.ndarray, new_tokens: int):
   """Greedy: prefill, then ``new_tokens - 1`` one-token steps. Returns (tokens, decode s)."""
-  out = model(torch.as_tensor(ids), use_cache=True)
-  cache, next_B = out.past_key_values, out.logits[:, -1].argmax(-1)
-  tokens = [next_B]
-  t0 = time.perf_counter()
-  for _ in range(new_tokens - 1):
-    out = model(next_B[:, None], past_key_values=cache, use_cache=True)
+  import torch
+
+  with torch.no_grad():
+    out = model(torch.as_tensor(ids), use_cache=True)
     cache, next_B = out.past_key_values, out.logits[:, -1].argmax(-1)
-    tokens.append(next_B)
-  return torch.stack(tokens, 1).tolist(), time.perf_counter() - t0
+    tokens = [next_B]
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+      out = model(next_B[:, None], past_key_values=cache, use_cache=True)
+      cache, next_B = out.past_key_values, out.logits[:, -1].argmax(-1)
+      tokens.append(next_B)
+    return torch.stack(tokens, 1).tolist(), time.perf_counter() - t0
 
 
 def main() -> None:
+  # This folder's kernels.py would shadow the optional ``kernels`` package transformers probes.
+  here = os.path.dirname(os.path.abspath(__file__))
+  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+  import torch
+  import transformers
+
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("out_dir")
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -93,7 +99,7 @@ def main() -> None:
   for batch in args.batches:
     tokens, _ = decode(model, ids[:batch], args.new_tokens)  # warm-up
     times = [decode(model, ids[:batch], args.new_tokens)[1] for _ in range(args.repeats)]
-    result["tokens_per_s"][batch] = batch * (args.new_tokens - 1) / statistics.median(times)
+    result["tokens_per_s"][batch] = batch * (args.new_tokens - 1) / min(times)
     if batch == 1:
       result["tokens"] = tokens[0]
   print(json.dumps(result))

@@ -16,7 +16,7 @@ from flax import nnx
 
 from mla_jax import sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
-from mla_jax.cache import CACHE_DTYPE_NAMES
+from mla_jax.cache import CACHE_DTYPE_NAMES, init_layer_cache
 from mla_jax.checkpoints.generation_config import GenerationDefaults, read_generation_config
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
@@ -122,6 +122,8 @@ def cmd_generate(args) -> int:
     print(f"mesh: {args.mesh} over {jax.device_count()} devices in "
           f"{jax.process_count()} process(es)")
   print(f"tokenizer: {tok.describe()}")
+  layer_cache = jax.eval_shape(lambda: init_layer_cache(model.config.mla, 1, 1, args.cache_dtype))
+  print(f"cache: {args.cache_dtype}, {layer_cache.bytes_per_token} bytes per token per layer")
   print(f"prompt: {len(prompt)} tokens")
   print(f"sampling: temperature {temperature:g}, top_p {top_p:g}")
   eos = tok.eos_ids if args.stop_at_eos else None
