@@ -25,19 +25,23 @@ from mla_jax.backends import Backend, get_backend
 from mla_jax.cache import LayerCache, StackedLayerView, check_fits
 from mla_jax.config import MLAConfig
 from mla_jax.fp8_cache import Fp8LatentRows, dense_latent
-from mla_jax.indexer import Indexer
+from mla_jax.indexer import Indexer, topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
 from mla_jax.routing import PrefillRoute, dense_mha_allowed, resolve_prefill_route
+from mla_jax.training import losses
 
 logger = logging.getLogger("mla_jax")
 _warned_mqa_only: set[tuple[str, str]] = set()
+
+INDEXER_LOSSES = (None, "dense", "sparse")
 
 
 class AttentionOutput(NamedTuple):
   out_BTD: jax.Array
   cache: LayerCache
   topk_BTK: jax.Array | None  # the indices this call attended over; None on DENSE_MHA
+  indexer_loss: jax.Array | None = None  # the indexer's KL when asked for; see __call__
 
 
 def causal_indices(positions_BT, num_rows: int):
@@ -141,16 +145,22 @@ class MLAAttentionBase(nnx.Module):
                                            c.kv_lora_rank)
     return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-  def forward_mqa(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK):
-    """Absorb W_UK into q, attend over the selected latent rows, apply W_UV: [B, T, H, V]."""
-    w_uk_HNA, w_uv_HVA = self._kv_b_heads()
+  def _absorbed_query(self, q_nope_BTHN, q_pe_BTHR):
+    """The MQA-form query [q_lat (A) | q_pe (R)] per head: q_lat = W_UK^T q_nope."""
+    w_uk_HNA, _ = self._kv_b_heads()
     dtype = q_nope_BTHN.dtype
     # Heads-major operands: XLA:CPU has no bf16 x bf16 -> f32 kernel for this batched dot
     # when the batch axis sits between the free axes ("bthn,hna" fails on jax 0.10-0.12).
     q_lat_HBTA = jnp.einsum("hbtn,hna->hbta", jnp.moveaxis(q_nope_BTHN, 2, 0),
                             w_uk_HNA.astype(dtype), preferred_element_type=jnp.float32)
     q_lat_BTHA = jnp.moveaxis(q_lat_HBTA, 0, 2).astype(dtype)
-    q_BTHL = jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
+    return jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
+
+  def forward_mqa(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK):
+    """Absorb W_UK into q, attend over the selected latent rows, apply W_UV: [B, T, H, V]."""
+    _, w_uv_HVA = self._kv_b_heads()
+    dtype = q_nope_BTHN.dtype
+    q_BTHL = self._absorbed_query(q_nope_BTHN, q_pe_BTHR)
     if not isinstance(latent_BSL, Fp8LatentRows):  # fp8 rows are dequantized by the backend
       latent_BSL = latent_BSL.astype(dtype)
     out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL, topk_BTK,
@@ -215,7 +225,8 @@ class MLAAttentionBase(nnx.Module):
 
   def __call__(self, x_BTD, cache: LayerCache, *, new_lens_B=None, num_cached_tokens=None,
                force_mqa: bool = False, shared_topk_BTK=None,
-               kv_rows: int | None = None) -> AttentionOutput:
+               kv_rows: int | None = None,
+               indexer_loss: str | None = None) -> AttentionOutput:
     """Attends ``x_BTD`` (after the layer's input norm) and appends it to ``cache``.
 
     Args:
@@ -231,8 +242,17 @@ class MLAAttentionBase(nnx.Module):
         never touched); it must cover every row this step can reach. None: the capacity.
         Generation passes the live context rounded up to a bucket, so the work of a step
         follows the live context, not the capacity.
+      indexer_loss: training only (static). ``"dense"``: the indexer's KL against the
+        head-summed main attention over every causal key (DeepSeek-V3.2's warm-up);
+        ``"sparse"``: the same KL over the keys this call attended (its top-k set, or every
+        causal key on the dense route). Either one detaches the indexer's inputs from the
+        main graph, so the indexer learns only from its KL and the rest of the layer only
+        from the loss on ``out_BTD``. The output's ``indexer_loss`` is the KL's mean over
+        real tokens, or None for a layer without an indexer of its own.
     """
     c = self.config
+    if indexer_loss not in INDEXER_LOSSES:
+      raise ValueError(f"indexer_loss must be one of {INDEXER_LOSSES}, got {indexer_loss!r}")
     if getattr(x_BTD, "ndim", None) != 3:
       raise ValueError(f"x must be [batch, tokens, {c.hidden_size}], got shape "
                        f"{getattr(x_BTD, 'shape', None)}")
@@ -257,13 +277,21 @@ class MLAAttentionBase(nnx.Module):
     k_pe_BTR = apply_rope(kv_BTL[..., c.kv_lora_rank:], positions_BT, c.rope, interleaved=True,
                           max_position=c.max_position_embeddings)
 
+    index_x_BTD, index_q_BTC = x_BTD, q_resid_BTC
+    if indexer_loss is not None:  # the indexer learns only from its own KL
+      index_x_BTD, index_q_BTC = jax.lax.stop_gradient((x_BTD, q_resid_BTC))
+
     # Both caches are written before any routing consequence: decode reads them later.
     keys_BTI = None
     if self.indexer is not None:
       with jax.named_scope("indexer_cache_update"):
-        keys_BTI = self.indexer.keys(x_BTD, positions_BT)
+        keys_BTI = self.indexer.keys(index_x_BTD, positions_BT)
     new_cache = cache.write(jnp.concatenate([c_kv_BTA, k_pe_BTR], -1), keys_BTI, new_lens_B)
     kv_len_B = new_cache.lengths_B
+    index_logits_BTS = None
+    if indexer_loss is not None and self.indexer is not None:
+      index_logits_BTS = self.indexer.logits(index_x_BTD, index_q_BTC, positions_BT,
+                                             new_cache.rows(num_rows)[1], self.backend)
 
     topk_BTK = None
     if route is PrefillRoute.DENSE_MHA:
@@ -278,6 +306,8 @@ class MLAAttentionBase(nnx.Module):
           raise ValueError("this shared-indexer layer takes the sparse route but was given no "
                            "top-k from a full layer of the same step")
         topk_BTK = shared_topk_BTK
+      elif route.needs_topk and index_logits_BTS is not None:
+        topk_BTK = topk_indices(index_logits_BTS, c.indexer.topk)  # scored once, for both
       elif route.needs_topk:
         with jax.named_scope("indexer_score"):
           topk_BTK = self.indexer.select(x_BTD, q_resid_BTC, positions_BT, keys_BSI,
@@ -290,7 +320,28 @@ class MLAAttentionBase(nnx.Module):
       with jax.named_scope(route.scope):
         o_BTHV = self.forward_mqa(q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK)
     out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))
-    return AttentionOutput(out_BTD, new_cache, topk_BTK)
+    loss = None
+    if index_logits_BTS is not None:
+      # The sparse KL runs over the set attended: top-k rows, or all causal keys when dense.
+      selected_BTK = topk_BTK if indexer_loss == "sparse" else None
+      loss = self._indexer_kl(q_nope_BTHN, q_pe_BTHR, new_cache.rows(num_rows)[0],
+                              index_logits_BTS, selected_BTK, positions_BT, kv_len_B, new_lens_B)
+    return AttentionOutput(out_BTD, new_cache, topk_BTK, loss)
+
+  def _indexer_kl(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, index_logits_BTS, selected_BTK,
+                  positions_BT, kv_len_B, new_lens_B):
+    """Mean over real tokens of KL(head-summed main attention || softmax(indexer scores))."""
+    latent_BSL = dense_latent(latent_BSL, q_nope_BTHN.dtype)  # dequantizes an fp8 cache's rows
+    num_keys = latent_BSL.shape[1]
+    if selected_BTK is None:
+      keys_BTS = losses.causal_key_mask(positions_BT, kv_len_B, num_keys)
+    else:
+      keys_BTS = losses.selected_key_mask(selected_BTK, num_keys)
+    q_BTHL = self._absorbed_query(q_nope_BTHN, q_pe_BTHR)
+    p_BTS = losses.head_summed_attention(q_BTHL, latent_BSL, keys_BTS, self.config.softmax_scale)
+    kl_BT = losses.indexer_kl(p_BTS, index_logits_BTS, keys_BTS)
+    real_BT = jnp.arange(kl_BT.shape[1])[None, :] < new_lens_B[:, None]
+    return losses.token_mean(kl_BT, real_BT)
 
 
 class MLAAttention(MLAAttentionBase):

@@ -1,5 +1,6 @@
-"""``mla-jax`` command line: ``generate`` (the main job), ``routes`` (the route demo) and
-``plan`` (full-size memory plans on a named mesh, nothing allocated)."""
+"""``mla-jax`` command line: ``generate`` (the main job), ``routes`` (the route demo), ``plan``
+(full-size memory plans on a named mesh, nothing allocated) and ``train`` (a named training
+recipe)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax import sharding, tokenizer
+from mla_jax import presets, sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
 from mla_jax.cache import CACHE_DTYPE_NAMES, init_layer_cache
 from mla_jax.checkpoints.generation_config import GenerationDefaults, read_generation_config
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
-PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}
+PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
+TRAINED_PRESETS = {"recall": presets.RECALL_CHECKPOINT}  # shipped checkpoints
 
 
 def _start_processes(args) -> None:
@@ -98,6 +100,9 @@ def _prompt_ids(args, tok: tokenizer.Tokenizer, vocab_size: int) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+  if args.preset in TRAINED_PRESETS and not args.checkpoint:
+    args.checkpoint = str(TRAINED_PRESETS[args.preset])
+    args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   _start_processes(args)
   import jax
@@ -195,12 +200,31 @@ def cmd_plan(args) -> int:
   return 0
 
 
+def cmd_train(args) -> int:
+  from mla_jax.training.recipes import get_recipe, run_recipe
+
+  recipe = get_recipe(args.recipe)
+  seed = recipe.seed if args.seed is None else args.seed
+  print(f"recipe {recipe.name} ({recipe.description}), seed {seed}, "
+        f"{sum(stage.steps for stage, _ in recipe.stages)} steps")
+  trainer = run_recipe(recipe, out_dir=args.out, seed=seed, progress=not args.quiet)
+  final = trainer.evaluations[-1]
+  by_width = ", ".join(f"<={w}: {a:.3f}" for w, a in final["accuracy_by_width"].items())
+  print(f"final lookup accuracy {final['accuracy']:.3f} ({by_width}), lm loss "
+        f"{final['lm_loss']:.4f}, indexer KL {final['indexer_loss']:.4f}")
+  if args.out:
+    print(f"checkpoint: {trainer.checkpoint['path']}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
   gen = sub.add_parser("generate", help="jit-compiled generation on a built-in or HF model")
-  gen.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="built-in model with random weights from --seed (default tiny)")
+  gen.add_argument("--preset", choices=sorted(PRESETS | TRAINED_PRESETS), default="tiny",
+                   help="built-in model: recall is the shipped model trained on key-value "
+                        "lookups (prompts like 'aQ kX zB ?k'); the others have random weights "
+                        "from --seed (default tiny)")
   gen.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face safetensors checkpoint")
   source = gen.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text prompt (the checkpoint's tokenizer.json, else the "
@@ -249,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--lower", action="store_true",
                     help="also lower one decode step for CUDA on the abstract mesh")
   plan.set_defaults(func=cmd_plan)
+  from mla_jax.training.recipes import RECIPES
+
+  train = sub.add_parser("train", help="train a named recipe (checkpoint in --out)")
+  train.add_argument("--recipe", choices=sorted(RECIPES), required=True)
+  train.add_argument("--out", metavar="DIR", help="checkpoint and history.json directory")
+  train.add_argument("--seed", type=int, default=None, help="default: the recipe's seed")
+  train.add_argument("--quiet", action="store_true", help="no progress bars")
+  train.set_defaults(func=cmd_train)
   return parser
 
 
@@ -261,7 +293,8 @@ def main(argv=None) -> int:
     raise SystemExit("error: --max-new-tokens must be >= 1")
   if getattr(args, "batch", 1) < 1:
     raise SystemExit("error: --batch must be >= 1")
-  if getattr(args, "dtype", None) == "fp8" and not args.checkpoint:
+  if getattr(args, "dtype", None) == "fp8" and not args.checkpoint and \
+      args.preset not in TRAINED_PRESETS:
     raise SystemExit("error: --dtype fp8 keeps a checkpoint's float8 weights; it needs "
                      "--checkpoint (the presets have none)")
   try:

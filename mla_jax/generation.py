@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from mla_jax import sharding
 from mla_jax.cache import bucket_rows, resolve_cache_dtype
-from mla_jax.progress import ProgressBar
+from mla_jax.progress import progress_bar
 from mla_jax.routing import PrefillRoute
 
 trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
@@ -262,9 +262,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   out, logits = [sharding.fetch(tokens_B)[:, None]], []
   done = np.isin(out[0][:, 0], eos_id) if eos_id is not None else np.zeros((batch,), bool)
   done_B = _place(done, mesh)
-  bar = ProgressBar(max_new_tokens, "decode") if progress else None
-  if bar:
-    bar.update(1)
+  bar = progress_bar(max_new_tokens, "decode", unit="tok", enabled=progress, initial=1)
   decode_s, step = 0.0, 1
   while step < max_new_tokens and not done.all():
     kv_rows = rows_by(step)
@@ -281,10 +279,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       logits.append(sharding.fetch(logits_NBV).swapaxes(0, 1))
     done = sharding.fetch(done_B) if eos_id is not None else done
     step += steps
-    if bar:
-      bar.update(min(step, max_new_tokens))
-  if bar:
-    bar.close()
+    bar.update(min(step, max_new_tokens) - bar.n)
+  bar.close()
 
   rows = np.concatenate(out, axis=1)[:, :max_new_tokens]
   tokens = [[int(t) for t in row if t >= 0] for row in rows]

@@ -44,6 +44,19 @@ def topk_indices(logits_BTS, k: int):
   return idx
 
 
+def _scoring_operands(q_BTGI, keys_BSI, w_BTG):
+  """``(q, keys, w, key scales or None)`` for ``Backend.indexer_logits``.
+
+  With fp8 keys (``Fp8Keys``) the queries are quantized to e4m3 too, one scale per (token,
+  head) folded into the head weights, and the per-key scales go to the backend; float keys
+  are cast to the queries' dtype (a cache may be wider than the model's dtype).
+  """
+  if isinstance(keys_BSI, Fp8Keys):
+    q_BTGI, w_BTG = quantize_indexer_queries(q_BTGI, w_BTG)
+    return q_BTGI, keys_BSI.values, w_BTG, keys_BSI.scales
+  return q_BTGI, keys_BSI.astype(q_BTGI.dtype), w_BTG, None
+
+
 class Indexer(nnx.Module):
   """Parameters named as in Hugging Face: ``wq_b``, ``wk``, ``k_norm``, ``weights_proj``."""
 
@@ -83,23 +96,28 @@ class Indexer(nnx.Module):
     w_BTG = self.weights_proj(x_BTD.astype(jnp.float32)) * ic.score_scale
     return q_BTGI, w_BTG
 
+  def logits(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend):
+    """Every query's scores [B, T, S] against the cached keys, -inf past its causal end.
+
+    Unchunked, for training: the indexer loss needs the whole score matrix.
+    """
+    q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
+    q_BTGI, keys_BSI, w_BTG, k_scale_BS = _scoring_operands(q_BTGI, keys_BSI, w_BTG)
+    ends_BT = positions_BT + 1  # causal, self included
+    return backend.indexer_logits(q_BTGI, keys_BSI, w_BTG, jnp.zeros_like(ends_BT), ends_BT,
+                                  k_scale_BS=k_scale_BS)
+
   def select(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, chunk_size: int):
     """Top-k rows of ``keys_BSI`` for every query: int32 [B, T, topk], -1 padded.
 
-    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache): then the queries are quantized
-    to e4m3 too, one scale per (token, head) folded into the head weights, and the backend
-    applies the per-key scales. Query rows are scored ``chunk_size`` at a time so that a
+    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache, see ``_scoring_operands``).
+    Query rows are scored ``chunk_size`` at a time so that a
     long prefill never holds more than a [B, chunk_size, S] block of logits.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
+    q_BTGI, keys_BSI, w_BTG, k_scale_BS = _scoring_operands(q_BTGI, keys_BSI, w_BTG)
     ends_BT = positions_BT + 1  # causal, self included
     topk = self.config.indexer.topk
-    k_scale_BS = None
-    if isinstance(keys_BSI, Fp8Keys):
-      q_BTGI, w_BTG = quantize_indexer_queries(q_BTGI, w_BTG)
-      keys_BSI, k_scale_BS = keys_BSI
-    else:
-      keys_BSI = keys_BSI.astype(q_BTGI.dtype)  # a cache may be wider than the model's dtype
 
     def score(q, w, ends):
       logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends,

@@ -19,7 +19,9 @@ class MisroutedV32Attention(DeepseekV32Attention):
   """DELIBERATELY WRONG: skips indexer scoring for "dense" prefills it never runs densely."""
 
   def __call__(self, x_BTD, cache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa=False, shared_topk_BTK=None, kv_rows=None):
+               force_mqa=False, shared_topk_BTK=None, kv_rows=None, indexer_loss=None):
+    if indexer_loss is not None:
+      raise ValueError("the misrouted layer is an inference demonstration; it does not train")
     c = self.config
     b, t, _ = x_BTD.shape
     new_lens_B = (jnp.full((b,), t, jnp.int32) if new_lens_B is None

@@ -92,19 +92,10 @@ def indexer_topk_reference(scores_TS, topk: int) -> list[list[int]]:
   return rows
 
 
-def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_TD,
-                            *, dense: bool = False) -> np.ndarray:
-  """One MLA layer over a whole sequence starting at position 0, in float64.
-
-  Args:
-    params: ``numpy_params(module)`` of an ``MLAAttention``-family module.
-    config: its config.
-    x_TD: the layer input for one sequence.
-    dense: ignore the indexer (plain causal MLA).
-
-  Returns:
-    float64 [T, D] layer output.
-  """
+def layer_internals_reference(params, config: MLAConfig, x_TD):
+  """Float64 internals of one MLA layer on one sequence from position 0: the main attention
+  logits [H, T, S] (unmasked), the values [S, H, V] and the indexer scores [T, S] (None
+  without an indexer)."""
   c, p = config, params
   x = np.asarray(x_TD, np.float64)
   t = x.shape[0]
@@ -127,8 +118,8 @@ def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_
   val = np.einsum("sa,hva->shv", c_kv, w_kvb[:, n:])
   logits = (np.einsum("thn,shn->hts", q[..., :n], k_nope)
             + np.einsum("thr,sr->hts", q_pe, k_pe)) * c.softmax_scale
-  allowed = np.tril(np.ones((t, t), bool))
-  if c.indexer is not None and not dense:
+  scores = None
+  if c.indexer is not None:
     ic = c.indexer
     qi = (q_resid @ p["indexer.wq_b.weight"].T).reshape(t, ic.num_heads, ic.head_dim)
     ki = x @ p["indexer.wk.weight"].T
@@ -139,16 +130,81 @@ def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_
     w = (x @ p["indexer.weights_proj.weight"].T) * ic.num_heads**-0.5
     dots = np.einsum("tgi,si->tgs", qi, ki) * ic.head_dim**-0.5
     scores = np.einsum("tg,tgs->ts", w, np.maximum(dots, 0.0))
+  return logits, val, scores
+
+
+def _softmax_rows(logits, allowed):
+  logits = np.where(allowed, logits, -np.inf)
+  logits = logits - logits.max(-1, keepdims=True)
+  probs = np.exp(logits)
+  return probs / probs.sum(-1, keepdims=True)
+
+
+def mla_attention_reference(params: dict[str, np.ndarray], config: MLAConfig, x_TD,
+                            *, dense: bool = False) -> np.ndarray:
+  """One MLA layer over a whole sequence starting at position 0, in float64.
+
+  Args:
+    params: ``numpy_params(module)`` of an ``MLAAttention``-family module.
+    config: its config.
+    x_TD: the layer input for one sequence.
+    dense: ignore the indexer (plain causal MLA).
+
+  Returns:
+    float64 [T, D] layer output.
+  """
+  logits, val, scores = layer_internals_reference(params, config, x_TD)
+  t = logits.shape[1]
+  allowed = np.tril(np.ones((t, t), bool))
+  if scores is not None and not dense:
     selected = np.zeros((t, t), bool)
-    for row, cols in enumerate(indexer_topk_reference(scores, ic.topk)):
+    for row, cols in enumerate(indexer_topk_reference(scores, config.indexer.topk)):
       selected[row, cols] = True
     allowed &= selected
-  logits = np.where(allowed[None], logits, -np.inf)
-  logits -= logits.max(-1, keepdims=True)
-  probs = np.exp(logits)
-  probs /= probs.sum(-1, keepdims=True)
-  out = np.einsum("hts,shv->thv", probs, val).reshape(t, h * v)
-  return out @ p["o_proj.weight"].T
+  probs = _softmax_rows(logits, allowed[None])
+  out = np.einsum("hts,shv->thv", probs, val).reshape(t, -1)
+  return out @ params["o_proj.weight"].T
+
+
+def indexer_capture_reference(params: dict[str, np.ndarray], config: MLAConfig,
+                              x_TD) -> np.ndarray:
+  """Per query, the share of its main attention (over causal keys, summed over heads and
+  L1-normalised) that falls on the keys its indexer selects: float64 [T], 1 when the top-k
+  holds every causal key. Measures how well the indexer imitates the attention."""
+  logits, _, scores = layer_internals_reference(params, config, x_TD)
+  t = logits.shape[1]
+  causal = np.tril(np.ones((t, t), bool))
+  p = _softmax_rows(logits, causal[None]).sum(0)
+  p /= p.sum(-1, keepdims=True)
+  selected = np.zeros((t, t), bool)
+  for row, cols in enumerate(indexer_topk_reference(scores, config.indexer.topk)):
+    selected[row, cols] = True
+  return (p * selected).sum(-1)
+
+
+def indexer_kl_reference(params: dict[str, np.ndarray], config: MLAConfig, x_TD,
+                         selected_TS=None) -> tuple[float, np.ndarray]:
+  """DeepSeek-V3.2's indexer loss for one layer and sequence, in float64.
+
+  ``KL(p_t || softmax(I_t))`` over each query's key set, averaged over queries: the causal
+  keys, or ``selected_TS`` (bool [T, S]) when given (the sparse stage's top-k sets). ``p_t`` is
+  the main attention over that set, summed over heads and L1-normalised.
+
+  Returns:
+    ``(mean KL, scores_TS)``: the indexer scores let a test check a top-k set it passes in.
+  """
+  logits, _, scores = layer_internals_reference(params, config, x_TD)
+  t = logits.shape[1]
+  keys = np.tril(np.ones((t, t), bool))
+  if selected_TS is not None:
+    keys &= np.asarray(selected_TS, bool)
+  p = _softmax_rows(logits, keys[None]).sum(0)
+  p /= p.sum(-1, keepdims=True)
+  counted = keys & (p > 0)
+  log_p = np.log(np.where(counted, p, 1.0))
+  log_q = np.log(np.where(counted, _softmax_rows(scores, keys), 1.0))
+  kl = (p * (log_p - log_q)).sum(-1)
+  return float(kl.mean()), scores
 
 
 def relative_error(out, ref) -> float:

@@ -21,7 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-NOTEBOOKS = ("compare_routes.ipynb", "misrouting.ipynb")
+NOTEBOOKS = ("compare_routes.ipynb", "misrouting.ipynb", "retrieval_probe.ipynb")
 KERNEL_NAME = "mla-jax-current-python"
 
 

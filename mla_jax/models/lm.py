@@ -89,12 +89,21 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK,
                kv_rows=None):
+    h_BTD, attn = self.forward(h_BTD, cache, new_lens_B=new_lens_B,
+                               num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
+                               shared_topk_BTK=shared_topk_BTK, kv_rows=kv_rows)
+    return h_BTD, attn.cache, attn.topk_BTK
+
+  def forward(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK,
+              kv_rows=None, indexer_loss=None):
+    """The new hidden states and the attention's whole ``AttentionOutput``."""
     attn = self.self_attn(self.input_layernorm(h_BTD), cache, new_lens_B=new_lens_B,
                           num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
-                          shared_topk_BTK=shared_topk_BTK, kv_rows=kv_rows)
+                          shared_topk_BTK=shared_topk_BTK, kv_rows=kv_rows,
+                          indexer_loss=indexer_loss)
     h_BTD = sharding.constrain(h_BTD + attn.out_BTD, self.mesh)
     h_BTD = sharding.constrain(h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), self.mesh)
-    return h_BTD, attn.cache, attn.topk_BTK
+    return h_BTD, attn
 
 
 class LayerUnit(nnx.Module):
@@ -132,8 +141,11 @@ class LayerStack(nnx.Module):
     self.group = group
 
   def __call__(self, h_BTD, topk_BTK, caches, *, new_lens_B, num_cached_tokens, force_mqa,
-               kv_rows):
+               kv_rows, indexer_loss=None):
     """Runs every repetition; ``topk_BTK`` carries the last full layer's top-k (or None).
+
+    Returns the new hidden states, top-k and caches, and the sum of the layers' indexer
+    losses (0 unless ``indexer_loss`` asks for them).
 
     The stacked caches ride in the scan's carry and each layer writes its new rows into them
     in place (``StackedLayerView``); scanning them as inputs and outputs instead would copy
@@ -142,24 +154,26 @@ class LayerStack(nnx.Module):
     graphdef, state = nnx.split(self.unit)
 
     def body(carry, xs):
-      h_BTD, topk_BTK, unit_caches = carry
+      h_BTD, topk_BTK, unit_caches, loss = carry
       unit_state, rep = xs
       unit = nnx.merge(graphdef, unit_state)
       new_caches = []
       for layer, cache in zip(unit.layers, unit_caches):
-        h_BTD, view, layer_topk = layer(h_BTD, StackedLayerView(cache, rep),
-                                        new_lens_B=new_lens_B,
-                                        num_cached_tokens=num_cached_tokens,
-                                        force_mqa=force_mqa, shared_topk_BTK=topk_BTK,
-                                        kv_rows=kv_rows)
+        h_BTD, attn = layer.forward(h_BTD, StackedLayerView(cache, rep), new_lens_B=new_lens_B,
+                                    num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
+                                    shared_topk_BTK=topk_BTK, kv_rows=kv_rows,
+                                    indexer_loss=indexer_loss)
         if topk_BTK is not None and not layer.self_attn.shares_topk:
-          topk_BTK = layer_topk
-        new_caches.append(view.stacked)
-      return (h_BTD, topk_BTK, tuple(new_caches)), None
+          topk_BTK = attn.topk_BTK
+        if attn.indexer_loss is not None:
+          loss = loss + attn.indexer_loss
+        new_caches.append(attn.cache.stacked)
+      return (h_BTD, topk_BTK, tuple(new_caches), loss), None
 
     reps = jnp.arange(self.group.reps, dtype=jnp.int32)
-    (h_BTD, topk_BTK, caches), _ = jax.lax.scan(body, (h_BTD, topk_BTK, caches), (state, reps))
-    return h_BTD, topk_BTK, caches
+    carry = (h_BTD, topk_BTK, caches, jnp.zeros((), jnp.float32))
+    (h_BTD, topk_BTK, caches, loss), _ = jax.lax.scan(body, carry, (state, reps))
+    return h_BTD, topk_BTK, caches, loss
 
 
 class Model(nnx.Module):
@@ -307,6 +321,33 @@ class CausalLM(nnx.Module):
     step can reach rounded up to a bucket (``bucket_rows``) when the cached length is known,
     else the whole capacity.
     """
+    logits_BTV, caches, _ = self._forward(ids_BT, caches, new_lens_B=new_lens_B,
+                                          num_cached_tokens=num_cached_tokens,
+                                          force_mqa=force_mqa, kv_rows=kv_rows)
+    return logits_BTV, caches
+
+  def forward_train(self, ids_BT, lens_B, *, indexer_loss: str | None = None):
+    """A training forward from an empty cache: ``(logits [B, T, vocab], indexer loss)``.
+
+    Routes as a prefill of ``T`` tokens does. ``indexer_loss`` (``None | "dense" |
+    "sparse"``, see ``MLAAttentionBase.__call__``) sums the per-layer losses of the layers
+    with an indexer of their own; the sum is 0 when it is None or no layer has one.
+    """
+    if getattr(ids_BT, "ndim", None) != 2:
+      raise ValueError(f"token ids must be an int array [batch, tokens], got "
+                       f"{getattr(ids_BT, 'shape', type(ids_BT))}")
+    batch, width = ids_BT.shape
+    limit = self.config.mla.max_position_embeddings
+    if width > limit:
+      raise ValueError(f"sequences of {width} tokens exceed max_position_embeddings {limit}")
+    caches = self.init_cache(batch, width)
+    logits_BTV, _, loss = self._forward(ids_BT, caches, new_lens_B=lens_B, num_cached_tokens=0,
+                                        kv_rows=width, indexer_loss=indexer_loss)
+    return logits_BTV, loss
+
+  def _forward(self, ids_BT, caches, *, new_lens_B, num_cached_tokens, force_mqa=False,
+               kv_rows=None, indexer_loss=None):
+    """The layer scans: logits, the new caches and the summed indexer losses."""
     self._check_ids(ids_BT, caches)
     b, t = ids_BT.shape
     if new_lens_B is None:
@@ -325,14 +366,16 @@ class CausalLM(nnx.Module):
     if self.config.indexer_types is not None and routes[0].needs_topk:
       topk_BTK = jnp.full((b, t, self.config.mla.indexer.topk), -1, jnp.int32)
     h_BTD = sharding.constrain(self.model.embed_tokens(ids_BT), self.mesh)
-    new_groups = []
+    new_groups, loss = [], jnp.zeros((), jnp.float32)
     for stack, group_caches in zip(self.model.groups, caches.groups):
-      h_BTD, topk_BTK, group_caches = stack(h_BTD, topk_BTK, group_caches, new_lens_B=new_lens_B,
-                                            num_cached_tokens=num_cached_tokens,
-                                            force_mqa=force_mqa, kv_rows=kv_rows)
+      h_BTD, topk_BTK, group_caches, group_loss = stack(
+          h_BTD, topk_BTK, group_caches, new_lens_B=new_lens_B,
+          num_cached_tokens=num_cached_tokens, force_mqa=force_mqa, kv_rows=kv_rows,
+          indexer_loss=indexer_loss)
       new_groups.append(group_caches)
+      loss = loss + group_loss
     logits_BTV = self.lm_head(self.model.norm(h_BTD)).astype(jnp.float32)
-    return logits_BTV, ModelCache(tuple(new_groups), caches.layout)
+    return logits_BTV, ModelCache(tuple(new_groups), caches.layout), loss
 
 
 def check_mesh(config: ModelConfig, mesh) -> None:

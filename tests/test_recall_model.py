@@ -1,0 +1,81 @@
+"""The shipped ``recall`` model: it loads, answers lookups as its model card says, the two
+honest attention classes agree on it token for token, and the misrouted layer breaks it."""
+
+import re
+
+import numpy as np
+import pytest
+
+from mla_jax import cli, presets
+from mla_jax.training.data import tokenizer
+from mla_jax.training.recipes import get_recipe
+from benchmarks import retrieval_probe as rp
+
+CARD = presets.RECALL_CHECKPOINT / "MODEL_CARD.md"
+
+
+def card_threshold() -> float:
+  found = re.search(r"accuracy_threshold:\s*([0-9.]+)", CARD.read_text())
+  assert found, f"{CARD} states no accuracy_threshold"
+  return float(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def probe():
+  """Accuracy per probe length up to the training length, and the honest classes' agreement.
+
+  The prompts of all lengths up to top-k go in one ragged batch and the longer ones in
+  another (two compiled programs per model instead of one per length): the routes depend on
+  the padded width, which stays on the same side of top-k, and right padding changes no
+  answer.
+  """
+  models = rp.load_models(presets.RECALL_CHECKPOINT)
+  topk = models["mqa-only"].config.mla.indexer.topk
+  task = get_recipe("recall").task
+  lengths = [n for n in rp.probe_lengths(topk) if n <= task.max_len]
+  examples = {n: rp.probe_examples(task, n, 8, seed=7) for n in lengths}
+  accuracy, answers = {name: {} for name in models}, {name: {} for name in models}
+  for side in ([n for n in lengths if n <= topk], [n for n in lengths if n > topk]):
+    batch = [e for n in side for e in examples[n]]
+    for name, model in models.items():
+      got = iter(rp.answers(model, batch))
+      for n in side:
+        answers[name][n] = [next(got) for _ in examples[n]]
+        expected = [tokenizer.encode(e.prompt()[1])[-1] for e in examples[n]]
+        accuracy[name][n] = float(np.mean([a == b for a, b in zip(answers[name][n],
+                                                                  expected)]))
+  agreement = {n: answers["dense-capable"][n] == answers["mqa-only"][n] for n in lengths}
+  return topk, lengths, accuracy, agreement
+
+
+def test_probe_lengths_span_the_boundary():
+  lengths = rp.probe_lengths(16)
+  assert len(lengths) == 19 and lengths[0] == 8 and lengths[-1] == 128
+  assert {14, 15, 16, 17, 18} <= set(lengths)
+
+
+def test_accuracy_at_every_length_meets_the_model_card(probe):
+  _, lengths, accuracy, _ = probe
+  threshold = card_threshold()
+  for kind in ("dense-capable", "mqa-only"):
+    low = {n: a for n, a in accuracy[kind].items() if a < threshold}
+    assert not low, f"{kind}: accuracy below the card's {threshold} at {low}"
+
+
+def test_honest_classes_agree_token_for_token(probe):
+  _, _, _, agreement = probe
+  assert all(agreement.values()), agreement
+
+
+def test_misrouted_layer_collapses_up_to_topk_only(probe):
+  topk, lengths, accuracy, _ = probe
+  short = [n for n in lengths if n <= topk]
+  assert all(accuracy["misrouted"][n] < accuracy["mqa-only"][n] for n in short)
+  assert all(accuracy["misrouted"][n] == accuracy["mqa-only"][n]
+             for n in lengths if n > topk)  # past top-k it scores, like the honest class
+
+
+def test_cli_preset_answers_a_lookup(capsys):
+  assert cli.main(["generate", "--preset", "recall", "--prompt", "aQ ..kX zB ?k",
+                   "--max-new-tokens", "1", "--quiet"]) == 0
+  assert "generated text: 'X'" in capsys.readouterr().out
