@@ -1,6 +1,6 @@
 """Decode step time against the live context, one optimization at a time; mla_jax vs HF eager.
 
-    python benchmarks/decode.py                            # the context sweep (~3 minutes)
+    python benchmarks/decode.py                            # the context sweep (~4 minutes)
     python benchmarks/decode.py --hf-python /path/to/venv/bin/python   # + HF eager, batch 1/8/32
 
 Sweep: the ``small`` preset with ``max_position_embeddings`` raised to the largest context,

@@ -238,3 +238,16 @@ def test_dense_route_reads_the_same_dequantized_rows_as_mqa():
   chex.assert_trees_all_equal(a.cache, b.cache)
   exact = call(dense, x, init_layer_cache(dense.config, 2, 32, jnp.float32))
   assert 1e-4 < mt.relative_error(a.out_BTD, exact.out_BTD) < 0.05  # rounded, but close
+
+
+def test_indexer_loss_reads_an_fp8_cache():
+  """Training's indexer KL over fp8 rows and keys: the float cache's loss up to fp8 rounding."""
+  config = m.tiny()
+  layer = m.DeepseekV32Attention(config, rngs=nnx.Rngs(0), backend="xla")
+  mt.randomize_params(layer, 5)
+  x = mt.random_hidden(6, (1, 24, config.hidden_size))
+  run = nnx.jit(lambda lay, x, c: lay(x, c, num_cached_tokens=0, indexer_loss="dense"))
+  exact = float(run(layer, x, init_layer_cache(config, 1, 24)).indexer_loss)
+  fp8 = float(run(layer, x, init_layer_cache(config, 1, 24, "fp8")).indexer_loss)
+  print(f"indexer loss: float cache {exact:.4f}, fp8 cache {fp8:.4f}")
+  assert exact > 0 and fp8 != exact and abs(fp8 - exact) < 0.1 * exact
