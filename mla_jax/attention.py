@@ -25,6 +25,7 @@ from mla_jax import checks
 from mla_jax.backends import Backend, get_backend
 from mla_jax.cache import LayerCache, StackedLayerView, check_fits, check_layout
 from mla_jax.config import MLAConfig
+from mla_jax.fp8_cache import Fp8LatentRows, dense_latent
 from mla_jax.indexer import Indexer, topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
@@ -157,7 +158,9 @@ class MLAAttentionBase(nnx.Module):
     _, w_uv_HVA = self._kv_b_heads()
     dtype = q_nope_BTHN.dtype
     q_BTHL = self._absorbed_query(q_nope_BTHN, q_pe_BTHR)
-    out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL.astype(dtype), topk_BTK,
+    if not isinstance(latent_BSL, Fp8LatentRows):  # fp8 rows are dequantized by the backend
+      latent_BSL = latent_BSL.astype(dtype)
+    out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL, topk_BTK,
                                               sm_scale=self.config.softmax_scale,
                                               d_v=self.config.kv_lora_rank)
     return jnp.einsum("btha,hva->bthv", out_lat_BTHA, w_uv_HVA.astype(dtype),
@@ -319,6 +322,7 @@ class MLAAttentionBase(nnx.Module):
   def _indexer_kl(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, index_logits_BTS, selected_BTK,
                   positions_BT, kv_len_B, new_lens_B):
     """Mean over real tokens of KL(head-summed main attention || softmax(indexer scores))."""
+    latent_BSL = dense_latent(latent_BSL, q_nope_BTHN.dtype)  # dequantizes an fp8 cache's rows
     num_keys = latent_BSL.shape[1]
     if selected_BTK is None:
       keys_BTS = losses.causal_key_mask(positions_BT, kv_len_B, num_keys)
@@ -341,8 +345,9 @@ class MLAAttention(MLAAttentionBase):
     c = self.config
     w_uk_HNA, w_uv_HVA = self._kv_b_heads()
     dtype = q_nope_BTHN.dtype
-    c_kv_BSA = latent_BSL[..., :c.kv_lora_rank].astype(dtype)
-    k_pe_BSR = latent_BSL[..., c.kv_lora_rank:].astype(dtype)
+    latent_BSL = dense_latent(latent_BSL, dtype)  # dequantizes an fp8 cache's rows
+    c_kv_BSA = latent_BSL[..., :c.kv_lora_rank]
+    k_pe_BSR = latent_BSL[..., c.kv_lora_rank:]
     k_nope_BSHN = jnp.einsum("bsa,hna->bshn", c_kv_BSA, w_uk_HNA.astype(dtype),
                              preferred_element_type=jnp.float32).astype(dtype)
     v_BSHV = jnp.einsum("bsa,hva->bshv", c_kv_BSA, w_uv_HVA.astype(dtype),

@@ -2,17 +2,63 @@
 
 The cache is a pytree that a layer call takes and returns. Both buffers are written for every
 token on every route, before any scoring decision: later decode steps read them.
+
+``cache_dtype`` picks how rows are held: float32 or bfloat16 arrays, or ``"fp8"``, where each
+part is a small pytree of arrays (``mla_jax.fp8_cache``: e4m3 values with float32 scales, the
+RoPE part in bfloat16), quantized on write. Every array of a part shares the leading
+[batch, capacity] axes, so writes and row reads apply to each array alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
-from mla_jax import checks
+from mla_jax import checks, fp8_cache
 from mla_jax.config import MLAConfig
+from pallas_kernels.fp8_rows import Fp8LatentRows
+
+CACHE_DTYPE_NAMES = ("fp32", "bf16", "fp8")
+_FLOAT_CACHE_DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
+                       "fp16": jnp.dtype(jnp.float16)}
+
+
+def resolve_cache_dtype(cache_dtype, name: str = "cache dtype"):
+  """The string ``"fp8"`` (the fp8 layouts) or a float cache dtype.
+
+  Accepts ``"fp32" | "bf16" | "fp8"``, the dtypes float32, bfloat16 and float16, and
+  float8_e4m3fn (meaning the fp8 layouts, which keep scales and RoPE beside the e4m3 values).
+  A non-float dtype is a ``TypeError`` (it would silently round every row written).
+  """
+  if isinstance(cache_dtype, str):
+    if cache_dtype not in CACHE_DTYPE_NAMES:
+      raise ValueError(f"{name} must be one of {CACHE_DTYPE_NAMES} or a float dtype, got "
+                       f"{cache_dtype!r}")
+    return "fp8" if cache_dtype == "fp8" else _FLOAT_CACHE_DTYPES[cache_dtype]
+  dtype = checks.float_dtype(cache_dtype, name)
+  if dtype == jnp.float8_e4m3fn:
+    return "fp8"
+  if dtype not in _FLOAT_CACHE_DTYPES.values():
+    raise ValueError(f"{name} must be one of {CACHE_DTYPE_NAMES}, float32, bfloat16, "
+                     f"float16 or float8_e4m3fn, got {cache_dtype!r}")
+  return dtype
+
+
+def _row_array(part):
+  """An array of a cache part whose axes are [..., B, S, X] (the part itself when plain)."""
+  return part.values if isinstance(part, (Fp8LatentRows, fp8_cache.Fp8Keys)) else part
+
+
+def _readable(parts):
+  latent, keys = parts
+  return fp8_cache.readable(latent), None if keys is None else fp8_cache.readable(keys)
+
+
+def _row_width(latent) -> int:
+  return latent.width if isinstance(latent, Fp8LatentRows) else latent.shape[-1]
 
 
 @jax.tree_util.register_dataclass
@@ -21,8 +67,10 @@ class LayerCache:
   """One layer's cache for a batch of sequences.
 
   Attributes:
-    latent_BSL: rows [normalized c_kv (A) | rotated k_pe (R)], L = A + R (576 for DSv3.2).
-    index_keys_BSI: the indexer's keys, or None for a layer without an indexer.
+    latent_BSL: rows [normalized c_kv (A) | rotated k_pe (R)], L = A + R (576 for DSv3.2):
+      an array, or ``Fp8LatentRows`` in an fp8 cache (held as bits, read through ``rows``).
+    index_keys_BSI: the indexer's keys (an array, or ``Fp8Keys`` in an fp8 cache), or None
+      for a layer without an indexer.
     lengths_B: int32 number of valid rows per sequence.
   """
 
@@ -32,31 +80,39 @@ class LayerCache:
 
   @property
   def batch_size(self) -> int:
-    return self.latent_BSL.shape[0]
+    return _row_array(self.latent_BSL).shape[0]
 
   @property
   def capacity(self) -> int:
-    return self.latent_BSL.shape[1]
+    return _row_array(self.latent_BSL).shape[1]
 
   @property
   def latent_dim(self) -> int:
-    return self.latent_BSL.shape[-1]
+    return _row_width(self.latent_BSL)
 
   @property
   def has_index_keys(self) -> bool:
     return self.index_keys_BSI is not None
 
+  @property
+  def bytes_per_token(self) -> int:
+    """Bytes one token's latent row and indexer key take in this cache."""
+    parts = jax.tree.leaves((self.latent_BSL, self.index_keys_BSI))
+    return sum(a.dtype.itemsize * math.prod(a.shape[2:]) for a in parts)  # [B, S, ...]
+
   def rows(self, num_rows: int):
-    """The first ``num_rows`` rows of the latent and key caches (keys None without them)."""
-    keys = None if self.index_keys_BSI is None else self.index_keys_BSI[:, :num_rows]
-    return self.latent_BSL[:, :num_rows], keys
+    """The first ``num_rows`` rows of the latent and key caches (keys None without them), in
+    the cache's layout (fp8 parts as ``fp8_cache.readable`` views)."""
+    return _readable(jax.tree.map(lambda a: a[:, :num_rows],
+                                  (self.latent_BSL, self.index_keys_BSI)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> LayerCache:
-    """Appends ``new_lens_B[b]`` rows to sequence b (see ``write_rows``)."""
+    """Appends ``new_lens_B[b]`` rows to sequence b (see ``write_rows``), quantized first in
+    an fp8 cache."""
+    write = lambda stored, new: _write_part(stored, new, self.lengths_B, new_lens_B)
     keys = self.index_keys_BSI
-    if keys is not None:
-      keys = write_rows(keys, keys_BTI, self.lengths_B, new_lens_B)
-    return LayerCache(write_rows(self.latent_BSL, latent_BTL, self.lengths_B, new_lens_B), keys,
+    return LayerCache(write(self.latent_BSL, latent_BTL),
+                      None if keys is None else write(keys, keys_BTI),
                       self.lengths_B + new_lens_B)
 
 
@@ -80,15 +136,15 @@ class StackedLayerView:
 
   @property
   def batch_size(self) -> int:
-    return self.stacked.latent_BSL.shape[1]
+    return _row_array(self.stacked.latent_BSL).shape[1]
 
   @property
   def capacity(self) -> int:
-    return self.stacked.latent_BSL.shape[2]
+    return _row_array(self.stacked.latent_BSL).shape[2]
 
   @property
   def latent_dim(self) -> int:
-    return self.stacked.latent_BSL.shape[-1]
+    return _row_width(self.stacked.latent_BSL)
 
   @property
   def has_index_keys(self) -> bool:
@@ -100,13 +156,12 @@ class StackedLayerView:
       return jax.lax.dynamic_slice(buffer, start, (1, buffer.shape[1], num_rows,
                                                    *buffer.shape[3:]))[0]
 
-    keys = self.stacked.index_keys_BSI
-    return layer_rows(self.stacked.latent_BSL), None if keys is None else layer_rows(keys)
+    return _readable(jax.tree.map(layer_rows,
+                                  (self.stacked.latent_BSL, self.stacked.index_keys_BSI)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> StackedLayerView:
     lengths_B = self.lengths_B
-    write = lambda buffer, rows: write_rows(buffer, rows, lengths_B, new_lens_B,
-                                            layer=self.index)
+    write = lambda stored, new: _write_part(stored, new, lengths_B, new_lens_B, layer=self.index)
     keys = self.stacked.index_keys_BSI
     stacked = LayerCache(write(self.stacked.latent_BSL, latent_BTL),
                          None if keys is None else write(keys, keys_BTI),
@@ -118,38 +173,50 @@ def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype=jn
                      index_keys: bool = True) -> LayerCache:
   """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens.
 
+  ``dtype``: the cache dtype (``resolve_cache_dtype``), ``"fp8"`` for the fp8 layouts.
   ``index_keys=False`` is for a layer that shares another layer's top-k (no key cache).
   """
+  dtype = resolve_cache_dtype(dtype)
   for name, value in (("batch_size", batch_size), ("capacity", capacity)):
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   if capacity > config.max_position_embeddings:
     raise ValueError(f"capacity {capacity} exceeds max_position_embeddings "
                      f"{config.max_position_embeddings}")
-  checks.float_dtype(dtype, "cache dtype")
+  fp8 = isinstance(dtype, str)
   keys = None
   if config.indexer is not None and index_keys:
-    keys = jnp.zeros((batch_size, capacity, config.indexer.head_dim), dtype)
-  return LayerCache(latent_BSL=jnp.zeros((batch_size, capacity, config.latent_dim), dtype),
-                    index_keys_BSI=keys, lengths_B=jnp.zeros((batch_size,), jnp.int32))
+    head_dim = config.indexer.head_dim
+    keys = fp8_cache.empty_keys(batch_size, capacity, head_dim) if fp8 else \
+        jnp.zeros((batch_size, capacity, head_dim), dtype)
+  if fp8:
+    latent = fp8_cache.empty_latent(batch_size, capacity, config.kv_lora_rank,
+                                    config.qk_rope_head_dim)
+  else:
+    latent = jnp.zeros((batch_size, capacity, config.latent_dim), dtype)
+  return LayerCache(latent_BSL=latent, index_keys_BSI=keys,
+                    lengths_B=jnp.zeros((batch_size,), jnp.int32))
 
 
 def check_layout(cache, config: MLAConfig) -> None:
   """The buffers' dtypes and shapes fit ``config`` (static: shapes and dtypes only).
 
   ``cache`` is a ``LayerCache`` or a ``StackedLayerView`` (then the stacked buffers, with their
-  leading layer axis, are checked). An integer buffer would silently round every row written.
+  leading layer axis, are checked). An integer buffer would silently round every row written;
+  the fp8 layouts hold their own bit patterns and are checked by shape only.
   """
   buffers = cache.stacked if isinstance(cache, StackedLayerView) else cache
-  checks.float_dtype(buffers.latent_BSL.dtype, "cache.latent_BSL dtype")
-  leading = tuple(buffers.latent_BSL.shape[:-1])  # ([layers,] batch, capacity)
-  keys = buffers.index_keys_BSI
+  latent, keys = buffers.latent_BSL, buffers.index_keys_BSI
+  if not isinstance(latent, Fp8LatentRows):
+    checks.float_dtype(latent.dtype, "cache.latent_BSL dtype")
+  leading = tuple(_row_array(latent).shape[:-1])  # ([layers,] batch, capacity)
   if keys is not None:
-    checks.float_dtype(keys.dtype, "cache.index_keys_BSI dtype")
+    if not isinstance(keys, fp8_cache.Fp8Keys):
+      checks.float_dtype(keys.dtype, "cache.index_keys_BSI dtype")
     expected = leading + (config.indexer.head_dim,)
-    if tuple(keys.shape) != expected:
+    if tuple(_row_array(keys).shape) != expected:
       raise ValueError(f"cache.index_keys_BSI must be {list(expected)} ([layers,] batch, "
-                       f"capacity, indexer head_dim), got {list(keys.shape)}")
+                       f"capacity, indexer head_dim), got {list(_row_array(keys).shape)}")
   lengths = buffers.lengths_B
   if tuple(lengths.shape) != leading[:-1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"cache.lengths_B must be int {list(leading[:-1])}, got "
@@ -177,10 +244,17 @@ def check_fits(cache, new_lens_B) -> None:
   checks.cache_fits(cache.lengths_B, new_lens_B, cache.capacity)
 
 
+def _write_part(stored, new_rows_BTX, start_B, new_lens_B, *, layer=None):
+  """``write_rows`` for every array of a cache part, the new rows encoded in its layout."""
+  encoded = fp8_cache.encode_like(stored, new_rows_BTX)
+  return jax.tree.map(lambda buffer, rows: write_rows(buffer, rows, start_B, new_lens_B,
+                                                      layer=layer), stored, encoded)
+
+
 def write_rows(buffer, rows_BTX, start_B, new_lens_B, *, layer=None):
   """Writes row t of sequence b at ``start_B[b] + t`` for ``t < new_lens_B[b]``.
 
-  ``buffer`` is [B, S, X], or [layers, B, S, X] with ``layer`` picking the layer. Padding rows
+  ``buffer`` is [B, S, ...], or [layers, B, S, ...] with ``layer`` picking the layer. Padding rows
   and rows past capacity are dropped (never clamped onto valid rows, which a
   ``dynamic_update_slice`` would do).
   """

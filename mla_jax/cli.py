@@ -18,6 +18,7 @@ from flax import nnx
 
 from mla_jax import presets, sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
+from mla_jax.cache import CACHE_DTYPE_NAMES, init_layer_cache
 from mla_jax.checkpoints.generation_config import GenerationDefaults, read_generation_config
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
@@ -159,11 +160,14 @@ def cmd_generate(args) -> int:
     print(f"mesh: {args.mesh} over {jax.device_count()} devices in "
           f"{jax.process_count()} process(es)")
   print(f"tokenizer: {tok.describe()}")
+  layer_cache = jax.eval_shape(lambda: init_layer_cache(model.config.mla, 1, 1, args.cache_dtype))
+  print(f"cache: {args.cache_dtype}, {layer_cache.bytes_per_token} bytes per token per layer")
   print(f"prompt: {len(prompt)} tokens")
   print(f"sampling: temperature {temperature:g}, top_p {top_p:g}")
   eos = tok.eos_ids if args.stop_at_eos else None
   result = generate(model, [prompt] * args.batch, args.max_new_tokens,
                     temperature=temperature, top_p=top_p, seed=args.seed, eos_id=eos,
+                    cache_dtype=args.cache_dtype,
                     progress=not args.quiet and jax.process_index() == 0)
   for i, route in enumerate(result.prefill_routes):
     print(f"prefill route, layer {i}: {route.value}")
@@ -275,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop at the tokenizer's EOS id(s)")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--batch", type=int_in(1), default=1, help="sequences (copies of the prompt)")
+  gen.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default="fp32",
+                   help="latent and indexer-key caches; fp8: e4m3 values with float32 scales")
   gen.add_argument("--mesh", metavar="SPEC",
                    help="shard over a device mesh, e.g. data=1,tensor=2,expert=2 (the product "
                         "must equal the number of devices of all processes)")

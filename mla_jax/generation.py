@@ -27,8 +27,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import sharding
-from mla_jax.cache import bucket_rows
-from mla_jax.checks import float_dtype, functionalize, throw
+from mla_jax.cache import bucket_rows, resolve_cache_dtype
+from mla_jax.checks import functionalize, throw
 from mla_jax.progress import progress_bar
 from mla_jax.routing import PrefillRoute
 
@@ -233,7 +233,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     seed: sampling seed (one key per step, folded from it).
     eos_id: a sequence stops after emitting it (or any id of a list); the others go on.
     cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
-    cache_dtype: dtype of the latent and indexer-key caches.
+    cache_dtype: the latent and indexer-key caches: ``"fp32" | "bf16"`` (or a float dtype),
+      or ``"fp8"``: e4m3 with float32 scales (656 + 132 bytes per token per layer at
+      DeepSeek-V3.2 sizes), quantized on write and dequantized where attention reads them.
     steps_per_dispatch: decode steps run by one compiled program (one host round trip);
       tokens and logits do not depend on it.
     progress: draw a progress bar on stderr while decoding (advanced per dispatch).
@@ -257,7 +259,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   eos_id = _eos_ids(eos_id, cfg.vocab_size)
   if cache_capacity is not None and (not _is_int(cache_capacity) or cache_capacity < 1):
     raise ValueError(f"cache_capacity must be None or a positive int, got {cache_capacity!r}")
-  float_dtype(cache_dtype, "cache_dtype")
+  cache_dtype = resolve_cache_dtype(cache_dtype, "cache_dtype")
   if not isinstance(checks, bool):
     raise TypeError(f"checks must be a bool, got {type(checks).__name__}")
   ids_BT, lens_B = _pad_prompts(prompt_ids, cfg.vocab_size)

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mla_jax.config import MLAConfig
+from mla_jax.fp8_cache import Fp8Keys, quantize_indexer_queries
 from mla_jax.layers import LayerNorm, Linear
 from mla_jax.rope import apply_rope
 
@@ -47,6 +48,19 @@ def topk_indices(logits_BTS, k: int):
   if width < k:
     idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k - width)), constant_values=-1)
   return idx
+
+
+def _scoring_operands(q_BTGI, keys_BSI, w_BTG):
+  """``(q, keys, w, key scales or None)`` for ``Backend.indexer_logits``.
+
+  With fp8 keys (``Fp8Keys``) the queries are quantized to e4m3 too, one scale per (token,
+  head) folded into the head weights, and the per-key scales go to the backend; float keys
+  are cast to the queries' dtype (a cache may be wider than the model's dtype).
+  """
+  if isinstance(keys_BSI, Fp8Keys):
+    q_BTGI, w_BTG = quantize_indexer_queries(q_BTGI, w_BTG)
+    return q_BTGI, keys_BSI.values, w_BTG, keys_BSI.scales
+  return q_BTGI, keys_BSI.astype(q_BTGI.dtype), w_BTG, None
 
 
 class Indexer(nnx.Module):
@@ -94,23 +108,26 @@ class Indexer(nnx.Module):
     Unchunked, for training: the indexer loss needs the whole score matrix.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
+    q_BTGI, keys_BSI, w_BTG, k_scale_BS = _scoring_operands(q_BTGI, keys_BSI, w_BTG)
     ends_BT = positions_BT + 1  # causal, self included
-    return backend.indexer_logits(q_BTGI, keys_BSI.astype(q_BTGI.dtype), w_BTG,
-                                  jnp.zeros_like(ends_BT), ends_BT)
+    return backend.indexer_logits(q_BTGI, keys_BSI, w_BTG, jnp.zeros_like(ends_BT), ends_BT,
+                                  k_scale_BS=k_scale_BS)
 
   def select(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, chunk_size: int):
     """Top-k rows of ``keys_BSI`` for every query: int32 [B, T, topk], -1 padded.
 
-    Query rows are scored ``chunk_size`` at a time so that a long prefill never holds more
-    than a [B, chunk_size, S] block of logits.
+    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache, see ``_scoring_operands``).
+    Query rows are scored ``chunk_size`` at a time so that a
+    long prefill never holds more than a [B, chunk_size, S] block of logits.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
-    keys_BSI = keys_BSI.astype(q_BTGI.dtype)  # a cache may be wider than the model's dtype
+    q_BTGI, keys_BSI, w_BTG, k_scale_BS = _scoring_operands(q_BTGI, keys_BSI, w_BTG)
     ends_BT = positions_BT + 1  # causal, self included
     topk = self.config.indexer.topk
 
     def score(q, w, ends):
-      logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends)
+      logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends,
+                                      k_scale_BS=k_scale_BS)
       return topk_indices(logits, topk)
 
     b, t = ends_BT.shape

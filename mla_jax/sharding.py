@@ -50,8 +50,6 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
 LEADING_AXIS_SPECS = {"layer": None, "expert": EXPERT}
 
 # Caches and activations (leading stacked-layer axes get None in front).
-CACHE_SPECS = {"latent_BSL": P(DATA, None, None), "index_keys_BSI": P(DATA, None, None),
-               "lengths_B": P(DATA)}
 TOKENS_SPEC = P(DATA)  # [B, T, ...] activations: batch over data, replicated otherwise
 
 
@@ -139,10 +137,10 @@ def check_divisible(name: str, shape, spec: P, mesh) -> None:
                        f"{ways} ways over mesh axis {axes!r}")
 
 
-def cache_spec(field: str, ndim: int) -> P:
-  """Spec of a cache field, with ``None`` for leading stacked-layer axes."""
-  spec = CACHE_SPECS[field]
-  return P(*(None,) * (ndim - len(spec)), *spec)
+def cache_spec(batch_axis: int, ndim: int) -> P:
+  """Spec of a cache array: its batch axis over ``data`` (after any stacked-layer axes),
+  every other axis replicated."""
+  return P(*(None,) * batch_axis, DATA, *(None,) * (ndim - batch_axis - 1))
 
 
 def constrain(x, mesh, spec: P = TOKENS_SPEC):

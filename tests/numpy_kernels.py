@@ -23,6 +23,13 @@ def numpy_sparse_mqa(q, kv, topk, sm_scale, d_v):
   return out, lse
 
 
+def numpy_dequantize_rows(rows):
+  """fp8 latent rows (``Fp8LatentRows``) in float64: each tile times its scale, then RoPE."""
+  values = np.asarray(rows.values).astype(np.float64)
+  scales = np.repeat(np.asarray(rows.scales, np.float64), rows.tile, axis=-1)
+  return np.concatenate([values * scales, np.asarray(rows.rope).astype(np.float64)], -1)
+
+
 def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   T, H, _ = q.shape

@@ -27,6 +27,14 @@ def test_generate_from_a_checkpoint(tmp_path, capsys):
   assert "prefill route, layer 1: sparse_mqa" in out and "prompt: 20 tokens" in out
 
 
+def test_generate_with_an_fp8_cache(capsys):
+  assert cli.main(["generate", "--prompt-len", "20", "--max-new-tokens", "3", "--quiet",
+                   "--backend", "xla", "--cache-dtype", "fp8"]) == 0
+  out = capsys.readouterr().out
+  # A = 64 e4m3 + one float32 scale + R = 16 bf16, then I = 32 e4m3 + one float32 scale.
+  assert "cache: fp8, 136 bytes per token per layer" in out and "decode: 2 tokens" in out
+
+
 def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
   assert cli.main(["generate", "--checkpoint", str(tmp_path), "--quiet"]) == 2
   assert "error:" in capsys.readouterr().err
@@ -35,7 +43,8 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
 @pytest.mark.parametrize("argv", [["generate", "--max-new-tokens", "0"],
                                   ["generate", "--prompt-len", "0"],
                                   ["generate", "--backend", "cuda"],
-                                  ["generate", "--dtype", "fp8"]])
+                                  ["generate", "--dtype", "fp8"],
+                                  ["generate", "--cache-dtype", "fp4"]])
 def test_bad_arguments_exit(argv):
   with pytest.raises(SystemExit):
     cli.main(argv)

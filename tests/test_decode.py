@@ -33,11 +33,14 @@ def _prompts(lengths, seed=0):
   return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
-def test_decode_program_updates_every_cache_in_place():
-  """The compiled decode program aliases every cache buffer (and tokens, done) to an output."""
+@pytest.mark.parametrize("cache_dtype", ["fp32", "fp8"])
+def test_decode_program_updates_every_cache_in_place(cache_dtype):
+  """The compiled decode program aliases every cache buffer (and tokens, done) to an output;
+  in an fp8 cache that is every e4m3 value, scale and RoPE buffer."""
   model = _model()
   graphdef, state = nnx.split(model)
-  caches = model.init_cache(2, 512)
+  caches = model.init_cache(2, 512, cache_dtype)
+  assert len(jax.tree.leaves(caches)) == {"fp32": 3, "fp8": 6}[cache_dtype] * 2  # 2 groups
   tokens, done = jnp.zeros((2,), jnp.int32), jnp.zeros((2,), bool)
   step = jnp.int32(1)
   compiled = generation._decode.lower(
@@ -87,9 +90,9 @@ class _RowSpy(XlaBackend):
     self.rows.append(("attention", kv_SL.shape[0]))
     return super()._sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v)
 
-  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T):
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None):
     self.rows.append(("indexer", k_SI.shape[0]))
-    return super()._indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T)
+    return super()._indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
 
 
 def test_buckets_follow_the_live_context_and_keep_the_tokens():

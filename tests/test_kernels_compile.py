@@ -22,13 +22,17 @@ from pallas_kernels import _compat  # noqa: E402
 from pallas_kernels.block_config import (  # noqa: E402
     DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQAKernelConfig,
 )
-from tests.test_kernels_lowering import indexer_case, mha_case, sparse_case  # noqa: E402
+from tests.test_kernels_lowering import (  # noqa: E402
+    indexer_case, mha_case, sparse_case, sparse_fp8_case,
+)
 
 FP8 = jnp.float8_e4m3fn
 # name -> (lowering case, default config the kernel picks for that shape)
 KERNELS = {
     "sparse_mqa_dsv32_h128_576_512_k2048": (
         sparse_case(4, 128, 576, 512, 65536, 2048), SparseMQAKernelConfig.default_for(128, 2048, 512)),
+    "sparse_mqa_dsv32_fp8_rows_h128_k2048": (
+        sparse_fp8_case(4, 128, 512, 64, 65536, 2048), SparseMQAKernelConfig.default_for(128, 2048, 512)),
     "indexer_dsv32_g64_i128_bf16": (
         indexer_case(512, 64, 128, 8192), IndexerLogitsKernelConfig.default_for(512, 8192)),
     "indexer_dsv32_g64_i128_fp8": (

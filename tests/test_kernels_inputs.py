@@ -14,17 +14,22 @@ from mla_jax.backends.xla import XlaBackend
 from pallas_kernels.block_config import (DenseMHAKernelConfig, IndexerLogitsKernelConfig,
                                          SparseMQAKernelConfig)
 from pallas_kernels.dense_mha import dense_mha, dense_mha_reference
+from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference
 from pallas_kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
 
 sds = jax.ShapeDtypeStruct
-F32, BF16, F16, I32 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32
+F32, BF16, F16, I32, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.float8_e4m3fn
 
 # op: (kernel, reference, positional argument names, valid arguments)
 OPS = {
     "sparse_mqa": (sparse_mqa, sparse_mqa_reference, ("q", "kv", "topk"), dict(
         q=sds((3, 4, 80), F32), kv=sds((50, 80), F32), topk=sds((3, 7), I32),
         sm_scale=0.1, d_v=64)),
+    "sparse_mqa_fp8": (sparse_mqa, sparse_mqa_reference, ("q", "kv", "topk"), dict(
+        q=sds((3, 4, 80), F32), kv=Fp8LatentRows(sds((50, 64), FP8), sds((50, 1), F32),
+                                                  sds((50, 16), BF16)),
+        topk=sds((3, 7), I32), sm_scale=0.1, d_v=64)),
     "dense_mha": (dense_mha, dense_mha_reference, ("q", "k", "v"), dict(
         q=sds((3, 2, 48), F32), k=sds((20, 2, 48), F32), v=sds((20, 2, 32), F32),
         sm_scale=0.2, q_offset=0, kv_len=20)),
@@ -51,6 +56,17 @@ BAD_INPUTS = [
     ("sparse_mqa", "sm_scale_string", dict(sm_scale="0.1"), TypeError, "sm_scale"),
     ("sparse_mqa", "sm_scale_vector", dict(sm_scale=np.array([0.1])), TypeError, "sm_scale"),
     ("sparse_mqa", "q_not_an_array", dict(q="q"), TypeError, "q_THL"),
+    ("sparse_mqa_fp8", "d_v_not_latent", dict(d_v=48), ValueError, "d_v"),
+    ("sparse_mqa_fp8", "width", dict(q=sds((3, 4, 96), F32)), ValueError, "kv_SL"),
+    ("sparse_mqa_fp8", "bf16_values", dict(kv=Fp8LatentRows(
+        sds((50, 64), BF16), sds((50, 1), F32), sds((50, 16), BF16))), TypeError, "kv_SL.values"),
+    ("sparse_mqa_fp8", "bf16_scales", dict(kv=Fp8LatentRows(
+        sds((50, 64), FP8), sds((50, 1), BF16), sds((50, 16), BF16))), TypeError, "kv_SL.scales"),
+    ("sparse_mqa_fp8", "uneven_tiles", dict(kv=Fp8LatentRows(
+        sds((50, 64), FP8), sds((50, 3), F32), sds((50, 16), BF16))), ValueError, "kv_SL"),
+    ("sparse_mqa_fp8", "row_counts", dict(kv=Fp8LatentRows(
+        sds((50, 64), FP8), sds((49, 1), F32), sds((50, 16), BF16))), ValueError, "kv_SL"),
+    ("sparse_mqa_fp8", "fp16_q", dict(q=sds((3, 4, 80), F16)), TypeError, "q_THL"),
     ("dense_mha", "q_rank", dict(q=sds((3, 48), F32)), ValueError, "q_THQ"),
     ("dense_mha", "k_heads", dict(k=sds((20, 3, 48), F32)), ValueError, "k_SHQ"),
     ("dense_mha", "v_rows", dict(v=sds((21, 2, 32), F32)), ValueError, "v_SHV"),
@@ -86,7 +102,7 @@ def raised(fn, arrays, kwargs):
   A non-array argument cannot be traced, so it is passed as it is.
   """
   try:
-    if all(isinstance(x, sds) for x in arrays):
+    if all(isinstance(x, sds) for x in jax.tree.leaves(arrays)):
       jax.eval_shape(functools.partial(fn, **kwargs), *arrays)
     else:
       fn(*arrays, **kwargs)
@@ -120,6 +136,7 @@ def test_valid_arguments_pass(op):
 
 @pytest.mark.parametrize("op, config", [
     ("sparse_mqa", DenseMHAKernelConfig()),
+    ("sparse_mqa_fp8", DenseMHAKernelConfig()),
     ("dense_mha", "fast"),
     ("indexer_logits", SparseMQAKernelConfig()),
 ])
@@ -153,6 +170,15 @@ def test_sparse_mqa_degenerate_sizes(T, S, K):
   topk = jnp.zeros((T, K), I32)  # index 0 is out of range when S = 0
   assert_no_attention(both(sparse_mqa, sparse_mqa_reference, q, kv, topk, sm_scale=0.1, d_v=64),
                       (T, 4, 64))
+
+
+@pytest.mark.parametrize("T, S, K", [(3, 50, 0), (3, 0, 7), (0, 50, 7)],
+                         ids=["no_topk_slots", "no_rows", "no_tokens"])
+def test_sparse_mqa_fp8_degenerate_sizes(T, S, K):
+  rows = Fp8LatentRows(jnp.ones((S, 64), FP8), jnp.ones((S, 1), F32), jnp.ones((S, 16), BF16))
+  topk = jnp.zeros((T, K), I32)
+  assert_no_attention(both(sparse_mqa, sparse_mqa_reference, jnp.ones((T, 4, 80), F32), rows,
+                           topk, sm_scale=0.1, d_v=64), (T, 4, 64))
 
 
 def test_sparse_mqa_no_topk_slots_batched_and_default_config():

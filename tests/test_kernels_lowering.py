@@ -19,6 +19,7 @@ from pallas_kernels.block_config import (
     DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQAKernelConfig, pow2_chunks,
 )
 from pallas_kernels.dense_mha import dense_mha
+from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.indexer_logits import indexer_logits
 from pallas_kernels.sparse_mqa import sparse_mqa
 
@@ -29,6 +30,14 @@ BF16, I32, F32, FP8 = jnp.bfloat16, jnp.int32, jnp.float32, jnp.float8_e4m3fn
 def sparse_case(T, H, D, d_v, S, K, dtype=BF16):
   fn = functools.partial(sparse_mqa, sm_scale=D**-0.5, d_v=d_v)
   return fn, (sds((T, H, D), dtype), sds((S, D), dtype), sds((T, K), I32))
+
+
+def sparse_fp8_case(T, H, A, R, S, K, dtype=BF16):
+  """fp8 rows in the cache layout: e4m3 latent, a float32 scale per tile, bf16 RoPE."""
+  fn = functools.partial(sparse_mqa, sm_scale=(A + R)**-0.5, d_v=A)
+  tiles = A // 128 if A % 128 == 0 else 1
+  rows = Fp8LatentRows(sds((S, A), FP8), sds((S, tiles), F32), sds((S, R), BF16))
+  return fn, (sds((T, H, A + R), dtype), rows, sds((T, K), I32))
 
 
 def indexer_case(T, G, I, S, dtype=BF16, k_scale=False):
@@ -46,6 +55,9 @@ def mha_case(T, S, H, D, V, dtype=BF16):
 CASES = {
     "sparse_mqa_tiny": (sparse_case(3, 5, 80, 64, 100, 7, F32), "sparse_mqa_attention"),
     "sparse_mqa_dsv32": (sparse_case(4, 128, 576, 512, 8192, 2048), "sparse_mqa_attention"),
+    "sparse_mqa_tiny_fp8": (sparse_fp8_case(3, 5, 64, 16, 100, 7, F32), "sparse_mqa_attention"),
+    "sparse_mqa_dsv32_fp8": (sparse_fp8_case(4, 128, 512, 64, 8192, 2048),
+                             "sparse_mqa_attention"),
     "indexer_tiny_fp32": (indexer_case(37, 4, 32, 150, F32), "indexer_logits"),
     "indexer_dsv32_bf16": (indexer_case(128, 64, 128, 4096), "indexer_logits"),
     "indexer_dsv32_fp8": (indexer_case(128, 64, 128, 4096, FP8, k_scale=True), "indexer_logits"),
@@ -73,7 +85,9 @@ class LoweringTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("sparse_mqa", "sparse_mqa", "sparse_mqa_attention"),
+      ("sparse_mqa_fp8", "sparse_mqa_fp8", "sparse_mqa_attention"),
       ("indexer_logits", "indexer_logits", "indexer_logits"),
+      ("indexer_logits_fp8", "indexer_logits_fp8", "indexer_logits"),
       ("dense_mha", "dense_mha", "dense_mha_prefill"),
   )
   def test_batched_backend_lowers_to_one_triton_call(self, op, kernel_name):
@@ -81,10 +95,19 @@ class LoweringTest(parameterized.TestCase):
     if op == "sparse_mqa":
       fn = functools.partial(backend.sparse_mqa, sm_scale=0.1, d_v=512)
       args = (sds((B, 1, 128, 576), BF16), sds((B, 4096, 576), BF16), sds((B, 1, 2048), I32))
-    elif op == "indexer_logits":
-      fn = backend.indexer_logits
-      args = (sds((B, 4, 64, 128), BF16), sds((B, 300, 128), BF16), sds((B, 4, 64), F32),
+    elif op == "sparse_mqa_fp8":
+      fn = functools.partial(backend.sparse_mqa, sm_scale=0.1, d_v=512)
+      rows = Fp8LatentRows(sds((B, 4096, 512), FP8), sds((B, 4096, 4), F32),
+                           sds((B, 4096, 64), BF16))
+      args = (sds((B, 1, 128, 576), BF16), rows, sds((B, 1, 2048), I32))
+    elif op.startswith("indexer_logits"):
+      dtype = FP8 if op.endswith("fp8") else BF16
+      args = (sds((B, 4, 64, 128), dtype), sds((B, 300, 128), dtype), sds((B, 4, 64), F32),
               sds((B, 4), I32), sds((B, 4), I32))
+      fn = backend.indexer_logits
+      if dtype == FP8:  # the per-key scales travel through the backend
+        fn = lambda *a: backend.indexer_logits(*a[:5], k_scale_BS=a[5])
+        args += (sds((B, 300), F32),)
     else:
       fn = lambda q, k, v, off, n: backend.dense_mha(q, k, v, sm_scale=0.1, q_offset_B=off, kv_len_B=n)
       args = (sds((B, 64, 4, 192), BF16), sds((B, 100, 4, 192), BF16), sds((B, 100, 4, 128), BF16),

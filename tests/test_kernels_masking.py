@@ -14,13 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mla_jax import fp8_cache
 from pallas_kernels.block_config import (DenseMHAKernelConfig, IndexerLogitsKernelConfig,
                                          SparseMQAKernelConfig)
 from pallas_kernels.dense_mha import dense_mha, dense_mha_reference
+from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference
 from pallas_kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
-from tests.numpy_kernels import (assert_attention_matches, numpy_dense_mha, numpy_indexer_logits,
-                                 numpy_sparse_mqa)
+from tests.numpy_kernels import (assert_attention_matches, numpy_dense_mha,
+                                 numpy_dequantize_rows, numpy_indexer_logits, numpy_sparse_mqa)
 
 POISONS = [pytest.param(np.nan, id="nan"), pytest.param(np.inf, id="inf")]
 
@@ -82,6 +84,36 @@ def test_sparse_mqa_hidden_rows_stay_hidden(fn, poison, case):
   assert_only_affected_change(got, clean, affected)
   with np.errstate(invalid="ignore"):
     truth = numpy_sparse_mqa(bad["q"], bad["kv"], SPARSE_TOPK, 0.11, 64)
+  keep = ~affected
+  assert_attention_matches(got[0][keep], got[1][keep], truth[0][keep], truth[1][keep],
+                           rtol=1e-5, lse_rtol=1e-5, lse_atol=1e-5)
+
+
+# fp8 rows of the same kv (A 64 + R 16, one scale tile): poison one part of some rows. e4m3 has
+# NaN but no inf, so an inf "value" is poisoned through its scale (inf * 0 = NaN included).
+FP8_PARTS = {"values": 0, "scales": 1, "rope": 2}
+
+
+@pytest.mark.parametrize("case", [c for c in SPARSE_CASES if SPARSE_CASES[c][0] == "kv"])
+@pytest.mark.parametrize("part", list(FP8_PARTS))
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("fn", impls(sparse_mqa, sparse_mqa_reference,
+                                     SparseMQAKernelConfig(block_h=16, block_k=16),
+                                     sm_scale=0.11, d_v=64))
+def test_sparse_mqa_fp8_hidden_rows_stay_hidden(fn, poison, part, case):
+  _, rows, affected_tokens = SPARSE_CASES[case]
+  q, kv = sparse_inputs()
+  clean_rows = fp8_cache.quantize_latent(jnp.asarray(kv), 64)
+  parts = [np.asarray(p).copy() for p in clean_rows]
+  target = FP8_PARTS["scales"] if part == "values" and np.isinf(poison) else FP8_PARTS[part]
+  parts[target][rows] = poison
+  bad_rows = Fp8LatentRows(*(jnp.asarray(p) for p in parts))
+  topk = jnp.asarray(SPARSE_TOPK)
+  got = [np.asarray(x) for x in fn(jnp.asarray(q), bad_rows, topk)]
+  clean = fn(jnp.asarray(q), clean_rows, topk)
+  affected = np.isin(np.arange(4), affected_tokens)
+  assert_only_affected_change(got, clean, affected)
+  truth = numpy_sparse_mqa(q, numpy_dequantize_rows(clean_rows), SPARSE_TOPK, 0.11, 64)
   keep = ~affected
   assert_attention_matches(got[0][keep], got[1][keep], truth[0][keep], truth[1][keep],
                            rtol=1e-5, lse_rtol=1e-5, lse_atol=1e-5)

@@ -9,15 +9,18 @@ import functools
 import chex
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
 from mla_jax.backends.pallas import PallasTritonBackend
+from mla_jax import fp8_cache
 from mla_jax.backends.xla import XlaBackend
 from pallas_kernels.block_config import SparseMQAKernelConfig
+from pallas_kernels.fp8_rows import dequantize_rows
 from pallas_kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
-from tests.numpy_kernels import assert_attention_matches, numpy_sparse_mqa
+from tests.numpy_kernels import assert_attention_matches, numpy_dequantize_rows, numpy_sparse_mqa
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 LSE_ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3}
@@ -120,3 +123,65 @@ def test_property_matches_float64(T, H, K, S, pattern, seed):
   q, kv, topk = make_inputs(seed, T, H, K, S, 80, jnp.float32, pattern)
   out, lse = sparse_mqa(q, kv, topk, sm_scale=0.09, d_v=64, interpret=True)
   assert_matches(out, lse, q, kv, topk, 0.09, 64, jnp.float32)
+
+
+# ---- fp8 rows (the 656-byte cache layout): gathered, then dequantized in the kernel ----------
+
+FP8_RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_fp8_inputs(seed, T, H, K, S, A, R, dtype, pattern="random"):
+  q, kv, topk = make_inputs(seed, T, H, K, S, A + R, jnp.float32, pattern)
+  # Rows of different magnitudes get different scales.
+  kv = kv * jnp.asarray(10.0 ** np.random.default_rng(seed).uniform(-1, 0.5, (S, 1)), jnp.float32)
+  return q.astype(dtype), fp8_cache.quantize_latent(kv, A), topk
+
+
+FP8_CASES = (
+    dict(testcase_name="tiny_one_tile_f32", T=3, H=5, K=7, S=100, A=64, R=16, dtype=jnp.float32),
+    dict(testcase_name="tiny_one_tile_bf16", T=3, H=5, K=7, S=100, A=64, R=16,
+         dtype=jnp.bfloat16),
+    dict(testcase_name="odd_tile_empty_rows_f32", T=4, H=16, K=40, S=300, A=96, R=32,
+         dtype=jnp.float32, pattern="empty_rows"),
+    dict(testcase_name="dsv32_four_tiles_bf16", T=2, H=40, K=100, S=300, A=512, R=64,
+         dtype=jnp.bfloat16),
+)
+
+
+class SparseMQAFp8RowsTest(chex.TestCase):
+
+  @parameterized.named_parameters(*FP8_CASES)
+  def test_matches_float64_of_dequantized_rows_and_reference(self, T, H, K, S, A, R, dtype,
+                                                             pattern="random"):
+    q, rows, topk = make_fp8_inputs(T + K + A, T, H, K, S, A, R, dtype, pattern)
+    sm_scale = (A + R) ** -0.5
+    out, lse = sparse_mqa(q, rows, topk, sm_scale=sm_scale, d_v=A, interpret=True)
+    chex.assert_shape(out, (T, H, A))
+    chex.assert_type(out, dtype)
+    truth = numpy_sparse_mqa(q, numpy_dequantize_rows(rows), topk, sm_scale, A)
+    assert_attention_matches(out, lse, *truth, rtol=FP8_RTOL[dtype], lse_rtol=LSE_ATOL[dtype],
+                             lse_atol=LSE_ATOL[dtype])
+    print(f"{self._testMethodName}: kernel vs float64 of the dequantized rows, relative error "
+          f"{np.linalg.norm(np.asarray(out, np.float64) - truth[0]) / np.linalg.norm(truth[0]):.2e}")
+    ref_out, ref_lse = sparse_mqa_reference(q, rows, topk, sm_scale=sm_scale, d_v=A)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    chex.assert_trees_all_close((out.astype(jnp.float32), lse),
+                                (ref_out.astype(jnp.float32), ref_lse), rtol=tol, atol=tol)
+
+  def test_equals_the_kernel_on_dequantized_rows(self):
+    """Dequantized values are exact in float32, so reading fp8 rows is reading their
+    dequantized float32 copy (to accumulation order)."""
+    q, rows, topk = make_fp8_inputs(3, 3, 20, 50, 100, 64, 16, jnp.float32)
+    config = SparseMQAKernelConfig(block_h=16, block_k=16)
+    got = sparse_mqa(q, rows, topk, sm_scale=0.1, d_v=64, config=config, interpret=True)
+    want = sparse_mqa(q, dequantize_rows(rows, jnp.float32), topk, sm_scale=0.1, d_v=64,
+                      config=config, interpret=True)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+
+  def test_backend_batched_matches_xla(self):
+    batch = [make_fp8_inputs(b, 3, 4, 7, 50, 64, 16, jnp.float32) for b in range(2)]
+    q, rows, topk = jax.tree.map(lambda *xs: jnp.stack(xs), *batch)
+    got = PallasTritonBackend(interpret=True).sparse_mqa(q, rows, topk, sm_scale=0.1, d_v=64)
+    want = XlaBackend().sparse_mqa(q, rows, topk, sm_scale=0.1, d_v=64)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+

@@ -77,7 +77,7 @@ class Backend(abc.ABC):
     """Per-sequence sparse MQA; see ``pallas_kernels.sparse_mqa_reference``."""
 
   @abc.abstractmethod
-  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T):
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None):
     """Per-sequence indexer logits; see ``pallas_kernels.indexer_logits_reference``."""
 
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
@@ -90,22 +90,31 @@ class Backend(abc.ABC):
                          check_vma=False)
 
   def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int):
-    """Returns ``(out_BTHV, lse_BTH)`` with natural-log LSE; invalid indices are -1 or >= S."""
+    """Returns ``(out_BTHV, lse_BTH)`` with natural-log LSE; invalid indices are -1 or >= S.
+
+    ``kv_BSL`` is an array or ``Fp8LatentRows`` (every part batched, sharded like an array).
+    """
     _same_batch("sparse_mqa", q_BTHL=q_BTHL, kv_BSL=kv_BSL, topk_BTK=topk_BTK)
     fn = jax.vmap(lambda q, kv, idx: self._sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v))
     return self._sharded(fn, (_HEADS, _BATCH, _BATCH), (_HEADS, _HEADS))(q_BTHL, kv_BSL,
                                                                          topk_BTK)
 
-  def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT):
+  def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None):
     """Returns float32 logits [B, T, S], -inf outside each row's ``[start, end)`` window.
 
-    On a mesh every tensor shard computes all the logits (the indexer is replicated), so
-    all shards select the same top-k.
+    ``k_scale_BS``: per-key dequant scales of fp8 keys (the fp8 queries' scales are folded
+    into ``w_BTG``). On a mesh every tensor shard computes all the logits (the indexer is
+    replicated), so all shards select the same top-k; the scales are split like the keys.
     """
     _same_batch("indexer_logits", q_BTGI=q_BTGI, k_BSI=k_BSI, w_BTG=w_BTG, starts_BT=starts_BT,
                 ends_BT=ends_BT)
-    fn = jax.vmap(self._indexer_logits)
-    return self._sharded(fn, (_BATCH,) * 5, _BATCH)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT)
+    args = (q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT)
+    if k_scale_BS is None:
+      fn = jax.vmap(self._indexer_logits)
+    else:
+      fn = jax.vmap(lambda q, k, w, s, e, ks: self._indexer_logits(q, k, w, s, e, k_scale_S=ks))
+      args += (k_scale_BS,)
+    return self._sharded(fn, (_BATCH,) * len(args), _BATCH)(*args)
 
   def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
     """Causal attention; query t of sequence b sits at position ``q_offset_B[b] + t``."""
@@ -120,7 +129,8 @@ class Backend(abc.ABC):
 def _same_batch(op: str, **arrays) -> None:
   """Every argument of a batched op leads with the same batch axis (the kernels' own checks
   then see one sequence each); a mismatch would otherwise surface as a ``vmap`` error."""
-  sizes = {name: getattr(a, "shape", ())[:1] for name, a in arrays.items()}
+  # An fp8 latent cache (``Fp8LatentRows``) leads with the batch axis in each of its parts.
+  sizes = {name: getattr(getattr(a, "values", a), "shape", ())[:1] for name, a in arrays.items()}
   first_name, first = next(iter(sizes.items()))
   for name, size in sizes.items():
     if not size or size != first:

@@ -22,7 +22,8 @@ from flax import nnx
 from mla_jax import checks, sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, StackedLayerView, bucket_rows, check_fits, init_layer_cache
+from mla_jax.cache import (LayerCache, StackedLayerView, bucket_rows, check_fits, init_layer_cache,
+                           resolve_cache_dtype)
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
@@ -50,7 +51,7 @@ class ModelCache:
 
   @property
   def capacity(self) -> int:
-    return self.groups[0][0].latent_BSL.shape[2]
+    return jax.tree.leaves(self.groups[0][0].latent_BSL)[0].shape[2]  # [reps, B, S, ...]
 
   def layer(self, index: int) -> LayerCache:
     """Layer ``index``'s cache (a slice of its group's stacked cache)."""
@@ -259,8 +260,12 @@ class CausalLM(nnx.Module):
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[rep], state))
 
   def init_cache(self, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelCache:
-    """Empty caches for every layer, placed by the cache rules on the model's mesh."""
-    checks.float_dtype(dtype, "cache dtype")
+    """Empty caches for every layer, placed by the cache rules on the model's mesh.
+
+    ``dtype``: ``"fp32" | "bf16" | "fp8"`` or a float dtype (``mla_jax.cache``); ``"fp8"``
+    holds latent rows and indexer keys in the fp8 layouts, quantized on write.
+    """
+    dtype = resolve_cache_dtype(dtype)
 
     def build():
       groups = []
@@ -409,12 +414,16 @@ def state_shardings(state: nnx.State, mesh):
 
 
 def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
-  """A ``NamedSharding`` per cache leaf: batch over ``data``, replicated elsewhere."""
+  """A ``NamedSharding`` per cache leaf: batch over ``data``, replicated elsewhere.
+
+  Every leaf of a layer's cache (fp8 scales included) has the batch axis right after the
+  stacked-layer axes, which ``lengths_B`` [reps, B] counts.
+  """
 
   def layer(c: LayerCache) -> LayerCache:
-    named = lambda field, a: (None if a is None else jax.sharding.NamedSharding(
-        mesh, sharding.cache_spec(field, a.ndim)))
-    return LayerCache(*(named(f.name, getattr(c, f.name)) for f in dataclasses.fields(c)))
+    batch_axis = c.lengths_B.ndim - 1
+    return jax.tree.map(lambda a: jax.sharding.NamedSharding(
+        mesh, sharding.cache_spec(batch_axis, a.ndim)), c)
 
   return ModelCache(tuple(tuple(layer(c) for c in unit) for unit in cache.groups), cache.layout)
 

@@ -1,0 +1,283 @@
+"""Decode step time against the live context, one optimization at a time; mla_jax vs HF eager.
+
+    python benchmarks/decode.py                            # the context sweep (~4 minutes)
+    python benchmarks/decode.py --hf-python /path/to/venv/bin/python   # + HF eager, batch 1/8/32
+
+Sweep: the ``small`` preset with ``max_position_embeddings`` raised to the largest context,
+one cache of that capacity per variant, its rows filled with random values and every
+sequence's length set so that a dispatch ends at the live context L. Each column adds one
+change to the one before:
+
+* before: the decode program as it was before caches were donated: caches not donated (every
+  step copies every layer's whole cache), attention and indexer over the whole capacity, one
+  step per dispatch. Emulated with the current program jitted without donation and
+  ``kv_rows`` = capacity (there is no flag for it in ``generate``).
+* donated: the caches donated (updated in place); still the whole capacity, one step.
+* + buckets: only the rows of the live context, rounded up to a power of two (>= 256).
+* + N per dispatch: N steps in one compiled loop (one host round trip per N tokens).
+* + fp8 cache: the latent rows and indexer keys in fp8 (e4m3 + float32 scales).
+
+Times are per decode step (one token for every sequence of the batch), the best of
+``--repeats`` dispatches after a warm-up (the variants' dispatches interleaved); the lengths
+are reset before each dispatch, so L stays fixed. This machine is shared and noisy: the best
+dispatch is the least disturbed one, and ratios within a table mean more than absolute times.
+
+HF (``--hf-python``, an interpreter with torch and transformers): ``hf_eager_decode.py``
+builds and saves a random tiny DeepSeek-V3.2 checkpoint (the tiny preset's dimensions) and
+times HF eager greedy decoding; mla_jax loads the same files and decodes the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mla_jax import generation  # noqa: E402
+from mla_jax.cache import bucket_rows  # noqa: E402
+from mla_jax.generation import SamplingConfig  # noqa: E402
+from mla_jax.models.config import small_lm  # noqa: E402
+from mla_jax.models.lm import CausalLM, ModelCache  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DECODE_STATIC = ("graphdef", "sampling", "eos_id", "steps", "kv_rows", "keep_logits")
+# The decode program without donation: "before" (the same computation, caches copied).
+_decode_copying = jax.jit(generation._decode.__wrapped__, static_argnames=DECODE_STATIC)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  name: str
+  donate: bool
+  buckets: bool
+  steps: int
+  cache_dtype: str
+
+
+def variants(steps: int) -> list[Variant]:
+  return [Variant("before", False, False, 1, "fp32"),
+          Variant("donated", True, False, 1, "fp32"),
+          Variant("+ buckets", True, True, 1, "fp32"),
+          Variant(f"+ {steps} per dispatch", True, True, steps, "fp32"),
+          Variant("+ fp8 cache", True, True, steps, "fp8")]
+
+
+def sweep_model(max_context: int) -> CausalLM:
+  config = small_lm()
+  config = dataclasses.replace(config, mla=dataclasses.replace(
+      config.mla, max_position_embeddings=max(max_context, config.mla.max_position_embeddings)))
+  return CausalLM(config, rngs=nnx.Rngs(0), backend="xla")
+
+
+def random_caches(model, batch: int, capacity: int, cache_dtype: str) -> ModelCache:
+  """A cache whose every row holds random values (positive scales), as after a long prefill."""
+  caches = model.init_cache(batch, capacity, cache_dtype)
+  leaves, tree = jax.tree_util.tree_flatten_with_path(caches)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+
+  def fill(path, leaf, key):
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+      return leaf  # lengths, set per measurement
+    x = jax.random.normal(key, leaf.shape, jnp.float32)
+    if "scales" in jax.tree_util.keystr(path):
+      x = 2.0 ** jnp.round(jnp.clip(x, -2, 2) - 6)  # powers of two, as the writes make them
+    return x.astype(leaf.dtype)
+
+  return tree.unflatten([fill(p, leaf, k) for (p, leaf), k in zip(leaves, keys)])
+
+
+def with_lengths(caches: ModelCache, length: int) -> ModelCache:
+  """The same buffers with every sequence holding ``length`` rows."""
+  return ModelCache(tuple(tuple(dataclasses.replace(
+      c, lengths_B=jnp.full(c.lengths_B.shape, length, jnp.int32)) for c in unit)
+      for unit in caches.groups), caches.layout)
+
+
+class Runner:
+  """One variant's model state, cache and compiled programs (one per bucket)."""
+
+  def __init__(self, model, variant: Variant, capacity: int, batch: int):
+    self.variant, self.capacity, self.batch = variant, capacity, batch
+    self.graphdef, self.state = nnx.split(model)
+    self.caches = random_caches(model, batch, capacity, variant.cache_dtype)
+    self.fn = generation._decode if variant.donate else _decode_copying
+    self.seed = jnp.asarray(0, jnp.uint32)
+    self.first, self.end = jnp.asarray(1, jnp.int32), jnp.asarray(2**30, jnp.int32)
+    self.programs = {}
+
+  def rows(self, context: int) -> int:
+    return bucket_rows(context, self.capacity) if self.variant.buckets else self.capacity
+
+  def _inputs(self, context: int):
+    """The caches with a dispatch's steps ending at ``context`` rows, fresh tokens/done."""
+    return (with_lengths(self.caches, context - self.variant.steps),
+            jnp.zeros((self.batch,), jnp.int32), jnp.zeros((self.batch,), bool))
+
+  def compile(self, context: int) -> None:
+    rows = self.rows(context)
+    if rows not in self.programs:
+      static = dict(sampling=SamplingConfig(), eos_id=None, steps=self.variant.steps,
+                    kv_rows=rows, keep_logits=False)
+      self.programs[rows] = self.fn.lower(self.graphdef, self.state, *self._inputs(context),
+                                          self.seed, self.first, self.end, **static).compile()
+
+  def step_seconds(self, context: int) -> float:
+    """One dispatch ending at ``context``: seconds per decode step."""
+    caches, tokens, done = self._inputs(context)
+    t0 = time.perf_counter()
+    result = self.programs[self.rows(context)](self.state, caches, tokens, done, self.seed,
+                                               self.first, self.end)
+    jax.block_until_ready(result)
+    seconds = time.perf_counter() - t0
+    self.caches = result[2]  # the donated buffers live on in the result
+    return seconds / self.variant.steps
+
+
+def measure(model, columns, contexts, batch: int, repeats: int):
+  """Seconds per step for every (variant, context): the best of ``repeats`` dispatches, the
+  variants' dispatches interleaved so that the machine's load changes hit every column alike."""
+  runners = [Runner(model, v, max(contexts), batch) for v in columns]
+  out = {v.name: {} for v in columns}
+  for context in contexts:
+    for r in runners:
+      r.compile(context)
+    times = {v.name: [] for v in columns}
+    for i in range(repeats + 1):  # the first round warms up
+      for r in runners:
+        seconds = r.step_seconds(context)
+        if i:
+          times[r.variant.name].append(seconds)
+    for name, ts in times.items():
+      out[name][context] = min(ts)
+    print(f"[context {context} measured]", file=sys.stderr, flush=True)
+  return out, {r.variant.name: len(r.programs) for r in runners}
+
+
+def sweep(args) -> None:
+  contexts = sorted(args.contexts)
+  model = sweep_model(max(contexts))
+  cfg = model.config
+  per_layer = {d: model.init_cache(1, 1, d).layer(0).bytes_per_token for d in ("fp32", "fp8")}
+  print(f"## Decode step time (ms) against the live context\n\n`small` preset "
+        f"({cfg.num_layers} layers, A={cfg.mla.kv_lora_rank}, R={cfg.mla.qk_rope_head_dim}, "
+        f"index top-k {cfg.mla.indexer.topk}), batch {args.batch}, cache capacity "
+        f"{max(contexts)}, XLA backend on {jax.devices()[0].platform}; cache bytes per token "
+        f"per layer: fp32 {per_layer['fp32']}, fp8 {per_layer['fp8']}. Best of "
+        f"{args.repeats} interleaved dispatches.\n", flush=True)
+  columns = variants(args.steps_per_dispatch)
+  results, programs = measure(model, columns, contexts, args.batch, args.repeats)
+  first, last = columns[0].name, columns[-1].name
+  print("| live context | " + " | ".join(v.name for v in columns) + f" | {first} / {last} |")
+  print("|---" * (len(columns) + 2) + "|")
+  for context in contexts:
+    cells = " | ".join(f"{results[v.name][context] * 1e3:.2f}" for v in columns)
+    print(f"| {context} | {cells} | {results[first][context] / results[last][context]:.1f}x |")
+  print("\nCompiled decode programs per column: "
+        + ", ".join(f"{name} {n}" for name, n in programs.items()) + "\n", flush=True)
+  if args.dispatch_context:
+    dispatch_table(model, args)
+
+
+def dispatch_table(model, args) -> None:
+  """Step time against the steps per dispatch, at one context (picks the default N)."""
+  context = args.dispatch_context
+  print(f"## Steps per dispatch at live context {context} (ms per step, batch {args.batch})\n")
+  counts = (1, 2, 4, 8, 16)
+  columns = [Variant(str(n), True, True, n, "fp32") for n in counts]
+  results, _ = measure(model, columns, [context], args.batch, args.repeats)
+  print("| steps per dispatch | " + " | ".join(map(str, counts)) + " |")
+  print("|---" * (len(counts) + 1) + "|")
+  print("| ms per step | " + " | ".join(f"{results[str(n)][context] * 1e3:.2f}"
+                                        for n in counts) + " |\n", flush=True)
+
+
+def mla_jax_tokens_per_s(model, ids, new_tokens: int, repeats: int, cache_dtype: str):
+  generation.generate(model, ids, new_tokens, cache_dtype=cache_dtype)  # compiles
+  runs = [generation.generate(model, ids, new_tokens, cache_dtype=cache_dtype)
+          for _ in range(repeats)]
+  return max(r.decode_tokens_per_s for r in runs), runs[0].tokens
+
+
+def hf_comparison(args) -> None:
+  sys.path.insert(0, HERE)
+  from hf_eager_decode import prompts
+
+  from mla_jax.checkpoints import load_pretrained
+
+  with tempfile.TemporaryDirectory() as ckpt:
+    command = [args.hf_python, os.path.join(HERE, "hf_eager_decode.py"), ckpt,
+               "--batches", *map(str, args.hf_batches), "--new-tokens", str(args.new_tokens),
+               "--prompt-len", str(args.prompt_len), "--repeats", str(args.repeats_hf)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+      raise SystemExit(f"--hf-python {args.hf_python} failed:\n{done.stderr[-3000:]}")
+    hf = json.loads(done.stdout.strip().splitlines()[-1])
+    model = load_pretrained(ckpt, dtype=jnp.float32, backend="xla")
+  ids = prompts(0, max(args.hf_batches), args.prompt_len)
+  print(f"## Greedy decode tokens/s: mla_jax vs HF transformers eager\n\nThe same random tiny "
+        f"DeepSeek-V3.2 checkpoint (tiny preset dimensions, float32), prompts of "
+        f"{args.prompt_len} tokens, {args.new_tokens} new tokens; decode only (prefill and "
+        f"compile excluded), the best of {args.repeats_hf} runs after a warm-up on each side (the "
+        f"machine is shared: the best run is the least disturbed one). HF: torch "
+        f"{hf['torch']}, transformers {hf['transformers']}, {hf['threads']} threads, eager "
+        f"attention with its KV cache. mla_jax: XLA backend, "
+        f"{generation.DEFAULT_STEPS_PER_DISPATCH} steps per dispatch.\n")
+  print("| batch | HF eager | mla_jax fp32 cache | ratio | mla_jax fp8 cache | ratio |")
+  print("|---|---|---|---|---|---|")
+  agreement = None
+  for batch in args.hf_batches:
+    hf_tps = hf["tokens_per_s"][str(batch)]
+    fp32, tokens = mla_jax_tokens_per_s(model, ids[:batch], args.new_tokens, args.repeats_hf,
+                                        "fp32")
+    fp8, _ = mla_jax_tokens_per_s(model, ids[:batch], args.new_tokens, args.repeats_hf, "fp8")
+    if batch == 1:
+      same = np.asarray(tokens[0]) == np.asarray(hf["tokens"])
+      agreement = len(same) if same.all() else int(same.argmin())
+    print(f"| {batch} | {hf_tps:.0f} | {fp32:.0f} | {fp32 / hf_tps:.1f}x | {fp8:.0f} | "
+          f"{fp8 / hf_tps:.1f}x |", flush=True)
+  if agreement is not None:
+    print(f"\nBatch 1, fp32 cache: the first {agreement} of {args.new_tokens} greedy tokens equal "
+          "HF's (after a first difference the sequences part; logit parity is "
+          "tests/test_hf_parity.py's job).\n")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--contexts", type=int, nargs="+",
+                      default=[256, 1024, 4096, 16384, 32768])
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--steps-per-dispatch", type=int,
+                      default=generation.DEFAULT_STEPS_PER_DISPATCH)
+  parser.add_argument("--dispatch-context", type=int, default=1024,
+                      help="context of the steps-per-dispatch table (0: no table)")
+  parser.add_argument("--hf-python", help="a Python with torch and transformers: adds the HF "
+                                          "eager comparison")
+  parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 32])
+  parser.add_argument("--prompt-len", type=int, default=32)
+  parser.add_argument("--new-tokens", type=int, default=32)
+  parser.add_argument("--repeats-hf", type=int, default=5)
+  parser.add_argument("--no-sweep", action="store_true", help="only the HF comparison")
+  args = parser.parse_args(argv)
+  if min(args.contexts) <= args.steps_per_dispatch:
+    parser.error(f"every context must exceed --steps-per-dispatch {args.steps_per_dispatch}")
+  if not args.no_sweep:
+    sweep(args)
+  if args.hf_python:
+    hf_comparison(args)
+
+
+if __name__ == "__main__":
+  main()
