@@ -141,11 +141,14 @@ def test_fp8_writes_update_the_cache_in_place():
   assert not whole, whole
 
 
-@pytest.mark.parametrize("value", ["fp4", "float32", jnp.int8, jnp.float8_e5m2, None, 3])
-def test_bad_cache_dtype(value):
-  with pytest.raises(ValueError, match="cache_dtype must be one of"):
+@pytest.mark.parametrize("value, error, message", [
+    ("fp4", ValueError, "must be one of"), ("float32", ValueError, "must be one of"),
+    (jnp.float8_e5m2, ValueError, "must be one of"), (None, ValueError, "must be one of"),
+    (jnp.int8, TypeError, "must be a floating dtype"), (3, TypeError, "must be a floating dtype")])
+def test_bad_cache_dtype(value, error, message):
+  with pytest.raises(error, match="cache dtype " + message):
     init_layer_cache(m.tiny(), 1, 8, value)
-  with pytest.raises(ValueError, match="cache_dtype must be one of"):
+  with pytest.raises(error, match="cache_dtype " + message):
     generation.generate(_model("tiny"), [[1, 2]], 3, cache_dtype=value)
 
 
