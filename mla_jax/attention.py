@@ -168,6 +168,26 @@ class MLAAttentionBase(nnx.Module):
 
   # ---- the call --------------------------------------------------------------------------
 
+  def project(self, x_BTD, positions_BT):
+    """The query and latent projections of tokens at ``positions_BT``.
+
+    Returns ``(q_resid_BTC, q_nope_BTHN, q_pe_BTHR, latent_BTL)``: the normalised query
+    latent (the indexer's input), the no-RoPE and rotated query parts per head, and the cache
+    rows [normalised c_kv | rotated k_pe].
+    """
+    c = self.config
+    b, t, _ = x_BTD.shape
+    q_resid_BTC = self.q_a_layernorm(self.q_a_proj(x_BTD))
+    q_BTHQ = self.q_b_proj(q_resid_BTC).reshape(b, t, c.num_heads, c.qk_head_dim)
+    q_pe_BTHR = apply_rope(q_BTHQ[..., c.qk_nope_head_dim:], positions_BT, c.rope,
+                           interleaved=True, max_position=c.max_position_embeddings)
+    kv_BTL = self.kv_a_proj_with_mqa(x_BTD)
+    c_kv_BTA = self.kv_a_layernorm(kv_BTL[..., :c.kv_lora_rank])
+    k_pe_BTR = apply_rope(kv_BTL[..., c.kv_lora_rank:], positions_BT, c.rope, interleaved=True,
+                          max_position=c.max_position_embeddings)
+    return (q_resid_BTC, q_BTHQ[..., :c.qk_nope_head_dim], q_pe_BTHR,
+            jnp.concatenate([c_kv_BTA, k_pe_BTR], -1))
+
   def _validate(self, x_BTD, cache: LayerCache, new_lens_B):
     c = self.config
     if x_BTD.ndim != 3 or x_BTD.shape[-1] != c.hidden_size:
@@ -260,15 +280,7 @@ class MLAAttentionBase(nnx.Module):
     route = self.prefill_route(t, cached_bound, force_mqa=force_mqa)
     positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
-    q_resid_BTC = self.q_a_layernorm(self.q_a_proj(x_BTD))
-    q_BTHQ = self.q_b_proj(q_resid_BTC).reshape(b, t, c.num_heads, c.qk_head_dim)
-    q_nope_BTHN = q_BTHQ[..., :c.qk_nope_head_dim]
-    q_pe_BTHR = apply_rope(q_BTHQ[..., c.qk_nope_head_dim:], positions_BT, c.rope,
-                           interleaved=True, max_position=c.max_position_embeddings)
-    kv_BTL = self.kv_a_proj_with_mqa(x_BTD)
-    c_kv_BTA = self.kv_a_layernorm(kv_BTL[..., :c.kv_lora_rank])
-    k_pe_BTR = apply_rope(kv_BTL[..., c.kv_lora_rank:], positions_BT, c.rope, interleaved=True,
-                          max_position=c.max_position_embeddings)
+    q_resid_BTC, q_nope_BTHN, q_pe_BTHR, latent_BTL = self.project(x_BTD, positions_BT)
 
     index_x_BTD, index_q_BTC = x_BTD, q_resid_BTC
     if indexer_loss is not None:  # the indexer learns only from its own KL
@@ -279,7 +291,7 @@ class MLAAttentionBase(nnx.Module):
     if self.indexer is not None:
       with jax.named_scope("indexer_cache_update"):
         keys_BTI = self.indexer.keys(index_x_BTD, positions_BT)
-    new_cache = cache.write(jnp.concatenate([c_kv_BTA, k_pe_BTR], -1), keys_BTI, new_lens_B)
+    new_cache = cache.write(latent_BTL, keys_BTI, new_lens_B)
     kv_len_B = new_cache.lengths_B
     index_logits_BTS = None
     if indexer_loss is not None and self.indexer is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mla_jax.attention import AttentionOutput, DeepseekV32Attention
-from mla_jax.rope import apply_rope
 
 
 class MisroutedV32Attention(DeepseekV32Attention):
@@ -31,23 +30,14 @@ class MisroutedV32Attention(DeepseekV32Attention):
                            and num_cached_tokens is not None
                            and num_cached_tokens + t <= c.indexer.topk)
     positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    q_resid_BTC = self.q_a_layernorm(self.q_a_proj(x_BTD))
-    q_BTHQ = self.q_b_proj(q_resid_BTC).reshape(b, t, c.num_heads, c.qk_head_dim)
-    q_pe_BTHR = apply_rope(q_BTHQ[..., c.qk_nope_head_dim:], positions_BT, c.rope,
-                           interleaved=True, max_position=c.max_position_embeddings)
-    kv_BTL = self.kv_a_proj_with_mqa(x_BTD)
-    c_kv_BTA = self.kv_a_layernorm(kv_BTL[..., :c.kv_lora_rank])
-    k_pe_BTR = apply_rope(kv_BTL[..., c.kv_lora_rank:], positions_BT, c.rope, interleaved=True,
-                          max_position=c.max_position_embeddings)
-    new_cache = cache.write(jnp.concatenate([c_kv_BTA, k_pe_BTR], -1),
-                            self.indexer.keys(x_BTD, positions_BT), new_lens_B)
+    q_resid_BTC, q_nope_BTHN, q_pe_BTHR, latent_BTL = self.project(x_BTD, positions_BT)
+    new_cache = cache.write(latent_BTL, self.indexer.keys(x_BTD, positions_BT), new_lens_B)
     latent_BSL, keys_BSI = new_cache.rows(cache.capacity if kv_rows is None else kv_rows)
     if metadata_says_dense:  # scoring skipped: the buffer keeps its -1 fill
       topk_BTK = jnp.full((b, t, c.indexer.topk), -1, jnp.int32)
     else:
       topk_BTK = self.indexer.select(x_BTD, q_resid_BTC, positions_BT, keys_BSI, self.backend,
                                      chunk_size=self.index_chunk_size)
-    o_BTHV = self.forward_mqa(q_BTHQ[..., :c.qk_nope_head_dim], q_pe_BTHR, latent_BSL,
-                              topk_BTK)  # always MQA
+    o_BTHV = self.forward_mqa(q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK)  # always MQA
     out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))
     return AttentionOutput(out_BTD, new_cache, topk_BTK)
