@@ -322,8 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
   args = build_parser().parse_args(argv)
-  if getattr(args, "dtype", None) == "fp8" and not args.checkpoint and \
-      args.preset not in TRAINED_PRESETS:
+  if args.command == "generate" and args.dtype == "fp8" and not args.checkpoint:
     raise SystemExit("error: --dtype fp8 keeps a checkpoint's float8 weights; it needs "
                      "--checkpoint (the presets have none)")
   try:

@@ -55,3 +55,17 @@ def test_routes_demo(capsys):
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1")]
   assert any("dense_mha | no | sparse_mqa | yes" in row for row in rows)
   assert any(row.startswith("| 17 | sparse_mqa | yes | sparse_mqa | yes | 0.00e+00") for row in rows)
+
+
+def test_plan_with_fp8_weights(capsys):
+  """``--dtype`` also belongs to ``plan``, where fp8 needs no checkpoint."""
+  assert cli.main(["plan", "--model", "deepseek_v32", "--mesh", "data=1,tensor=2,expert=8",
+                   "--dtype", "fp8"]) == 0
+  out = capsys.readouterr().out
+  assert "| deepseek_v32 | data=1,tensor=2,expert=8 | fp8 |" in out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "recall"])
+def test_fp8_weights_need_a_checkpoint(preset, capsys):
+  with pytest.raises(SystemExit, match="needs --checkpoint"):
+    cli.main(["generate", "--preset", preset, "--dtype", "fp8"])
