@@ -19,6 +19,7 @@ kernel, so every check sits outside the kernels.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,31 @@ def float_dtype(dtype, name: str) -> jnp.dtype:
   return resolved
 
 
-def _is_concrete(*values) -> bool:
-  return not any(isinstance(v, jax.core.Tracer) for v in values)
+def is_traced(*values) -> bool:
+  """Whether any of ``values`` is a tracer (its value is only known when the program runs)."""
+  return any(isinstance(v, jax.core.Tracer) for v in values)
+
+
+def is_int(value) -> bool:
+  """A Python or NumPy integer, not a bool (``True`` is an ``int`` to Python)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def static_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None,
+               wrong_type: type[Exception] = TypeError) -> int:
+  """``value`` as a Python int in ``[minimum, maximum]``, or an error naming ``name``.
+
+  NumPy integer scalars are accepted (and converted), bools, floats, strings and traced values
+  are ``wrong_type``; an int out of range is a ``ValueError``.
+  """
+  if not is_int(value):
+    raise wrong_type(f"{name} must be a static int, got {type(value).__name__} {value!r}")
+  value = int(value)
+  if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    bounds = (f"in [{minimum}, {maximum}]" if minimum is not None and maximum is not None
+              else f">= {minimum}" if minimum is not None else f"<= {maximum}")
+    raise ValueError(f"{name} must be an int {bounds}, got {value}")
+  return value
 
 
 def check(pred, message: str, *values, error: type[CheckError] = CheckError) -> None:
@@ -64,7 +88,7 @@ def check(pred, message: str, *values, error: type[CheckError] = CheckError) -> 
 
   ``pred`` is a scalar bool (array); ``values`` are scalar arrays named in ``message``.
   """
-  if _is_concrete(pred, *values):
+  if not is_traced(pred, *values):
     if not bool(pred):
       raise error(message.format(*(np.asarray(v).item() for v in values)))
     return
@@ -122,7 +146,7 @@ def checked(fn):
 
 def _on_host_or_traced(*arrays):
   """NumPy and host copies of concrete arrays; jnp and the arrays themselves when traced."""
-  if _is_concrete(*arrays):
+  if not is_traced(*arrays):
     return np, tuple(sharding.fetch(a) for a in arrays)
   return jnp, tuple(jnp.asarray(a) for a in arrays)
 
