@@ -101,12 +101,12 @@ def layer_inputs(model: CausalLM, ids: list[int]) -> list[np.ndarray]:
   ids_BT = jnp.asarray([ids], jnp.int32)
   caches = model.init_cache(1, len(ids))
   h_BTD = model.model.embed_tokens(ids_BT)
+  plan = model.step_plan(len(ids), 0, capacity=len(ids), force_mqa=True)
   inputs = []
   for i in range(model.config.num_layers):
     layer = model.layer_module(i)
     inputs.append(np.asarray(layer.input_layernorm(h_BTD)[0], np.float64))
-    h_BTD, _, _ = layer(h_BTD, caches.layer(i), new_lens_B=None, num_cached_tokens=0,
-                        force_mqa=True, shared_topk_BTK=None)
+    h_BTD, _, _ = layer(h_BTD, caches.layer(i), plan)
   return inputs
 
 

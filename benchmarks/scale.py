@@ -26,7 +26,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from mla_jax import sharding  # noqa: E402
-from mla_jax.backends import XlaBackend  # noqa: E402
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig  # noqa: E402
 from mla_jax.generation import generate  # noqa: E402
 from mla_jax.models.config import ModelConfig, MoEConfig, small_lm  # noqa: E402
@@ -115,8 +114,8 @@ def _moe_row(x, num_experts, ffn, top, repeats):
                   n_shared_experts=0, moe_intermediate_size=ffn)
   times = []
   for impl in ("tiled", "ragged_dot", "all"):
-    backend = XlaBackend(grouped_matmul="tiled" if impl == "all" else impl)
-    graphdef, state = nnx.split(MoE(hidden, cfg, rngs=nnx.Rngs(0), backend=backend))
+    graphdef, state = nnx.split(MoE(hidden, cfg, rngs=nnx.Rngs(0),
+                                    grouped_matmul="tiled" if impl == "all" else impl))
     if impl == "all":
       fn = jax.jit(lambda s, x: _all_experts(nnx.merge(graphdef, s), x))
     else:

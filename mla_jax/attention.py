@@ -1,14 +1,18 @@
 """MLA attention modules: the dense-capable ``MLAAttention`` and MQA-only ``DeepseekV32Attention``.
 
-One prefill flows as (docs/design.md §2, §6): project q and the latent, write the latent cache and
-the indexer key cache (always), resolve the route in Python, then run exactly one of
+A call (docs/design.md §2, §6) reads one ``StepPlan`` (``mla_jax.step_plan``), resolved in
+Python before tracing: a model builds it once per step, a standalone layer call builds its own.
+The layer then *prepares* (validates, projects q and the latent, writes the latent cache and
+the indexer key cache: always, on every route) and runs exactly one route function:
 
 * DENSE_MHA  - decompress per-head K/V from the latent, causal attention  (``mla_dense_mha``)
 * SPARSE_MQA - indexer top-k (``indexer_score``), absorbed MQA over those rows (``mla_sparse_mqa``)
 * DENSE_MQA  - absorbed MQA over every causal row, for MLA without an indexer (``mla_dense_mqa``)
 
-Only the chosen branch is traced. A class whose ``supports_dense_mha_prefill`` is False has
-no ``forward_mha`` at all, and declaring True without one is a ``TypeError`` at class definition.
+Only the chosen function is traced. The dense route is a method of the dense-capable class
+alone (``forward_mha``): ``DeepseekV32Attention`` derives from the base and has none, declaring
+the capability without the method is a ``TypeError`` at class definition, and a plan with the
+dense route cannot be built for a class or backend without the capability.
 """
 
 from __future__ import annotations
@@ -18,32 +22,42 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from mla_jax import checks
+from mla_jax import checks, losses, sharding
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import LayerCache, StackedLayerView, check_fits, check_layout
+from mla_jax.backends.on_mesh import MeshOps
+from mla_jax.cache import CacheView, check_fits, check_layout
 from mla_jax.config import MLAConfig
 from mla_jax.fp8_cache import Fp8LatentRows, dense_latent
 from mla_jax.indexer import Indexer, topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
-from mla_jax.routing import (PrefillRoute, dense_mha_allowed, resolve_prefill_route,
-                             static_count)
-from mla_jax.training import losses
+from mla_jax.routing import PrefillRoute, dense_mha_allowed, resolve_prefill_route, static_count
+from mla_jax.step_plan import INDEXER_LOSSES, StepPlan, plan_step
 
 logger = logging.getLogger("mla_jax")
-_warned_mqa_only: set[tuple[str, str]] = set()
-
-INDEXER_LOSSES = (None, "dense", "sparse")
-
+_logged_mqa_only: set[tuple[str, str]] = set()
 
 class AttentionOutput(NamedTuple):
   out_BTD: jax.Array
-  cache: LayerCache
+  cache: CacheView
   topk_BTK: jax.Array | None  # the indices this call attended over; None on DENSE_MHA
   indexer_loss: jax.Array | None = None  # the indexer's KL when asked for; see __call__
+
+
+class PreparedStep(NamedTuple):
+  """What every route starts from: projections, positions and the caches already written."""
+
+  x_BTD: jax.Array
+  positions_BT: jax.Array
+  q_resid_BTC: jax.Array       # the normalised query latent (the indexer's input)
+  q_nope_BTHN: jax.Array
+  q_pe_BTHR: jax.Array
+  cached_lengths_B: jax.Array  # before this step's rows were written
+  new_lens_B: jax.Array
+  cache: CacheView             # with this step's rows written
+  index_logits_BTS: jax.Array | None  # every causal score, only when an indexer loss is asked
 
 
 def causal_indices(positions_BT, num_rows: int):
@@ -52,20 +66,15 @@ def causal_indices(positions_BT, num_rows: int):
   return jnp.where(s_S[None, None, :] <= positions_BT[..., None], s_S, -1)
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
 class MLAAttentionBase(nnx.Module):
-  """Projections, caches, the indexer and the absorbed-MQA path shared by every MLA layer.
+  """Projections, caches, the indexer and the absorbed-MQA routes shared by every MLA layer.
 
   Attributes:
     supports_dense_mha_prefill: whether this layer's semantics allow the dense-MHA prefill.
-      Subclasses that declare True must define ``forward_mha``.
+      Subclasses that declare True must define ``forward_mha`` (the DENSE_MHA route).
   """
 
   supports_dense_mha_prefill: ClassVar[bool] = False
-  forward_mha = None  # the dense path; only dense-capable classes define it
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -74,13 +83,14 @@ class MLAAttentionBase(nnx.Module):
                       "implements no forward_mha (dense MHA prefill path)")
 
   def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
-               param_dtype=jnp.float32, index_chunk_size: int = 2048,
+               mesh=None, param_dtype=jnp.float32, index_chunk_size: int = 2048,
                shares_topk: bool = False):
     """
     Args:
       config: the layer's dims; ``config.indexer`` makes it a sparse (DSA) layer.
-      rngs: parameter initialization.
-      backend: ``"auto" | "xla" | "pallas"`` or a ``Backend`` instance.
+      rngs: parameter initialization (an ``nnx.Rngs``).
+      backend: ``"auto" | "xla" | "pallas"`` or a ``Backend`` instance (kernels only).
+      mesh: run the attention ops sharded over this device mesh (None: one device).
       param_dtype: parameter dtype (the indexer's ``weights_proj`` stays float32).
       index_chunk_size: query rows scored per block of indexer logits.
       shares_topk: an IndexShare "shared" layer (GLM-5.2): no indexer weights or key cache of
@@ -92,22 +102,23 @@ class MLAAttentionBase(nnx.Module):
     """
     if not isinstance(config, MLAConfig):
       raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}")
-    if (not isinstance(index_chunk_size, int) or isinstance(index_chunk_size, bool)
-        or index_chunk_size <= 0):
-      raise ValueError(f"index_chunk_size must be a positive int, got {index_chunk_size!r}")
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
+    checks.static_int(index_chunk_size, "index_chunk_size", minimum=1, wrong_type=ValueError)
     checks.float_dtype(param_dtype, "param_dtype")
     c = config
     self.config = c
     self.backend = get_backend(backend)
-    self.index_chunk_size = index_chunk_size
+    self.ops = MeshOps(self.backend, mesh)
+    self.index_chunk_size = int(index_chunk_size)
     # No dense prefill path object at all unless both the layer class and backend allow it.
-    self.dense_prefill_backend = self.backend if dense_mha_allowed(self, self.backend) else None
+    self.dense_prefill_backend = self.ops if dense_mha_allowed(self, self.backend) else None
     if c.indexer is not None and self.dense_prefill_backend is None:
       key = (type(self).__name__, type(self.backend).__name__)
-      if key not in _warned_mqa_only:
-        _warned_mqa_only.add(key)
-        logger.warning("%s on backend %s has no dense-MHA prefill path; sparse MLA prefill "
-                       "uses the top-k MQA path only", *key)
+      if key not in _logged_mqa_only:
+        _logged_mqa_only.add(key)
+        logger.info("%s on backend %s has no dense-MHA prefill path; sparse MLA prefill "
+                    "uses the top-k MQA path only", *key)
     self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, rngs=rngs, param_dtype=param_dtype)
     self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.latent_norm_eps, param_dtype=param_dtype)
     self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, rngs=rngs,
@@ -125,6 +136,10 @@ class MLAAttentionBase(nnx.Module):
     self.indexer = (Indexer(c, rngs=rngs, param_dtype=param_dtype)
                     if c.indexer is not None and not shares_topk else None)
 
+  @property
+  def mesh(self):
+    return self.ops.mesh
+
   # ---- routing -------------------------------------------------------------------------
 
   def prefill_route(self, num_new_tokens: int, num_cached_tokens: int | None = 0, *,
@@ -132,6 +147,15 @@ class MLAAttentionBase(nnx.Module):
     """The route a call with these static counts takes (None cached: unknown, so MQA)."""
     return resolve_prefill_route(self, self.backend, num_new_tokens=num_new_tokens,
                                  num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
+
+  def step_plan(self, num_new_tokens: int, num_cached_tokens: int | None, *, capacity: int,
+                kv_rows: int | None = None, force_mqa: bool = False,
+                indexer_loss: str | None = None) -> StepPlan:
+    """The plan of a standalone call of this layer (``kv_rows`` defaults to ``capacity``)."""
+    return plan_step([self], self.backend, num_new_tokens=num_new_tokens,
+                     num_cached_tokens=num_cached_tokens, capacity=capacity,
+                     kv_rows=capacity if kv_rows is None else kv_rows, force_mqa=force_mqa,
+                     indexer_loss=indexer_loss)
 
   # ---- the absorbed form -----------------------------------------------------------------
 
@@ -160,9 +184,9 @@ class MLAAttentionBase(nnx.Module):
     q_BTHL = self._absorbed_query(q_nope_BTHN, q_pe_BTHR)
     if not isinstance(latent_BSL, Fp8LatentRows):  # fp8 rows are dequantized by the backend
       latent_BSL = latent_BSL.astype(dtype)
-    out_lat_BTHA, _ = self.backend.sparse_mqa(q_BTHL, latent_BSL, topk_BTK,
-                                              sm_scale=self.config.softmax_scale,
-                                              d_v=self.config.kv_lora_rank)
+    out_lat_BTHA, _ = self.ops.sparse_mqa(q_BTHL, latent_BSL, topk_BTK,
+                                          sm_scale=self.config.softmax_scale,
+                                          d_v=self.config.kv_lora_rank)
     return jnp.einsum("btha,hva->bthv", out_lat_BTHA, w_uv_HVA.astype(dtype),
                       preferred_element_type=jnp.float32).astype(dtype)
 
@@ -188,15 +212,18 @@ class MLAAttentionBase(nnx.Module):
     return (q_resid_BTC, q_BTHQ[..., :c.qk_nope_head_dim], q_pe_BTHR,
             jnp.concatenate([c_kv_BTA, k_pe_BTR], -1))
 
-  def _validate(self, x_BTD, cache: LayerCache, new_lens_B):
+  def _validate(self, x_BTD, cache: CacheView, new_lens_B):
     c = self.config
-    if x_BTD.ndim != 3 or x_BTD.shape[-1] != c.hidden_size:
-      raise ValueError(f"x must be [batch, tokens, {c.hidden_size}], got shape {x_BTD.shape}")
+    if getattr(x_BTD, "ndim", None) != 3 or x_BTD.shape[-1] != c.hidden_size:
+      raise ValueError(f"x must be [batch, tokens, {c.hidden_size}], got shape "
+                       f"{getattr(x_BTD, 'shape', None)}")
+    if x_BTD.shape[0] == 0:
+      raise ValueError("x must hold at least one sequence (the batch is empty)")
     if x_BTD.shape[1] == 0:
       raise ValueError("x must hold at least one token")
     if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
       raise TypeError(f"x must be a floating dtype, got {x_BTD.dtype}")
-    if not isinstance(cache, (LayerCache, StackedLayerView)):
+    if not isinstance(cache, CacheView):
       raise TypeError(f"cache must be a LayerCache, got {type(cache).__name__}")
     if cache.batch_size != x_BTD.shape[0] or cache.latent_dim != c.latent_dim:
       raise ValueError(f"cache of {cache.batch_size} sequences with rows {cache.latent_dim} "
@@ -214,47 +241,23 @@ class MLAAttentionBase(nnx.Module):
     checks.lengths_valid(cache.lengths_B, new_lens_B, c.max_position_embeddings)
     check_fits(cache, new_lens_B)
 
-  def _cached_bound(self, cache: LayerCache, num_cached_tokens):
-    """The static cached-length bound for routing, checked against the lengths."""
-    bound = static_count(num_cached_tokens, "num_cached_tokens")
-    if bound is not None:
-      checks.within_cached_bound(cache.lengths_B, bound)
-    elif _is_concrete(cache.lengths_B):
-      return int(np.asarray(cache.lengths_B).max())
-    return bound
-
-  def _read_rows(self, cache, kv_rows, t: int, cached_bound) -> int:
-    """How many cache rows attention reads: ``kv_rows`` (static), checked, or the capacity."""
-    if kv_rows is None:
-      return cache.capacity
-    if not isinstance(kv_rows, int) or isinstance(kv_rows, bool) or \
-        not 0 < kv_rows <= cache.capacity:
-      raise ValueError(f"kv_rows must be an int in [1, capacity={cache.capacity}], got "
-                       f"{kv_rows!r}")
-    if cached_bound is not None and cached_bound + t > kv_rows:
-      raise ValueError(f"kv_rows={kv_rows} is fewer than the {cached_bound} cached + {t} new "
-                       "rows this step can reach")
-    return kv_rows
-
-  def __call__(self, x_BTD, cache: LayerCache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa: bool = False, shared_topk_BTK=None,
-               kv_rows: int | None = None,
-               indexer_loss: str | None = None) -> AttentionOutput:
+  def __call__(self, x_BTD, cache: CacheView, *, new_lens_B=None, plan: StepPlan | None = None,
+               num_cached_tokens=None, force_mqa: bool = False, kv_rows: int | None = None,
+               indexer_loss: str | None = None, shared_topk_BTK=None) -> AttentionOutput:
     """Attends ``x_BTD`` (after the layer's input norm) and appends it to ``cache``.
 
     Args:
       x_BTD: hidden states; row t of sequence b sits at position ``cache.lengths_B[b] + t``.
-      cache: this layer's cache; returned updated in the output.
+      cache: this layer's cache (a ``LayerCache``, or a layer of a stacked one); returned
+        updated in the output.
       new_lens_B: valid tokens per sequence (right padding beyond); default all T.
+      plan: the step's ``StepPlan`` (a model passes its own). Without one the call builds
+        its plan from the static settings below; with one, they must be left unset.
       num_cached_tokens: static upper bound on ``cache.lengths_B``. When None it is read
         from concrete lengths; under ``jit`` it is unknown and the route is MQA (decode).
       force_mqa: never take the dense-MHA route.
-      shared_topk_BTK: for a ``shares_topk`` layer, the indices its full layer selected in
-        this same step; required on the sparse route, unused on the dense one.
       kv_rows: static number of cache rows attention and the indexer read (rows past it are
         never touched); it must cover every row this step can reach. None: the capacity.
-        Generation passes the live context rounded up to a bucket, so the work of a step
-        follows the live context, not the capacity.
       indexer_loss: training only (static). ``"dense"``: the indexer's KL against the
         head-summed main attention over every causal key (DeepSeek-V3.2's warm-up);
         ``"sparse"``: the same KL over the keys this call attended (its top-k set, or every
@@ -262,88 +265,119 @@ class MLAAttentionBase(nnx.Module):
         main graph, so the indexer learns only from its KL and the rest of the layer only
         from the loss on ``out_BTD``. The output's ``indexer_loss`` is the KL's mean over
         real tokens, or None for a layer without an indexer of its own.
+      shared_topk_BTK: for a ``shares_topk`` layer, the indices its full layer selected in
+        this same step; required on the sparse route, unused on the dense one.
     """
-    c = self.config
     if indexer_loss not in INDEXER_LOSSES:
       raise ValueError(f"indexer_loss must be one of {INDEXER_LOSSES}, got {indexer_loss!r}")
     if getattr(x_BTD, "ndim", None) != 3:
-      raise ValueError(f"x must be [batch, tokens, {c.hidden_size}], got shape "
+      raise ValueError(f"x must be [batch, tokens, {self.config.hidden_size}], got shape "
                        f"{getattr(x_BTD, 'shape', None)}")
     b, t, _ = x_BTD.shape
-    if new_lens_B is None:
-      new_lens_B = jnp.full((b,), t, jnp.int32)
-    new_lens_B = jnp.asarray(new_lens_B)
+    new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
     self._validate(x_BTD, cache, new_lens_B)
-    new_lens_B = new_lens_B.astype(jnp.int32)
-    cached_bound = self._cached_bound(cache, num_cached_tokens)
-    num_rows = self._read_rows(cache, kv_rows, t, cached_bound)
-    route = self.prefill_route(t, cached_bound, force_mqa=force_mqa)
+    if plan is None:
+      bound = static_count(num_cached_tokens, "num_cached_tokens")
+      if bound is None and not checks.is_traced(cache.lengths_B):
+        bound = int(sharding.fetch(cache.lengths_B).max())
+      plan = self.step_plan(t, bound, capacity=cache.capacity, kv_rows=kv_rows,
+                            force_mqa=force_mqa, indexer_loss=indexer_loss)
+    elif (num_cached_tokens, force_mqa, kv_rows, indexer_loss) != (None, False, None, None):
+      raise ValueError("pass either a plan or the static settings it is built from "
+                       "(num_cached_tokens, force_mqa, kv_rows, indexer_loss), not both")
+    return self._run(x_BTD, cache, plan, new_lens_B.astype(jnp.int32), shared_topk_BTK)
+
+  def attend(self, x_BTD, cache: CacheView, plan: StepPlan, *, new_lens_B=None,
+             shared_topk_BTK=None) -> AttentionOutput:
+    """The call inside a model, with the model's ``plan`` (``new_lens_B`` None: all T)."""
+    if new_lens_B is None:
+      new_lens_B = jnp.full(x_BTD.shape[:1], x_BTD.shape[1], jnp.int32)
+    self._validate(x_BTD, cache, new_lens_B)
+    return self._run(x_BTD, cache, plan, new_lens_B.astype(jnp.int32), shared_topk_BTK)
+
+  def _run(self, x_BTD, cache, plan: StepPlan, new_lens_B, shared_topk_BTK) -> AttentionOutput:
+    step = self._prepare(x_BTD, cache, plan, new_lens_B)
+    if plan.route is PrefillRoute.DENSE_MHA:
+      topk_BTK = None
+      with jax.named_scope(plan.route.scope):
+        o_BTHV = self.forward_mha(step, plan)  # only dense-capable classes have it
+    else:
+      if plan.route is PrefillRoute.SPARSE_MQA:
+        topk_BTK = self._select(step, plan, shared_topk_BTK)
+      else:
+        topk_BTK = causal_indices(step.positions_BT, plan.kv_rows)
+      checks.rows_attend(topk_BTK, new_lens_B)
+      latent_BSL, _ = step.cache.rows(plan.kv_rows)
+      with jax.named_scope(plan.route.scope):
+        o_BTHV = self.forward_mqa(step.q_nope_BTHN, step.q_pe_BTHR, latent_BSL, topk_BTK)
+    c = self.config
+    b, t, _ = x_BTD.shape
+    out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))
+    loss = None
+    if step.index_logits_BTS is not None:
+      # The sparse KL runs over the set attended: top-k rows, or all causal keys when dense.
+      loss = self._indexer_kl(step, plan, topk_BTK if plan.indexer_loss == "sparse" else None)
+    return AttentionOutput(out_BTD, step.cache, topk_BTK, loss)
+
+  def _prepare(self, x_BTD, cache, plan: StepPlan, new_lens_B) -> PreparedStep:
+    """Checks the plan against this call, projects, and writes both caches (every route)."""
+    plan.check_layer(self)
+    t = x_BTD.shape[1]
+    if plan.num_new_tokens != t:
+      raise ValueError(f"the step plan is for {plan.num_new_tokens} new tokens, x holds {t}")
+    if plan.kv_rows > cache.capacity:
+      raise ValueError(f"kv_rows must be an int in [1, capacity={cache.capacity}], got "
+                       f"{plan.kv_rows!r}")
+    if plan.route.needs_topk != (self.config.indexer is not None) and \
+        plan.route is not PrefillRoute.DENSE_MHA:
+      raise ValueError(f"route {plan.route.name} does not fit a layer "
+                       f"{'with' if self.config.indexer else 'without'} an indexer")
+    if plan.cached_bound is not None:
+      checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
     positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-
     q_resid_BTC, q_nope_BTHN, q_pe_BTHR, latent_BTL = self.project(x_BTD, positions_BT)
-
     index_x_BTD, index_q_BTC = x_BTD, q_resid_BTC
-    if indexer_loss is not None:  # the indexer learns only from its own KL
+    if plan.indexer_loss is not None:  # the indexer learns only from its own KL
       index_x_BTD, index_q_BTC = jax.lax.stop_gradient((x_BTD, q_resid_BTC))
-
     # Both caches are written before any routing consequence: decode reads them later.
     keys_BTI = None
     if self.indexer is not None:
       with jax.named_scope("indexer_cache_update"):
         keys_BTI = self.indexer.keys(index_x_BTD, positions_BT)
     new_cache = cache.write(latent_BTL, keys_BTI, new_lens_B)
-    kv_len_B = new_cache.lengths_B
     index_logits_BTS = None
-    if indexer_loss is not None and self.indexer is not None:
+    if plan.indexer_loss is not None and self.indexer is not None:
       index_logits_BTS = self.indexer.logits(index_x_BTD, index_q_BTC, positions_BT,
-                                             new_cache.rows(num_rows)[1], self.backend)
+                                             new_cache.rows(plan.kv_rows)[1], self.ops)
+    return PreparedStep(x_BTD, positions_BT, q_resid_BTC, q_nope_BTHN, q_pe_BTHR,
+                        cache.lengths_B, new_lens_B, new_cache, index_logits_BTS)
 
-    topk_BTK = None
-    if route is PrefillRoute.DENSE_MHA:
-      with jax.named_scope(route.scope):
-        num_keys = cached_bound + t  # static: the dense route needs a static bound
-        o_BTHV = self.forward_mha(q_nope_BTHN, q_pe_BTHR, new_cache.rows(num_keys)[0],
-                                  cache.lengths_B, kv_len_B)
-    else:
-      latent_BSL, keys_BSI = new_cache.rows(num_rows)
-      if route.needs_topk and self.shares_topk:
-        if shared_topk_BTK is None:
-          raise ValueError("this shared-indexer layer takes the sparse route but was given no "
-                           "top-k from a full layer of the same step")
-        topk_BTK = shared_topk_BTK
-      elif route.needs_topk and index_logits_BTS is not None:
-        topk_BTK = topk_indices(index_logits_BTS, c.indexer.topk)  # scored once, for both
-      elif route.needs_topk:
-        with jax.named_scope("indexer_score"):
-          topk_BTK = self.indexer.select(x_BTD, q_resid_BTC, positions_BT, keys_BSI,
-                                         self.backend, chunk_size=self.index_chunk_size)
-      else:
-        topk_BTK = causal_indices(positions_BT, num_rows)
-      checks.rows_attend(topk_BTK, new_lens_B)
-      with jax.named_scope(route.scope):
-        o_BTHV = self.forward_mqa(q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK)
-    out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))
-    loss = None
-    if index_logits_BTS is not None:
-      # The sparse KL runs over the set attended: top-k rows, or all causal keys when dense.
-      selected_BTK = topk_BTK if indexer_loss == "sparse" else None
-      loss = self._indexer_kl(q_nope_BTHN, q_pe_BTHR, new_cache.rows(num_rows)[0],
-                              index_logits_BTS, selected_BTK, positions_BT, kv_len_B, new_lens_B)
-    return AttentionOutput(out_BTD, new_cache, topk_BTK, loss)
+  def _select(self, step: PreparedStep, plan: StepPlan, shared_topk_BTK):
+    """The SPARSE_MQA route's top-k: shared, from the loss's logits, or scored here."""
+    if self.shares_topk:
+      if shared_topk_BTK is None:
+        raise ValueError("this shared-indexer layer takes the sparse route but was given no "
+                         "top-k from a full layer of the same step")
+      return shared_topk_BTK
+    if step.index_logits_BTS is not None:
+      return topk_indices(step.index_logits_BTS, self.config.indexer.topk)  # scored once
+    _, keys_BSI = step.cache.rows(plan.kv_rows)
+    with jax.named_scope("indexer_score"):
+      return self.indexer.select(step.x_BTD, step.q_resid_BTC, step.positions_BT, keys_BSI,
+                                 self.ops, chunk_size=self.index_chunk_size)
 
-  def _indexer_kl(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, index_logits_BTS, selected_BTK,
-                  positions_BT, kv_len_B, new_lens_B):
+  def _indexer_kl(self, step: PreparedStep, plan: StepPlan, selected_BTK):
     """Mean over real tokens of KL(head-summed main attention || softmax(indexer scores))."""
-    latent_BSL = dense_latent(latent_BSL, q_nope_BTHN.dtype)  # dequantizes an fp8 cache's rows
+    latent_BSL = dense_latent(step.cache.rows(plan.kv_rows)[0], step.q_nope_BTHN.dtype)
     num_keys = latent_BSL.shape[1]
     if selected_BTK is None:
-      keys_BTS = losses.causal_key_mask(positions_BT, kv_len_B, num_keys)
+      keys_BTS = losses.causal_key_mask(step.positions_BT, step.cache.lengths_B, num_keys)
     else:
       keys_BTS = losses.selected_key_mask(selected_BTK, num_keys)
-    q_BTHL = self._absorbed_query(q_nope_BTHN, q_pe_BTHR)
+    q_BTHL = self._absorbed_query(step.q_nope_BTHN, step.q_pe_BTHR)
     p_BTS = losses.head_summed_attention(q_BTHL, latent_BSL, keys_BTS, self.config.softmax_scale)
-    kl_BT = losses.indexer_kl(p_BTS, index_logits_BTS, keys_BTS)
-    real_BT = jnp.arange(kl_BT.shape[1])[None, :] < new_lens_B[:, None]
+    kl_BT = losses.indexer_kl(p_BTS, step.index_logits_BTS, keys_BTS)
+    real_BT = jnp.arange(kl_BT.shape[1])[None, :] < step.new_lens_B[:, None]
     return losses.token_mean(kl_BT, real_BT)
 
 
@@ -352,12 +386,14 @@ class MLAAttention(MLAAttentionBase):
 
   supports_dense_mha_prefill: ClassVar[bool] = True
 
-  def forward_mha(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, q_offset_B, kv_len_B):
-    """Decompress per-head K/V from the latent rows and run causal attention: [B,T,H,V]."""
+  def forward_mha(self, step: PreparedStep, plan: StepPlan):
+    """The DENSE_MHA route: decompress per-head K/V from the latent rows of the (static)
+    ``cached_bound + T`` reachable keys and run causal attention: [B, T, H, V]."""
     c = self.config
     w_uk_HNA, w_uv_HVA = self._kv_b_heads()
-    dtype = q_nope_BTHN.dtype
-    latent_BSL = dense_latent(latent_BSL, dtype)  # dequantizes an fp8 cache's rows
+    dtype = step.q_nope_BTHN.dtype
+    num_keys = plan.cached_bound + plan.num_new_tokens
+    latent_BSL = dense_latent(step.cache.rows(num_keys)[0], dtype)  # dequantizes fp8 rows
     c_kv_BSA = latent_BSL[..., :c.kv_lora_rank]
     k_pe_BSR = latent_BSL[..., c.kv_lora_rank:]
     k_nope_BSHN = jnp.einsum("bsa,hna->bshn", c_kv_BSA, w_uk_HNA.astype(dtype),
@@ -367,18 +403,16 @@ class MLAAttention(MLAAttentionBase):
     k_pe_BSHR = jnp.broadcast_to(k_pe_BSR[:, :, None, :], (*k_pe_BSR.shape[:2], c.num_heads,
                                                            c.qk_rope_head_dim))
     k_BSHQ = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
-    q_BTHQ = jnp.concatenate([q_nope_BTHN, q_pe_BTHR.astype(dtype)], axis=-1)
+    q_BTHQ = jnp.concatenate([step.q_nope_BTHN, step.q_pe_BTHR.astype(dtype)], axis=-1)
     out_BTHV, _ = self.dense_prefill_backend.dense_mha(
-        q_BTHQ, k_BSHQ, v_BSHV, sm_scale=c.softmax_scale, q_offset_B=q_offset_B,
-        kv_len_B=kv_len_B)
+        q_BTHQ, k_BSHQ, v_BSHV, sm_scale=c.softmax_scale, q_offset_B=step.cached_lengths_B,
+        kv_len_B=step.cache.lengths_B)
     return out_BTHV
 
 
-class DeepseekV32Attention(MLAAttention):
+class DeepseekV32Attention(MLAAttentionBase):
   """DeepSeek-V3.2's layer as in the reference engine: top-k MQA only, never dense MHA.
 
-  It holds no dense prefill path, so its indexer always scores (the vLLM #52512 contract).
+  It derives from the base and has no dense method at all (no ``forward_mha``), so no plan
+  can route it dense and its indexer always scores (the vLLM #52512 contract).
   """
-
-  supports_dense_mha_prefill: ClassVar[bool] = False
-  forward_mha = None

@@ -11,6 +11,7 @@ RoPE part in bfloat16), quantized on write. Every array of a part shares the lea
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 
@@ -61,9 +62,51 @@ def _row_width(latent) -> int:
   return latent.width if isinstance(latent, Fp8LatentRows) else latent.shape[-1]
 
 
+class CacheView(abc.ABC):
+  """What an attention layer reads and writes of its cache, however the rows are held.
+
+  ``LayerCache`` holds one layer's rows; ``StackedLayerView`` is one layer of a cache stacked
+  over a scanned layer group. Layers use only this protocol, and ``lengths_B`` (int32 valid
+  rows per sequence).
+  """
+
+  lengths_B: jax.Array
+
+  @property
+  @abc.abstractmethod
+  def batch_size(self) -> int: ...
+
+  @property
+  @abc.abstractmethod
+  def capacity(self) -> int: ...
+
+  @property
+  @abc.abstractmethod
+  def latent_dim(self) -> int: ...
+
+  @property
+  @abc.abstractmethod
+  def has_index_keys(self) -> bool: ...
+
+  @property
+  @abc.abstractmethod
+  def buffers(self) -> LayerCache:
+    """The arrays behind the view (stacked over layers for a ``StackedLayerView``)."""
+
+  @abc.abstractmethod
+  def rows(self, num_rows: int):
+    """The first ``num_rows`` rows of the latent and key caches (keys None without them), in
+    the cache's layout (fp8 parts as ``fp8_cache.readable`` views)."""
+
+  @abc.abstractmethod
+  def write(self, latent_BTL, keys_BTI, new_lens_B) -> CacheView:
+    """Appends ``new_lens_B[b]`` rows to sequence b (see ``write_rows``), quantized first in
+    an fp8 cache; padding rows and rows past capacity are dropped."""
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LayerCache:
+class LayerCache(CacheView):
   """One layer's cache for a batch of sequences.
 
   Attributes:
@@ -95,20 +138,20 @@ class LayerCache:
     return self.index_keys_BSI is not None
 
   @property
+  def buffers(self) -> LayerCache:
+    return self
+
+  @property
   def bytes_per_token(self) -> int:
     """Bytes one token's latent row and indexer key take in this cache."""
     parts = jax.tree.leaves((self.latent_BSL, self.index_keys_BSI))
     return sum(a.dtype.itemsize * math.prod(a.shape[2:]) for a in parts)  # [B, S, ...]
 
   def rows(self, num_rows: int):
-    """The first ``num_rows`` rows of the latent and key caches (keys None without them), in
-    the cache's layout (fp8 parts as ``fp8_cache.readable`` views)."""
     return _readable(jax.tree.map(lambda a: a[:, :num_rows],
                                   (self.latent_BSL, self.index_keys_BSI)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> LayerCache:
-    """Appends ``new_lens_B[b]`` rows to sequence b (see ``write_rows``), quantized first in
-    an fp8 cache."""
     write = lambda stored, new: _write_part(stored, new, self.lengths_B, new_lens_B)
     keys = self.index_keys_BSI
     return LayerCache(write(self.latent_BSL, latent_BTL),
@@ -117,7 +160,7 @@ class LayerCache:
 
 
 @dataclasses.dataclass(frozen=True)
-class StackedLayerView:
+class StackedLayerView(CacheView):
   """Layer ``index`` of a cache stacked over layers (``[layers, B, S, ...]``), used inside the
   scan over a layer group.
 
@@ -149,6 +192,10 @@ class StackedLayerView:
   @property
   def has_index_keys(self) -> bool:
     return self.stacked.index_keys_BSI is not None
+
+  @property
+  def buffers(self) -> LayerCache:
+    return self.stacked
 
   def rows(self, num_rows: int):
     def layer_rows(buffer):
@@ -205,7 +252,7 @@ def check_layout(cache, config: MLAConfig) -> None:
   leading layer axis, are checked). An integer buffer would silently round every row written;
   the fp8 layouts hold their own bit patterns and are checked by shape only.
   """
-  buffers = cache.stacked if isinstance(cache, StackedLayerView) else cache
+  buffers = cache.buffers
   latent, keys = buffers.latent_BSL, buffers.index_keys_BSI
   if not isinstance(latent, Fp8LatentRows):
     checks.float_dtype(latent.dtype, "cache.latent_BSL dtype")
@@ -230,6 +277,7 @@ def bucket_rows(needed: int, capacity: int) -> int:
   """Cache rows a step reads: ``needed`` rounded up to a power of two (at least 256),
   at most the capacity. Static, so a generation compiles one program per bucket at most:
   ``log2(capacity / 256) + 2`` of them."""
+  needed, capacity = int(needed), int(capacity)  # NumPy integers have no bit_length
   if needed > capacity:
     raise ValueError(f"{needed} cache rows are needed but the capacity is {capacity}")
   return min(capacity, max(MIN_BUCKET, 1 << max(needed - 1, 0).bit_length()))

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from mla_jax import quant, sharding
 from mla_jax.backends import XlaBackend
@@ -173,10 +172,10 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
   mesh = AbstractMesh(tuple(sizes[a] for a in sharding.AXES), sharding.AXES,
                       axis_types=(AxisType.Auto,) * 3, abstract_device=device)
   check_mesh(config, mesh)
-  backend = PallasTritonBackend(mesh=mesh, grouped_matmul="ragged_dot")
   with jax.sharding.use_abstract_mesh(mesh):
-    lm = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
-                                         param_dtype=jnp.bfloat16))
+    lm = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=PallasTritonBackend(),
+                                         param_dtype=jnp.bfloat16, mesh=mesh,
+                                         grouped_matmul="ragged_dot"))
     graphdef, state = nnx.split(lm)
     caches = jax.eval_shape(lambda: lm.init_cache(batch, context, jnp.bfloat16))
 
@@ -184,7 +183,8 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
       return jax.tree.map(lambda s, sub: jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub), shardings, tree)
 
-    batch_spec, replicated = NamedSharding(mesh, P(sharding.DATA)), NamedSharding(mesh, P())
+    batch_spec = NamedSharding(mesh, sharding.BATCH_SPEC)
+    replicated = NamedSharding(mesh, sharding.REPLICATED)
     args = (placed(state, state_shardings(state, mesh)),
             placed(caches, cache_shardings(caches, mesh)),
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_spec),

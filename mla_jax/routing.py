@@ -12,7 +12,8 @@ which requires that both the layer class and the backend can run dense MHA.
 from __future__ import annotations
 
 import enum
-import numbers
+
+from mla_jax import checks
 
 
 class PrefillRoute(enum.Enum):
@@ -41,7 +42,7 @@ def static_count(value, name: str) -> int | None:
   """
   if value is None:
     return None
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+  if not checks.is_int(value):
     raise TypeError(f"{name} must be a static int or None, got {type(value).__name__} "
                     f"{value!r}")
   if value < 0:

@@ -51,6 +51,26 @@ LEADING_AXIS_SPECS = {"layer": None, "expert": EXPERT}
 
 # Caches and activations (leading stacked-layer axes get None in front).
 TOKENS_SPEC = P(DATA)  # [B, T, ...] activations: batch over data, replicated otherwise
+REPLICATED = P()       # scalars (seeds, step counters) and anything every device holds whole
+
+# The attention ops under ``shard_map`` (``mla_jax.backends.on_mesh``): per-sequence values
+# split over ``data``; queries and outputs [B, T, H, ...] also split their heads over
+# ``tensor``. The latent rows, the indexer keys and the indexer are whole on every tensor
+# shard, so every shard scores the same keys and selects the same top-k.
+BATCH_SPEC = P(DATA)
+HEADS_SPEC = P(DATA, None, TENSOR)
+OP_SPECS = {  # op -> (in_specs, out_specs)
+    "sparse_mqa": ((HEADS_SPEC, BATCH_SPEC, BATCH_SPEC), (HEADS_SPEC, HEADS_SPEC)),
+    "indexer_logits": ((BATCH_SPEC,) * 6, BATCH_SPEC),  # q, k, w, starts, ends[, k scales]
+    "dense_mha": ((HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, BATCH_SPEC, BATCH_SPEC),
+                  (HEADS_SPEC, HEADS_SPEC)),
+}
+# The routed experts under ``shard_map`` (``mla_jax.models.moe``): tokens [T, D] over
+# ``data``; stacked expert weights [E, F, D] / [E, D, F] over ``expert`` and their
+# intermediate width F over ``tensor``, as the partition rules hold them.
+MOE_TOKENS_SPEC = P(DATA, None)
+MOE_IN_PROJ_SPEC = P(EXPERT, TENSOR, None)    # gate_proj, up_proj [E, F, D]
+MOE_OUT_PROJ_SPEC = P(EXPERT, None, TENSOR)   # down_proj [E, D, F]
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
@@ -141,6 +161,13 @@ def cache_spec(batch_axis: int, ndim: int) -> P:
   """Spec of a cache array: its batch axis over ``data`` (after any stacked-layer axes),
   every other axis replicated."""
   return P(*(None,) * batch_axis, DATA, *(None,) * (ndim - batch_axis - 1))
+
+
+def shard_map(fn, mesh, in_specs, out_specs):
+  """``fn`` under ``jax.shard_map`` over ``mesh``; ``fn`` itself without a mesh."""
+  if mesh is None:
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def constrain(x, mesh, spec: P = TOKENS_SPEC):

@@ -363,14 +363,14 @@ def _unrolled(model, ids):
   outs = []
   for substitute in (False, True):
     caches = model.init_cache(ids.shape[0], 16)
+    plan = model.step_plan(ids.shape[1], 0, capacity=16)
     h, topk = model.model.embed_tokens(ids), None
     for i in range(model.config.num_layers):
       layer, cache = model.layer_module(i), caches.layer(i)
       shared = layer.self_attn.shares_topk
       given = causal_indices(jnp.arange(ids.shape[1])[None], 16) if shared and substitute \
           else topk
-      h, _, layer_topk = layer(h, cache, new_lens_B=None, num_cached_tokens=0,
-                               force_mqa=False, shared_topk_BTK=given if shared else None)
+      h, _, layer_topk = layer(h, cache, plan, shared_topk_BTK=given if shared else None)
       if not shared:
         topk = layer_topk
     outs.append(model.lm_head(model.model.norm(h)))

@@ -45,11 +45,11 @@ def _indexshare_model(num_layers=9, attention="mqa-only"):
 def _layer_by_layer(model, ids):
   """Every layer run as a module of its own (no scan), the top-k passed by hand."""
   caches = model.init_cache(ids.shape[0], 32)
+  plan = model.step_plan(ids.shape[1], 0, capacity=32)
   h, topk = model.model.embed_tokens(ids), None
   for i in range(model.config.num_layers):
     layer = model.layer_module(i)
-    h, _, layer_topk = layer(h, caches.layer(i), new_lens_B=None, num_cached_tokens=0,
-                             force_mqa=False, shared_topk_BTK=topk)
+    h, _, layer_topk = layer(h, caches.layer(i), plan, shared_topk_BTK=topk)
     if not layer.self_attn.shares_topk:
       topk = layer_topk
   return model.lm_head(model.model.norm(h))

@@ -18,7 +18,6 @@ from flax import nnx
 
 from mla_jax.models.config import MoEConfig, tiny_lm
 from mla_jax.models.mlp import MLP
-from mla_jax.backends import XlaBackend
 from mla_jax.models.moe import MoE, route_tokens, routed_experts, tile_plan
 from mla_jax.params import dotted_name
 
@@ -173,8 +172,7 @@ def random_module(make, seed=0):
 
 
 def make_moe(cfg: MoEConfig, dtype=jnp.float32, seed=0, impl="tiled", tokens=8):
-  backend = XlaBackend(grouped_matmul=impl)
-  moe = random_module(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), backend=backend,
+  moe = random_module(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), grouped_matmul=impl,
                                   param_dtype=dtype), seed)
   x = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(2, tokens, HIDDEN)), dtype)
   return moe, x
@@ -370,8 +368,7 @@ class MoETest(chex.TestCase):
     def flops(num_experts, top):
       cfg = MoEConfig(num_experts=num_experts, num_experts_per_tok=top, n_group=1,
                       topk_group=1, n_shared_experts=0, moe_intermediate_size=64)
-      moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0),
-                                       backend=XlaBackend(grouped_matmul="tiled")))
+      moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), grouped_matmul="tiled"))
       graphdef, state = nnx.split(moe)
       x = jax.ShapeDtypeStruct((1, 64, HIDDEN), jnp.float32)
       cost = jit_apply.lower(graphdef, state, x).compile().cost_analysis()
@@ -390,7 +387,7 @@ class MoETest(chex.TestCase):
     cfg = MoEConfig(num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                     n_shared_experts=2, moe_intermediate_size=16)
     # eval_shape: names, shapes and dtypes without running any initializer.
-    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), backend=XlaBackend(),
+    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0),
                                      param_dtype=dtype))
     stacked = {dotted_name(p): v.shape for p, v in nnx.to_flat_state(nnx.state(moe))
                if dotted_name(p).startswith("experts.")}
@@ -412,7 +409,7 @@ class MoETest(chex.TestCase):
 
   def test_no_shared_experts(self):
     cfg = MORE_MOE_CASES["no_shared"]
-    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0), backend=XlaBackend()))
+    moe = nnx.eval_shape(lambda: MoE(HIDDEN, cfg, rngs=nnx.Rngs(0)))
     self.assertIsNone(moe.shared_experts)
     self.assertFalse(any(k.startswith("shared_experts") for k in hf_params(moe)))
 

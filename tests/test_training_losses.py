@@ -16,7 +16,7 @@ from mla_jax.cache import init_layer_cache
 from mla_jax.config import tiny
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
-from mla_jax.training import losses
+from mla_jax import losses
 
 
 def _kl_reference(q_BTHL, latent_BSL, index_BTS, keys_BTS, scale):

@@ -198,7 +198,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
     backend: ``"auto" | "xla" | "pallas"`` or a ``Backend``.
     mesh: a ``jax.sharding.Mesh`` (``mla_jax.sharding.make_mesh``): parameters are placed by
       the partition rules, each process reading only its own devices' pieces, and the model
-      computes sharded. None: the first local device (or the backend's mesh, if it has one).
+      computes sharded. None: the first local device.
 
   Raises:
     CheckpointError: a bad config, file or tensor set; every tensor mismatch is listed
@@ -218,11 +218,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
   except CheckpointError as e:
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
   backend = get_backend(backend)
-  if mesh is not None:
-    backend = backend.on_mesh(mesh)
   # Shapes only; on a mesh this also refuses heads, experts or dimensions that do not split.
   abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
-                                             param_dtype=param_dtype))
+                                             param_dtype=param_dtype, mesh=mesh))
   tensors = open_checkpoint(path)
   available = {name: handle for name, handle in tensors.items()
                if not _is_mtp(name, config.num_layers)}
@@ -230,7 +228,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
     _keep_fp8(path, abstract, available, block)
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   scales = _check_tensors(path, expected_tensors(params), available, block)
-  shardings = _shardings(params, backend.mesh, block)
+  shardings = _shardings(params, mesh, block)
 
   def read(name, tail):
     if name in scales:

@@ -117,6 +117,15 @@ class LayerGroup:
   def end(self) -> int:
     return self.first + self.unit_len * self.reps
 
+  @staticmethod
+  def locate(groups: tuple[LayerGroup, ...], index: int) -> tuple[int, int, int]:
+    """``(group, repetition, position in the unit)`` of layer ``index`` among ``groups``."""
+    for g, group in enumerate(groups):
+      if group.first <= index < group.end:
+        rep, position = divmod(index - group.first, group.unit_len)
+        return g, rep, position
+    raise IndexError(f"layer {index} out of range for {groups[-1].end if groups else 0} layers")
+
 
 def layer_groups(config: ModelConfig, max_unit_len: int = 8) -> tuple[LayerGroup, ...]:
   """Consecutive layers split into groups of identically structured repeating units.

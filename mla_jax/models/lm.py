@@ -6,8 +6,8 @@ stacked on a leading axis and the group runs as one ``lax.scan``, so compile tim
 number of groups rather than the depth. Checkpoints keep Hugging Face's per-layer names
 (``mla_jax.models.hf_layout`` maps them).
 
-Routes stay static and model-wide per step: they are resolved in Python before the scan, and
-every repetition of a unit traces the same route.
+Routes stay static and model-wide per step: the model resolves one ``StepPlan`` in Python
+before the scans and every layer of every repetition reads it, so all trace the same route.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from flax import nnx
 from mla_jax import checks, sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import (LayerCache, StackedLayerView, bucket_rows, check_fits, init_layer_cache,
+from mla_jax.cache import (LayerCache, StackedLayerView, check_fits, init_layer_cache,
                            resolve_cache_dtype)
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
-from mla_jax.models.moe import MoE
-from mla_jax.routing import PrefillRoute
+from mla_jax.models.moe import MoE, resolve_grouped_matmul
+from mla_jax.routing import PrefillRoute, static_count
+from mla_jax.step_plan import StepPlan, plan_step, step_route
 
 ATTENTION_CLASSES = {"mqa-only": DeepseekV32Attention, "dense-capable": MLAAttention}
 
@@ -55,11 +56,8 @@ class ModelCache:
 
   def layer(self, index: int) -> LayerCache:
     """Layer ``index``'s cache (a slice of its group's stacked cache)."""
-    for g, group in enumerate(self.layout):
-      if group.first <= index < group.end:
-        rep, position = divmod(index - group.first, group.unit_len)
-        return jax.tree.map(lambda a: a[rep], self.groups[g][position])
-    raise IndexError(f"layer {index} out of range for {self.num_layers} layers")
+    g, rep, position = LayerGroup.locate(self.layout, index)
+    return jax.tree.map(lambda a: a[rep], self.groups[g][position])
 
 
 class Embed(nnx.Module):
@@ -74,33 +72,29 @@ class Embed(nnx.Module):
 
 class DecoderLayer(nnx.Module):
   def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs, backend: Backend,
-               param_dtype, attention_class=None):
+               mesh, grouped_matmul: str, param_dtype, attention_class=None):
     d = config.mla.hidden_size
     self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
     self.self_attn = (attention_class or ATTENTION_CLASSES[config.attention])(
-        config.mla, rngs=rngs, backend=backend, param_dtype=param_dtype,
+        config.mla, rngs=rngs, backend=backend, mesh=mesh, param_dtype=param_dtype,
         shares_topk=config.shares_topk(layer_idx))
     self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
     if config.uses_moe(layer_idx):
-      self.mlp = MoE(d, config.moe, rngs=rngs, backend=backend, param_dtype=param_dtype)
+      self.mlp = MoE(d, config.moe, rngs=rngs, grouped_matmul=grouped_matmul, mesh=mesh,
+                     param_dtype=param_dtype)
     else:
       self.mlp = MLP(d, config.intermediate_size, rngs=rngs, param_dtype=param_dtype)
-    self.mesh = backend.mesh
+    self.mesh = mesh
 
-  def __call__(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK,
-               kv_rows=None):
-    h_BTD, attn = self.forward(h_BTD, cache, new_lens_B=new_lens_B,
-                               num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
-                               shared_topk_BTK=shared_topk_BTK, kv_rows=kv_rows)
+  def __call__(self, h_BTD, cache, plan: StepPlan, *, new_lens_B=None, shared_topk_BTK=None):
+    h_BTD, attn = self.forward(h_BTD, cache, plan, new_lens_B=new_lens_B,
+                               shared_topk_BTK=shared_topk_BTK)
     return h_BTD, attn.cache, attn.topk_BTK
 
-  def forward(self, h_BTD, cache, *, new_lens_B, num_cached_tokens, force_mqa, shared_topk_BTK,
-              kv_rows=None, indexer_loss=None):
+  def forward(self, h_BTD, cache, plan: StepPlan, *, new_lens_B=None, shared_topk_BTK=None):
     """The new hidden states and the attention's whole ``AttentionOutput``."""
-    attn = self.self_attn(self.input_layernorm(h_BTD), cache, new_lens_B=new_lens_B,
-                          num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
-                          shared_topk_BTK=shared_topk_BTK, kv_rows=kv_rows,
-                          indexer_loss=indexer_loss)
+    attn = self.self_attn.attend(self.input_layernorm(h_BTD), cache, plan,
+                                 new_lens_B=new_lens_B, shared_topk_BTK=shared_topk_BTK)
     h_BTD = sharding.constrain(h_BTD + attn.out_BTD, self.mesh)
     h_BTD = sharding.constrain(h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), self.mesh)
     return h_BTD, attn
@@ -113,26 +107,23 @@ class LayerUnit(nnx.Module):
   on how layers are grouped (scanned or not).
   """
 
-  def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, rep, *,
-               backend: Backend, param_dtype, attention_class):
+  def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, rep, **layer_kwargs):
     self.layers = nnx.List([
         DecoderLayer(config, group.layer(0, u),
                      rngs=nnx.Rngs(params=jax.random.fold_in(layers_key, group.layer(rep, u))),
-                     backend=backend, param_dtype=param_dtype, attention_class=attention_class)
+                     **layer_kwargs)
         for u in range(group.unit_len)])
 
 
 class LayerStack(nnx.Module):
   """A group: its unit's parameters stacked over ``reps``, run by one ``lax.scan``."""
 
-  def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, *, backend: Backend,
-               param_dtype, attention_class):
+  def __init__(self, config: ModelConfig, group: LayerGroup, layers_key, **layer_kwargs):
     graphdef = None
 
     def init(rep):
       nonlocal graphdef
-      unit = LayerUnit(config, group, layers_key, rep, backend=backend, param_dtype=param_dtype,
-                       attention_class=attention_class)
+      unit = LayerUnit(config, group, layers_key, rep, **layer_kwargs)
       graphdef, state = nnx.split(unit)
       return state
 
@@ -140,12 +131,11 @@ class LayerStack(nnx.Module):
     self.unit = nnx.merge(graphdef, state)
     self.group = group
 
-  def __call__(self, h_BTD, topk_BTK, caches, *, new_lens_B, num_cached_tokens, force_mqa,
-               kv_rows, indexer_loss=None):
+  def __call__(self, h_BTD, topk_BTK, caches, plan: StepPlan, *, new_lens_B):
     """Runs every repetition; ``topk_BTK`` carries the last full layer's top-k (or None).
 
     Returns the new hidden states, top-k and caches, and the sum of the layers' indexer
-    losses (0 unless ``indexer_loss`` asks for them).
+    losses (0 unless ``plan.indexer_loss`` asks for them).
 
     The stacked caches ride in the scan's carry and each layer writes its new rows into them
     in place (``StackedLayerView``); scanning them as inputs and outputs instead would copy
@@ -159,15 +149,13 @@ class LayerStack(nnx.Module):
       unit = nnx.merge(graphdef, unit_state)
       new_caches = []
       for layer, cache in zip(unit.layers, unit_caches):
-        h_BTD, attn = layer.forward(h_BTD, StackedLayerView(cache, rep), new_lens_B=new_lens_B,
-                                    num_cached_tokens=num_cached_tokens, force_mqa=force_mqa,
-                                    shared_topk_BTK=topk_BTK, kv_rows=kv_rows,
-                                    indexer_loss=indexer_loss)
-        if topk_BTK is not None and not layer.self_attn.shares_topk:
+        h_BTD, attn = layer.forward(h_BTD, StackedLayerView(cache, rep), plan,
+                                    new_lens_B=new_lens_B, shared_topk_BTK=topk_BTK)
+        if plan.carry_topk and not layer.self_attn.shares_topk:
           topk_BTK = attn.topk_BTK
         if attn.indexer_loss is not None:
           loss = loss + attn.indexer_loss
-        new_caches.append(attn.cache.stacked)
+        new_caches.append(attn.cache.buffers)
       return (h_BTD, topk_BTK, tuple(new_caches), loss), None
 
     reps = jnp.arange(self.group.reps, dtype=jnp.int32)
@@ -177,13 +165,13 @@ class LayerStack(nnx.Module):
 
 
 class Model(nnx.Module):
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: Backend, param_dtype,
-               groups: tuple[LayerGroup, ...], attention_class):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype,
+               groups: tuple[LayerGroup, ...], **layer_kwargs):
     self.embed_tokens = Embed(config.vocab_size, config.mla.hidden_size, rngs=rngs,
                               param_dtype=param_dtype)
     layers_key = rngs.params()
-    self.groups = nnx.List([LayerStack(config, group, layers_key, backend=backend,
-                                       param_dtype=param_dtype, attention_class=attention_class)
+    self.groups = nnx.List([LayerStack(config, group, layers_key, param_dtype=param_dtype,
+                                       **layer_kwargs)
                             for group in groups])
     self.norm = RMSNorm(config.mla.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
 
@@ -191,13 +179,12 @@ class Model(nnx.Module):
 class _Parts(nnx.Module):
   """What ``CausalLM`` holds, built from one key (so that it can be built under ``jit``)."""
 
-  def __init__(self, config: ModelConfig, key, backend: Backend, param_dtype, scan_layers: bool,
-               attention_class):
+  def __init__(self, config: ModelConfig, key, param_dtype, scan_layers: bool, **layer_kwargs):
     rngs = nnx.Rngs(params=key)
     groups = (layer_groups(config) if scan_layers else
               tuple(LayerGroup(i, 1, 1) for i in range(config.num_layers)))
-    self.model = Model(config, rngs=rngs, backend=backend, param_dtype=param_dtype,
-                       groups=groups, attention_class=attention_class)
+    self.model = Model(config, rngs=rngs, param_dtype=param_dtype, groups=groups,
+                       **layer_kwargs)
     self.lm_head = Linear(config.mla.hidden_size, config.vocab_size, rngs=rngs,
                           param_dtype=param_dtype)
 
@@ -205,18 +192,19 @@ class _Parts(nnx.Module):
 class CausalLM(nnx.Module):
   """``logits, caches = lm(ids_BT, caches)``; see ``MLAAttentionBase.__call__`` for routing.
 
-  With ``mesh`` (or a backend that carries one) the model is created already sharded by
+  ``backend`` is the attention kernels; with ``mesh`` the model is created already sharded by
   ``mla_jax.sharding``'s rules: each device computes and holds only its own shards, and no
   full copy of a parameter ever sits on one device. The same ``rngs`` give the same weights
-  with and without a mesh. ``scan_layers=False`` runs every layer on its own (one group per
+  with and without a mesh. ``grouped_matmul`` picks the MoE's grouped matmul
+  (``models.moe.resolve_grouped_matmul``). ``scan_layers=False`` runs every layer on its own (one group per
   layer; the compile time then grows with depth), for comparisons. ``attention_class``
   replaces the config's attention module in every layer (a subclass of ``MLAAttentionBase``
   with the same parameters), for experiments such as ``mla_jax.misrouted``.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
-               param_dtype=jnp.float32, mesh=None, scan_layers: bool = True,
-               attention_class: type[MLAAttentionBase] | None = None):
+               param_dtype=jnp.float32, mesh=None, grouped_matmul: str = "auto",
+               scan_layers: bool = True, attention_class: type[MLAAttentionBase] | None = None):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     checks.float_dtype(param_dtype, "param_dtype")
@@ -224,21 +212,20 @@ class CausalLM(nnx.Module):
                                             issubclass(attention_class, MLAAttentionBase)):
       raise TypeError(f"attention_class must be a subclass of MLAAttentionBase, got "
                       f"{attention_class!r}")
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"rngs must be an nnx.Rngs (e.g. nnx.Rngs(0)), got {type(rngs).__name__}")
     backend = get_backend(backend)
-    mesh = backend.mesh if mesh is None else mesh
+    grouped_matmul = resolve_grouped_matmul(grouped_matmul)
     if mesh is not None:
       check_mesh(config, mesh)
-      backend = backend.on_mesh(mesh)
     self.config = config
     self.backend = backend
+    self.mesh = mesh
     key = rngs.params()
-    build = lambda k: _Parts(config, k, backend, param_dtype, scan_layers, attention_class)
+    build = lambda k: _Parts(config, k, param_dtype, scan_layers, backend=backend, mesh=mesh,
+                             grouped_matmul=grouped_matmul, attention_class=attention_class)
     parts = build(key) if mesh is None else _build_sharded(build, key, mesh)
     self.model, self.lm_head = parts.model, parts.lm_head
-
-  @property
-  def mesh(self):
-    return self.backend.mesh
 
   @property
   def layer_groups(self) -> tuple[LayerGroup, ...]:
@@ -246,12 +233,13 @@ class CausalLM(nnx.Module):
 
   def _locate(self, index: int) -> tuple[DecoderLayer, int]:
     """The stacked module holding layer ``index`` and the layer's repetition in it."""
-    for stack in self.model.groups:
-      group = stack.group
-      if group.first <= index < group.end:
-        rep, position = divmod(index - group.first, group.unit_len)
-        return stack.unit.layers[position], rep
-    raise IndexError(f"layer {index} out of range for {self.config.num_layers} layers")
+    g, rep, position = LayerGroup.locate(self.layer_groups, index)
+    return self.model.groups[g].unit.layers[position], rep
+
+  def _attention_modules(self) -> list[MLAAttentionBase]:
+    """One attention module per unit position of every group (their static attributes are
+    every layer's; no parameter is touched)."""
+    return [layer.self_attn for stack in self.model.groups for layer in stack.unit.layers]
 
   def layer_module(self, index: int) -> DecoderLayer:
     """Layer ``index`` as a module of its own (its parameters sliced out of its group)."""
@@ -286,6 +274,17 @@ class CausalLM(nnx.Module):
                        f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
     return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), self.mesh))()
 
+  def step_plan(self, num_new_tokens: int, num_cached_tokens: int | None, *, capacity: int,
+                kv_rows: int | None = None, force_mqa: bool = False,
+                indexer_loss: str | None = None) -> StepPlan:
+    """The plan of one step of ``num_new_tokens`` per sequence after at most
+    ``num_cached_tokens`` cached (None: unknown until run time, as in decode) in caches of
+    ``capacity`` rows; see ``mla_jax.step_plan.plan_step``."""
+    return plan_step(self._attention_modules(), self.backend, num_new_tokens=num_new_tokens,
+                     num_cached_tokens=num_cached_tokens, capacity=capacity, kv_rows=kv_rows,
+                     force_mqa=force_mqa, indexer_loss=indexer_loss,
+                     shares_topk=self.config.indexer_types is not None)
+
   def prefill_routes(self, num_new_tokens: int, num_cached_tokens: int | None = 0, *,
                      force_mqa: bool = False) -> list[PrefillRoute]:
     """The route of every layer for a call with these static counts.
@@ -293,13 +292,9 @@ class CausalLM(nnx.Module):
     The dense/skip decision is model-wide: unless every layer can take the dense route, all
     take MQA, so a shared-indexer layer never follows a full layer that skipped scoring.
     """
-    # The stacked modules carry every layer's static attributes; no parameter is touched.
-    routes = [self._locate(i)[0].self_attn.prefill_route(num_new_tokens, num_cached_tokens,
-                                                         force_mqa=force_mqa)
-              for i in range(self.config.num_layers)]
-    if PrefillRoute.DENSE_MHA in routes and set(routes) != {PrefillRoute.DENSE_MHA}:
-      return self.prefill_routes(num_new_tokens, num_cached_tokens, force_mqa=True)
-    return routes
+    route = step_route(self._attention_modules(), self.backend, num_new_tokens=num_new_tokens,
+                       num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
+    return [route] * self.config.num_layers
 
   def _check_ids(self, ids_BT, caches):
     if getattr(ids_BT, "ndim", None) != 2:
@@ -312,17 +307,29 @@ class CausalLM(nnx.Module):
                        f"{self.layer_groups}), got {type(caches).__name__}")
     checks.ids_in_vocab(ids_BT, self.config.vocab_size)
 
-  def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, num_cached_tokens=None,
-               force_mqa: bool = False, kv_rows: int | None = None):
+  def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, plan: StepPlan | None = None,
+               num_cached_tokens=None, force_mqa: bool = False, kv_rows: int | None = None):
     """Float32 logits [B, T, vocab] and the updated caches.
 
-    ``kv_rows`` (static) bounds the cache rows every layer reads; by default the rows this
-    step can reach rounded up to a bucket (``bucket_rows``) when the cached length is known,
-    else the whole capacity.
+    ``plan``: this step's ``StepPlan`` (``step_plan``). Without one it is built from the
+    static settings: ``num_cached_tokens`` bounds the cached lengths (None: read from concrete
+    lengths, unknown under ``jit``), ``force_mqa`` never takes the dense route, and
+    ``kv_rows`` bounds the cache rows every layer reads (by default the rows this step can
+    reach rounded up to a bucket, ``cache.bucket_rows``, when the cached bound is known, else
+    the whole capacity).
     """
-    logits_BTV, caches, _ = self._forward(ids_BT, caches, new_lens_B=new_lens_B,
-                                          num_cached_tokens=num_cached_tokens,
-                                          force_mqa=force_mqa, kv_rows=kv_rows)
+    self._check_ids(ids_BT, caches)
+    new_lens_B = self._new_lens(ids_BT, caches, new_lens_B)
+    if plan is None:
+      bound = static_count(num_cached_tokens, "num_cached_tokens")
+      if bound is None and not checks.is_traced(caches.lengths_B):
+        bound = int(sharding.fetch(caches.lengths_B).max())
+      plan = self.step_plan(ids_BT.shape[1], bound, capacity=caches.capacity, kv_rows=kv_rows,
+                            force_mqa=force_mqa)
+    elif (num_cached_tokens, force_mqa, kv_rows) != (None, False, None):
+      raise ValueError("pass either a plan or the static settings it is built from "
+                       "(num_cached_tokens, force_mqa, kv_rows), not both")
+    logits_BTV, caches, _ = self._forward(ids_BT, caches, plan, new_lens_B)
     return logits_BTV, caches
 
   def forward_train(self, ids_BT, lens_B, *, indexer_loss: str | None = None):
@@ -340,43 +347,38 @@ class CausalLM(nnx.Module):
     if width > limit:
       raise ValueError(f"sequences of {width} tokens exceed max_position_embeddings {limit}")
     caches = self.init_cache(batch, width)
-    logits_BTV, _, loss = self._forward(ids_BT, caches, new_lens_B=lens_B, num_cached_tokens=0,
-                                        kv_rows=width, indexer_loss=indexer_loss)
+    self._check_ids(ids_BT, caches)
+    plan = self.step_plan(width, 0, capacity=width, kv_rows=width, indexer_loss=indexer_loss)
+    logits_BTV, _, loss = self._forward(ids_BT, caches, plan,
+                                        self._new_lens(ids_BT, caches, lens_B))
     return logits_BTV, loss
 
-  def _forward(self, ids_BT, caches, *, new_lens_B, num_cached_tokens, force_mqa=False,
-               kv_rows=None, indexer_loss=None):
-    """The layer scans: logits, the new caches and the summed indexer losses."""
-    self._check_ids(ids_BT, caches)
+  def _new_lens(self, ids_BT, caches, new_lens_B):
+    """``new_lens_B`` (default: every token) as an int [B] array, checked eagerly here too:
+    inside the layer scans the lengths are traced, so an eager call would otherwise check
+    them only when run checked."""
     b, t = ids_BT.shape
-    if new_lens_B is None:
-      new_lens_B = jnp.full((b,), t, jnp.int32)
-    new_lens_B = jnp.asarray(new_lens_B)
+    new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
     if new_lens_B.shape != (b,) or not jnp.issubdtype(new_lens_B.dtype, jnp.integer):
       raise ValueError(f"new_lens must be int [{b}], got {new_lens_B.shape} {new_lens_B.dtype}")
-    # Checked here too, not only in the layers: inside the layer scans the lengths are traced,
-    # so an eager call would otherwise check them only when run checked.
-    lengths_B = caches.lengths_B
     checks.new_lens_in_range(new_lens_B, t)
-    checks.lengths_valid(lengths_B, new_lens_B, self.config.mla.max_position_embeddings)
+    checks.lengths_valid(caches.lengths_B, new_lens_B, self.config.mla.max_position_embeddings)
     check_fits(caches.layer(0), new_lens_B)
-    if not isinstance(lengths_B, jax.core.Tracer) and num_cached_tokens is None:
-      num_cached_tokens = int(sharding.fetch(lengths_B).max())
-    if kv_rows is None and num_cached_tokens is not None:
-      kv_rows = bucket_rows(num_cached_tokens + t, caches.capacity)
-    routes = self.prefill_routes(t, num_cached_tokens, force_mqa=force_mqa)
-    force_mqa = force_mqa or PrefillRoute.DENSE_MHA not in routes
+    return new_lens_B
+
+  def _forward(self, ids_BT, caches, plan: StepPlan, new_lens_B):
+    """The layer scans: logits, the new caches and the summed indexer losses."""
+    b, t = ids_BT.shape
+    if plan.cached_bound is not None:
+      checks.within_cached_bound(caches.lengths_B, plan.cached_bound)
     # Shared-indexer layers read the top-k of the last full layer, carried through the scans.
-    topk_BTK = None
-    if self.config.indexer_types is not None and routes[0].needs_topk:
-      topk_BTK = jnp.full((b, t, self.config.mla.indexer.topk), -1, jnp.int32)
+    topk_BTK = (jnp.full((b, t, self.config.mla.indexer.topk), -1, jnp.int32)
+                if plan.carry_topk else None)
     h_BTD = sharding.constrain(self.model.embed_tokens(ids_BT), self.mesh)
     new_groups, loss = [], jnp.zeros((), jnp.float32)
     for stack, group_caches in zip(self.model.groups, caches.groups):
-      h_BTD, topk_BTK, group_caches, group_loss = stack(
-          h_BTD, topk_BTK, group_caches, new_lens_B=new_lens_B,
-          num_cached_tokens=num_cached_tokens, force_mqa=force_mqa, kv_rows=kv_rows,
-          indexer_loss=indexer_loss)
+      h_BTD, topk_BTK, group_caches, group_loss = stack(h_BTD, topk_BTK, group_caches, plan,
+                                                        new_lens_B=new_lens_B)
       new_groups.append(group_caches)
       loss = loss + group_loss
     logits_BTV = self.lm_head(self.model.norm(h_BTD)).astype(jnp.float32)

@@ -18,13 +18,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from mla_jax import quant
-from mla_jax.backends import Backend
+from mla_jax import quant, sharding
 from mla_jax.models.config import MoEConfig
 from mla_jax.models.mlp import MLP
-from mla_jax.sharding import DATA, EXPERT, TENSOR
+from mla_jax.sharding import EXPERT, TENSOR
+
+GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+
+
+def resolve_grouped_matmul(name: str) -> str:
+  """The MoE's grouped matmul: ``"ragged_dot"`` (XLA's grouped GEMM) or ``"tiled"`` (row
+  tiles; its cost follows the routed rows on XLA:CPU, which expands ``ragged_dot`` over every
+  expert). ``"auto"`` picks ``tiled`` on CPU and ``ragged_dot`` elsewhere."""
+  if name not in GROUPED_MATMULS:
+    raise ValueError(f"grouped_matmul must be one of {GROUPED_MATMULS}, got {name!r}")
+  if name == "auto":
+    return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+  return name
 
 
 def route_tokens(logits_TE, bias_E, config: MoEConfig):
@@ -194,17 +205,18 @@ def routed_experts(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF, *, firs
 class MoE(nnx.Module):
   """Routed experts (grouped matmul) plus optional shared experts."""
 
-  def __init__(self, hidden_size: int, config: MoEConfig, *, rngs: nnx.Rngs, backend: Backend,
-               param_dtype=jnp.float32):
+  def __init__(self, hidden_size: int, config: MoEConfig, *, rngs: nnx.Rngs,
+               grouped_matmul: str = "auto", mesh=None, param_dtype=jnp.float32):
     self.gate = TopkRouter(hidden_size, config, rngs=rngs)
     self.experts = StackedExperts(hidden_size, config, rngs=rngs, param_dtype=param_dtype)
     self.shared_experts = (
         MLP(hidden_size, config.moe_intermediate_size * config.n_shared_experts, rngs=rngs,
             param_dtype=param_dtype) if config.n_shared_experts else None)
-    self.backend = backend
+    self.grouped_matmul = resolve_grouped_matmul(grouped_matmul)
+    self.mesh = mesh
 
   def _routed(self, x_TD, idx_TK, weights_TK):
-    experts, impl, mesh = self.experts, self.backend.grouped_matmul, self.backend.mesh
+    experts, impl, mesh = self.experts, self.grouped_matmul, self.mesh
     weights = tuple(quant.weight_operand(w)
                     for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
     if mesh is None:
@@ -216,12 +228,11 @@ class MoE(nnx.Module):
                               first_expert=first, impl=impl)
       return jax.lax.psum(out_TD, (EXPERT, TENSOR))
 
-    tokens = P(DATA, None)
-    return jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(tokens, tokens, tokens, P(EXPERT, TENSOR, None), P(EXPERT, TENSOR, None),
-                  P(EXPERT, None, TENSOR)),
-        out_specs=tokens, check_vma=False)(x_TD, idx_TK, weights_TK, *weights)
+    tokens = sharding.MOE_TOKENS_SPEC
+    in_specs = (tokens, tokens, tokens, sharding.MOE_IN_PROJ_SPEC, sharding.MOE_IN_PROJ_SPEC,
+                sharding.MOE_OUT_PROJ_SPEC)
+    return sharding.shard_map(local, mesh, in_specs, tokens)(x_TD, idx_TK, weights_TK,
+                                                              *weights)
 
   def __call__(self, x_BTD):
     dtype = x_BTD.dtype

@@ -34,7 +34,7 @@ from mla_jax.models.config import ModelConfig
 from mla_jax.models.lm import CausalLM
 from mla_jax.progress import progress_bar
 from mla_jax.training.data import Batch, answer_hits
-from mla_jax.training.losses import next_token_loss
+from mla_jax.losses import next_token_loss
 
 # objective -> the indexer loss its forward computes
 OBJECTIVES = {"lm": None, "indexer_warmup": "dense", "sparse": "sparse"}

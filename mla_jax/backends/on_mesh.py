@@ -1,0 +1,55 @@
+"""A backend's attention ops placed on a device mesh (or on one device, without a mesh).
+
+The backend is kernels only; this wrapper adds where they run. On a mesh each op runs under
+``shard_map`` with the specs of ``mla_jax.sharding.OP_SPECS``: the batch over ``data`` and
+query heads over ``tensor``. That is also what lets the Pallas kernels, which XLA cannot
+partition itself, run on a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import AbstractMesh, Mesh
+
+from mla_jax import sharding
+from mla_jax.backends.base import Backend
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshOps:
+  """``backend``'s batched ops, sharded over ``mesh`` (None: called as they are)."""
+
+  backend: Backend
+  mesh: Mesh | AbstractMesh | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.backend, Backend):
+      raise TypeError(f"backend must be a Backend, got {type(self.backend).__name__}")
+    if self.mesh is not None and not isinstance(self.mesh, (Mesh, AbstractMesh)):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
+
+  def _placed(self, op: str, fn, num_args: int):
+    in_specs, out_specs = sharding.OP_SPECS[op]
+    return sharding.shard_map(fn, self.mesh, in_specs[:num_args], out_specs)
+
+  def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int):
+    """``Backend.sparse_mqa`` on the mesh."""
+    fn = lambda q, kv, idx: self.backend.sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v)
+    return self._placed("sparse_mqa", fn, 3)(q_BTHL, kv_BSL, topk_BTK)
+
+  def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None):
+    """``Backend.indexer_logits`` on the mesh; fp8 key scales are split like the keys."""
+    args = (q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT)
+    if k_scale_BS is None:
+      fn = self.backend.indexer_logits
+    else:
+      fn = lambda q, k, w, s, e, ks: self.backend.indexer_logits(q, k, w, s, e, k_scale_BS=ks)
+      args += (k_scale_BS,)
+    return self._placed("indexer_logits", fn, len(args))(*args)
+
+  def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
+    """``Backend.dense_mha`` on the mesh."""
+    fn = lambda q, k, v, off, n: self.backend.dense_mha(q, k, v, sm_scale=sm_scale,
+                                                        q_offset_B=off, kv_len_B=n)
+    return self._placed("dense_mha", fn, 5)(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)

@@ -1,0 +1,132 @@
+"""The step plan: every static decision of one compiled step, made once and read by each layer.
+
+A ``StepPlan`` is resolved in Python from static values (the layers' and the backend's
+capabilities, the static token counts, the cache bound) before anything is traced, and then
+passed down to every layer in place of loose keyword arguments. A layer never decides again:
+it validates its inputs, projects, writes its caches, and runs the one function of
+``plan.route``; the other routes are never traced.
+
+The plan is frozen and hashable, so it can be a static argument of ``jax.jit`` and a key of a
+compile cache. It records the layer classes and the backend class it was resolved for, and a
+dense route for any of them that cannot run dense is refused when the plan is built, so no
+plan that would misroute an MQA-only model (vLLM #52512, docs/design.md §6) can exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from mla_jax import checks
+from mla_jax.routing import (PrefillRoute, dense_mha_allowed, resolve_prefill_route,
+                             static_count)
+
+INDEXER_LOSSES = (None, "dense", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """What one step does, for every layer of a model (or for one standalone layer).
+
+  Attributes:
+    route: the model-wide route of this step (``routing.resolve_prefill_route``).
+    num_new_tokens: tokens per sequence in this step (the static T of its inputs).
+    cached_bound: static upper bound of every sequence's cached length, or None when it is
+      only known at run time (decode); the dense route needs it (it reads that many rows).
+    kv_rows: cache rows that attention and the indexer read; rows past it are never touched.
+    layer_classes: the attention classes the plan was resolved for.
+    backend_class: the backend class the plan was resolved for.
+    indexer_loss: training only: ``None | "dense" | "sparse"`` (``MLAAttentionBase``).
+    carry_topk: IndexShare (GLM-5.2): each full layer hands its top-k to the shared layers
+      after it. True only on a route that selects top-k in a model with shared layers.
+  """
+
+  route: PrefillRoute
+  num_new_tokens: int
+  cached_bound: int | None
+  kv_rows: int
+  layer_classes: tuple[type, ...]
+  backend_class: type
+  indexer_loss: str | None = None
+  carry_topk: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.route, PrefillRoute):
+      raise TypeError(f"route must be a PrefillRoute, got {self.route!r}")
+    checks.static_int(self.num_new_tokens, "num_new_tokens", minimum=1)
+    if self.cached_bound is not None:
+      checks.static_int(self.cached_bound, "num_cached_tokens", minimum=0)
+    checks.static_int(self.kv_rows, "kv_rows", minimum=1)
+    if self.indexer_loss not in INDEXER_LOSSES:
+      raise ValueError(f"indexer_loss must be one of {INDEXER_LOSSES}, got "
+                       f"{self.indexer_loss!r}")
+    if not self.layer_classes:
+      raise ValueError("a step plan needs the layer classes it is resolved for")
+    if self.route is PrefillRoute.DENSE_MHA:
+      unable = [cls.__name__ for cls in (*self.layer_classes, self.backend_class)
+                if not cls.supports_dense_mha_prefill]
+      if unable:
+        raise ValueError(f"a DENSE_MHA step plan cannot be built for {', '.join(unable)}: "
+                         "it declares supports_dense_mha_prefill = False")
+      if self.cached_bound is None:
+        raise ValueError("a DENSE_MHA step plan needs a static cached-token bound")
+    if self.carry_topk and not self.route.needs_topk:
+      raise ValueError(f"carry_topk needs a route that selects top-k, not {self.route.name}")
+    if self.cached_bound is not None and self.cached_bound + self.num_new_tokens > self.kv_rows:
+      raise ValueError(f"kv_rows={self.kv_rows} is fewer than the {self.cached_bound} cached + "
+                       f"{self.num_new_tokens} new rows this step can reach")
+
+  def check_layer(self, layer) -> None:
+    """Refuses a plan resolved for other classes (it could carry a route they cannot run)."""
+    if type(layer) not in self.layer_classes or not isinstance(layer.backend,
+                                                               self.backend_class):
+      raise ValueError(f"this step plan was resolved for {_names(self.layer_classes)} on "
+                       f"{self.backend_class.__name__}, not {type(layer).__name__} on "
+                       f"{type(layer.backend).__name__}")
+
+
+def _names(classes) -> str:
+  return ", ".join(cls.__name__ for cls in classes)
+
+
+def step_route(layers, backend, *, num_new_tokens: int, num_cached_tokens,
+               force_mqa: bool = False) -> PrefillRoute:
+  """The model-wide route of a step over ``layers``: dense only if every layer can go dense.
+
+  (So a GLM shared-indexer layer never reuses indices that a skipped layer did not compute.)
+  ``routing.resolve_prefill_route`` checks the counts: static ints, None cached is unknown.
+  """
+  layers = tuple(layers)
+  if not layers:
+    raise ValueError("a step needs at least one attention layer")
+  force_mqa = force_mqa or not all(dense_mha_allowed(layer, backend) for layer in layers)
+  return resolve_prefill_route(layers[0], backend, num_new_tokens=num_new_tokens,
+                               num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
+
+
+def plan_step(layers: Iterable, backend, *, num_new_tokens: int, num_cached_tokens,
+              capacity: int, kv_rows: int | None = None, force_mqa: bool = False,
+              indexer_loss: str | None = None, shares_topk: bool = False) -> StepPlan:
+  """The plan of one step over ``layers`` (attention modules, all with the same config).
+
+  The route is model-wide: unless every layer (and the backend) can take the dense route,
+  all take the MQA one, so a shared-indexer layer never follows a full layer that skipped
+  scoring. ``kv_rows`` defaults to the rows this step can reach rounded up to a bucket
+  (``cache.bucket_rows``) when the cached bound is known, else ``capacity``.
+  ``shares_topk``: the model has IndexShare layers that read a full layer's top-k.
+  """
+  from mla_jax.cache import bucket_rows
+
+  layers = tuple(layers)
+  capacity = checks.static_int(capacity, "capacity", minimum=1)
+  route = step_route(layers, backend, num_new_tokens=num_new_tokens,
+                     num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
+  new, cached = int(num_new_tokens), static_count(num_cached_tokens, "num_cached_tokens")
+  if kv_rows is None:
+    kv_rows = capacity if cached is None else bucket_rows(cached + new, capacity)
+  elif not checks.is_int(kv_rows) or not 0 < kv_rows <= capacity:
+    raise ValueError(f"kv_rows must be an int in [1, capacity={capacity}], got {kv_rows!r}")
+  return StepPlan(route=route, num_new_tokens=new, cached_bound=cached, kv_rows=int(kv_rows),
+                  layer_classes=tuple(dict.fromkeys(type(layer) for layer in layers)),
+                  backend_class=type(backend), indexer_loss=indexer_loss,
+                  carry_topk=shares_topk and route.needs_topk)
