@@ -221,6 +221,7 @@ class CausalLM(nnx.Module):
     self.config = config
     self.backend = backend
     self.mesh = mesh
+    self.grouped_matmul = grouped_matmul
     key = rngs.params()
     build = lambda k: _Parts(config, k, param_dtype, scan_layers, backend=backend, mesh=mesh,
                              grouped_matmul=grouped_matmul, attention_class=attention_class)

@@ -237,7 +237,8 @@ class Trainer:
       self._check_batch(batch, stage, f"eval {i}")
     config = with_topk(self.model.config, stage.topk)
     graphdef = nnx.graphdef(nnx.eval_shape(
-        lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=self.model.backend)))
+        lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=self.model.backend,
+                         mesh=self.model.mesh, grouped_matmul=self.model.grouped_matmul)))
     trainable, frozen = nnx.split_state(self.params, trainable_filter(stage.objective), ...)
     tx = stage.optimizer()
     opt_state = tx.init(trainable)
