@@ -27,7 +27,7 @@ from flax import nnx
 from mla_jax import checks, losses, sharding
 from mla_jax.backends import Backend, get_backend
 from mla_jax.backends.on_mesh import MeshOps
-from mla_jax.cache import CacheView, check_fits, check_layout
+from mla_jax.cache import CacheView, check_layout
 from mla_jax.config import MLAConfig
 from mla_jax.fp8_cache import Fp8LatentRows, dense_latent
 from mla_jax.indexer import Indexer, topk_indices
@@ -233,13 +233,8 @@ class MLAAttentionBase(nnx.Module):
       raise ValueError("cache.index_keys_BSI must be present exactly when the layer has an "
                        "indexer of its own")
     check_layout(cache, c)
-    if new_lens_B.shape != (x_BTD.shape[0],) or not jnp.issubdtype(new_lens_B.dtype,
-                                                                    jnp.integer):
-      raise ValueError(f"new_lens must be int [{x_BTD.shape[0]}], got {new_lens_B.shape} "
-                       f"{new_lens_B.dtype}")
-    checks.new_lens_in_range(new_lens_B, x_BTD.shape[1])
-    checks.lengths_valid(cache.lengths_B, new_lens_B, c.max_position_embeddings)
-    check_fits(cache, new_lens_B)
+    checks.new_tokens(new_lens_B, cache.lengths_B, num_tokens=x_BTD.shape[1],
+                      capacity=cache.capacity, max_positions=c.max_position_embeddings)
 
   def __call__(self, x_BTD, cache: CacheView, *, new_lens_B=None, plan: StepPlan | None = None,
                num_cached_tokens=None, force_mqa: bool = False, kv_rows: int | None = None,

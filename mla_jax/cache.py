@@ -224,12 +224,26 @@ def init_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype=jn
   ``index_keys=False`` is for a layer that shares another layer's top-k (no key cache).
   """
   dtype = resolve_cache_dtype(dtype)
+  return empty_layer_cache(config, *cache_shape(config, batch_size, capacity), dtype,
+                           index_keys=index_keys)
+
+
+def cache_shape(config: MLAConfig, batch_size, capacity) -> tuple[int, int]:
+  """``(batch_size, capacity)`` as Python ints, checked: positive, and the capacity within
+  ``max_position_embeddings`` (NumPy integers are accepted)."""
   for name, value in (("batch_size", batch_size), ("capacity", capacity)):
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not checks.is_int(value) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   if capacity > config.max_position_embeddings:
     raise ValueError(f"capacity {capacity} exceeds max_position_embeddings "
                      f"{config.max_position_embeddings}")
+  return int(batch_size), int(capacity)
+
+
+def empty_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype, *,
+                      index_keys: bool = True) -> LayerCache:
+  """``init_layer_cache`` for a format already resolved (``resolve_cache_dtype``) and sizes
+  already checked (``cache_shape``): a model resolves its cache format once, not per layer."""
   fp8 = isinstance(dtype, str)
   keys = None
   if config.indexer is not None and index_keys:
@@ -281,15 +295,6 @@ def bucket_rows(needed: int, capacity: int) -> int:
   if needed > capacity:
     raise ValueError(f"{needed} cache rows are needed but the capacity is {capacity}")
   return min(capacity, max(MIN_BUCKET, 1 << max(needed - 1, 0).bit_length()))
-
-
-def check_fits(cache, new_lens_B) -> None:
-  """Refuses a step that would overflow the cache (rows past capacity would be dropped).
-
-  At once with concrete lengths, before anything is written; under ``jit`` only when run
-  checked (``mla_jax.checks``).
-  """
-  checks.cache_fits(cache.lengths_B, new_lens_B, cache.capacity)
 
 
 def _write_part(stored, new_rows_BTX, start_B, new_lens_B, *, layer=None):

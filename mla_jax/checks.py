@@ -157,6 +157,23 @@ def _worst(xp, values_B):
   return b, values_B[b]
 
 
+def new_tokens(new_lens_B, lengths_B, *, num_tokens: int, capacity: int,
+               max_positions: int) -> None:
+  """A step appending ``new_lens_B`` of ``num_tokens`` tokens to caches of ``lengths_B``:
+  ``new_lens_B`` is int [B] in [0, T], lengths and positions are in range, and the rows fit.
+
+  The one check of a step's lengths, at the model (where they are still concrete in an eager
+  call) and at each layer (which a standalone call reaches directly).
+  """
+  batch = tuple(lengths_B.shape)
+  if tuple(new_lens_B.shape) != batch or not jnp.issubdtype(new_lens_B.dtype, jnp.integer):
+    raise ValueError(f"new_lens must be int {list(batch)}, got {new_lens_B.shape} "
+                     f"{new_lens_B.dtype}")
+  new_lens_in_range(new_lens_B, num_tokens)
+  lengths_valid(lengths_B, new_lens_B, max_positions)
+  cache_fits(lengths_B, new_lens_B, capacity)
+
+
 def cache_fits(lengths_B, new_lens_B, capacity: int) -> None:
   """A step appending ``new_lens_B`` tokens must fit: rows past capacity would be dropped."""
   xp, (lengths_B, new_lens_B) = _on_host_or_traced(lengths_B, new_lens_B)

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from mla_jax import quant, sharding
+from mla_jax import checks, quant, sharding
 from mla_jax.backends import XlaBackend
 from mla_jax.models.config import FULL_SIZE, ModelConfig
 from mla_jax.models.hf_layout import param_layouts
@@ -110,8 +110,9 @@ def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
   if cache_dtype not in CACHE_BYTES:
     raise ValueError(f"cache dtype must be one of {sorted(CACHE_BYTES)}, got {cache_dtype!r}")
   for name, value in (("batch", batch), ("context", context)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not checks.is_int(value) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
+  batch, context = int(batch), int(context)
   config = FULL_SIZE[model]()
   if context > config.mla.max_position_embeddings:
     raise ValueError(f"context {context} exceeds {model}'s max_position_embeddings "

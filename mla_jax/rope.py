@@ -86,7 +86,7 @@ def apply_rope(x, positions, rope: RopeConfig, *, interleaved: bool, max_positio
       ``[0, max_position)``: the angle tables end there, and a position outside reads a
       clamped or wrapped table row (a wrong angle, silently). They are not checked here,
       since padding rows may lie past the end and are never stored; callers check their
-      real rows (``MLAAttentionBase`` does, through ``mla_jax.checks.lengths_valid``).
+      real rows (``MLAAttentionBase`` does, through ``mla_jax.checks.new_tokens``).
     rope: frequency configuration.
     interleaved: pairs (2i, 2i+1) if True, else (i, i + R/2).
     max_position: exclusive bound on positions (the config's max_position_embeddings).

@@ -22,7 +22,7 @@ from flax import nnx
 from mla_jax import checks, sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import (LayerCache, StackedLayerView, check_fits, init_layer_cache,
+from mla_jax.cache import (LayerCache, StackedLayerView, cache_shape, empty_layer_cache,
                            resolve_cache_dtype)
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
@@ -255,14 +255,15 @@ class CausalLM(nnx.Module):
     holds latent rows and indexer keys in the fp8 layouts, quantized on write.
     """
     dtype = resolve_cache_dtype(dtype)
+    batch_size, capacity = cache_shape(self.config.mla, batch_size, capacity)
 
     def build():
       groups = []
       for group in self.layer_groups:
         unit = []
         for u in range(group.unit_len):
-          layer = init_layer_cache(self.config.mla, batch_size, capacity, dtype,
-                                   index_keys=not self.config.shares_topk(group.layer(0, u)))
+          layer = empty_layer_cache(self.config.mla, batch_size, capacity, dtype,
+                                    index_keys=not self.config.shares_topk(group.layer(0, u)))
           unit.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (group.reps, *a.shape)),
                                    layer))
         groups.append(tuple(unit))
@@ -360,11 +361,8 @@ class CausalLM(nnx.Module):
     them only when run checked."""
     b, t = ids_BT.shape
     new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
-    if new_lens_B.shape != (b,) or not jnp.issubdtype(new_lens_B.dtype, jnp.integer):
-      raise ValueError(f"new_lens must be int [{b}], got {new_lens_B.shape} {new_lens_B.dtype}")
-    checks.new_lens_in_range(new_lens_B, t)
-    checks.lengths_valid(caches.lengths_B, new_lens_B, self.config.mla.max_position_embeddings)
-    check_fits(caches.layer(0), new_lens_B)
+    checks.new_tokens(new_lens_B, caches.lengths_B, num_tokens=t, capacity=caches.capacity,
+                      max_positions=self.config.mla.max_position_embeddings)
     return new_lens_B
 
   def _forward(self, ids_BT, caches, plan: StepPlan, new_lens_B):
