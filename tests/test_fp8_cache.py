@@ -156,6 +156,9 @@ def test_cache_dtype_spellings():
   assert resolve_cache_dtype("fp8") == resolve_cache_dtype(FP8) == "fp8"
   assert resolve_cache_dtype("bf16") == resolve_cache_dtype(jnp.bfloat16) == jnp.bfloat16
   assert resolve_cache_dtype("fp32") == jnp.float32
+  assert resolve_cache_dtype(jnp.float16) == jnp.float16  # accepted as a dtype, not named
+  with pytest.raises(ValueError, match="one of \\('fp32', 'bf16', 'fp8'\\)"):
+    resolve_cache_dtype("fp16")
 
 
 # ---- the model with an fp8 cache -------------------------------------------------------------

@@ -11,10 +11,10 @@ from flax import nnx
 
 from mla_jax import testing as mt
 from mla_jax.checkpoints import load_pretrained, save_pretrained
-from mla_jax.inspect import summarize
 from mla_jax.models.config import LayerGroup, glm5_lm, layer_groups, tiny_lm
 from mla_jax.models.hf_layout import hf_params
 from mla_jax.models.lm import CausalLM
+from mla_jax.traces import summarize
 
 
 def _glm52_types(num_layers, freq=4, offset=3):

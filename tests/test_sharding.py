@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 from mla_jax import cli, generation, sharding
 from mla_jax import testing as mt
-from mla_jax.inspect import summarize
 from mla_jax.models.config import small_lm, tiny_lm, tiny_moe_lm
 from mla_jax.models.hf_layout import param_layouts
 from mla_jax.models.lm import CausalLM
+from mla_jax.traces import summarize
 
 MESHES = ("data=1,tensor=2,expert=4", "data=2,tensor=2,expert=2", "data=1,tensor=8,expert=1",
           "data=8,tensor=1,expert=1")
