@@ -24,7 +24,7 @@ from mla_jax.routing import PrefillRoute
 from tests.helpers import lm
 from pallas_kernels.fp8_rows import Fp8LatentRows, dequantize_rows
 from tests.helpers import call, make_pair
-from tests.numpy_kernels import numpy_dequantize_rows
+from tests.kernels.numpy_reference import numpy_dequantize_rows
 
 FP8 = jnp.float8_e4m3fn
 
