@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 "$PYTHON" -c 'import jax, sys; d = jax.devices()[0]; print("device:", d.device_kind, "jax", jax.__version__); sys.exit(d.platform != "gpu")' \
-  || { echo "no GPU visible to jax; run the CPU tests instead (pytest tests/test_kernels_*.py)"; exit 2; }
+  || { echo "no GPU visible to jax; run the CPU tests instead (pytest tests/kernels)"; exit 2; }
 
 echo "== correctness: kernel vs XLA reference at full shapes =="
 timeout 240 "$PYTHON" benchmarks/kernels.py --check

@@ -14,7 +14,7 @@ Three steps, each in a fresh process so that one step's memory does not blur the
    and reclaimable); anonymous memory (``RssAnon``) is what the loader itself holds, sampled
    every millisecond and after every tensor read;
 3. two processes x 2 CPU devices (jax.distributed over gloo on 127.0.0.1) load it onto one
-   mesh, each counting the bytes it reads (tests/multiprocess_load_worker.py); a piece that
+   mesh, each counting the bytes it reads (benchmarks/multiprocess_load_worker.py); a piece that
    both of a process's devices hold (replicated over the other axis) is read once but held
    twice.
 """
@@ -121,7 +121,7 @@ def _free_port() -> int:
 
 
 def measure_processes(directory: Path, mesh: str, out: Path) -> list[dict]:
-  worker = ROOT / "tests" / "multiprocess_load_worker.py"
+  worker = ROOT / "benchmarks" / "multiprocess_load_worker.py"
   port = _free_port()
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i),

@@ -28,9 +28,9 @@ from flax import nnx
 
 import mla_jax as m
 from mla_jax import testing as mt
-from mla_jax.inspect import summarize
 from mla_jax.params import flat_params, set_flat_params
 from mla_jax.routing import PrefillRoute
+from mla_jax.traces import summarize
 
 ROUTES = ("dense_mha", "sparse_mqa")
 _ROUTE_SCOPES = {"dense_mha": PrefillRoute.DENSE_MHA.scope,
@@ -143,7 +143,7 @@ def cost_of(fn: Callable, *args) -> dict[str, float]:
 
 
 def _pallas_calls(jaxpr):
-  from mla_jax.inspect import _sub_jaxprs  # the same walk that ``summarize`` uses
+  from mla_jax.traces import _sub_jaxprs  # the same walk that ``summarize`` uses
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       yield eqn
@@ -158,7 +158,7 @@ def kernel_cost_estimates(fn: Callable, *args) -> list[dict]:
   Returns one dict per ``pallas_call``: name, flops, bytes, transcendentals. Under ``vmap`` a
   kernel's estimate is the per-sequence one; the batch here is 1, so it is the whole cost.
   """
-  from mla_jax.inspect import _kernel_name
+  from mla_jax.traces import _kernel_name
   closed = jax.make_jaxpr(fn)(*args)
   rows = []
   for eqn in _pallas_calls(closed.jaxpr):

@@ -23,8 +23,9 @@ from mla_jax.config import MLAConfig
 from pallas_kernels.fp8_rows import Fp8LatentRows
 
 CACHE_DTYPE_NAMES = ("fp32", "bf16", "fp8")
-_FLOAT_CACHE_DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
-                       "fp16": jnp.dtype(jnp.float16)}
+_NAMED_FLOAT_CACHE_DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16)}
+# float16 is accepted as a dtype object but has no name (the README names fp32, bf16 and fp8).
+_FLOAT_CACHE_DTYPES = (*_NAMED_FLOAT_CACHE_DTYPES.values(), jnp.dtype(jnp.float16))
 
 
 def resolve_cache_dtype(cache_dtype, name: str = "cache dtype"):
@@ -38,11 +39,11 @@ def resolve_cache_dtype(cache_dtype, name: str = "cache dtype"):
     if cache_dtype not in CACHE_DTYPE_NAMES:
       raise ValueError(f"{name} must be one of {CACHE_DTYPE_NAMES} or a float dtype, got "
                        f"{cache_dtype!r}")
-    return "fp8" if cache_dtype == "fp8" else _FLOAT_CACHE_DTYPES[cache_dtype]
+    return "fp8" if cache_dtype == "fp8" else _NAMED_FLOAT_CACHE_DTYPES[cache_dtype]
   dtype = checks.float_dtype(cache_dtype, name)
   if dtype == jnp.float8_e4m3fn:
     return "fp8"
-  if dtype not in _FLOAT_CACHE_DTYPES.values():
+  if dtype not in _FLOAT_CACHE_DTYPES:
     raise ValueError(f"{name} must be one of {CACHE_DTYPE_NAMES}, float32, bfloat16, "
                      f"float16 or float8_e4m3fn, got {cache_dtype!r}")
   return dtype

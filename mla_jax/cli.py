@@ -185,8 +185,7 @@ def cmd_routes(args) -> int:
   """Per prefill length: each class's route, whether scoring ran, and the outputs' difference."""
   from mla_jax import testing
   from mla_jax.attention import DeepseekV32Attention, MLAAttention
-  from mla_jax.cache import init_layer_cache
-  from mla_jax.inspect import traced_scopes
+  from mla_jax.traces import traced_scopes
 
   config = tiny_lm().mla
   backend = get_backend(args.backend)

@@ -1,7 +1,7 @@
 """Frozen block configurations of the Pallas-Triton kernels, with shape-based defaults.
 
 "Which kernel" is chosen by the caller; this module only answers "which block sizes". Each
-``default_for`` was checked with the PTX compile check (tests/test_kernels_compile.py) to
+``default_for`` was checked with the PTX compile check (tests/kernels/test_compile.py) to
 compile without register spills for sm_90a at the DeepSeek-V3.2 and GLM-5 shapes.
 """
 

@@ -1,7 +1,9 @@
-"""Small builders shared by the module tests."""
+"""Small builders shared by the module tests: layers, models, caches, the layer-by-layer
+forward, HF config edits and a free port for multi-process tests."""
 
 import dataclasses
 import functools
+import socket
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from flax import nnx
 import mla_jax as m
 from mla_jax import testing as mt
 from mla_jax.backends import XlaBackend
+from mla_jax.models.lm import CausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,3 +55,52 @@ def call(layer, x, cache, *, new_lens=None, force_mqa=False):
     new_lens = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
   cached = int(np.asarray(cache.lengths_B).max())
   return _jitted_call(layer, x, cache, jnp.asarray(new_lens, jnp.int32), cached, force_mqa)
+
+
+@functools.lru_cache(maxsize=None)
+def lm(config, backend="xla", seed=None) -> CausalLM:
+  """A ``CausalLM`` built once per session (read-only in the tests): ``Rngs(0)`` weights,
+  randomized with ``seed`` (``testing.randomize_params``) unless it is None."""
+  model = CausalLM(config, rngs=nnx.Rngs(0), backend=backend)
+  if seed is not None:
+    mt.randomize_params(model, seed)
+  return model
+
+
+def layer_by_layer(model, ids_BT, capacity, shared_topk_BTK=None):
+  """Logits with every layer run as a module of its own (no scan), the top-k passed by hand.
+
+  A layer that shares its top-k gets the last full layer's, or ``shared_topk_BTK`` if given.
+  """
+  caches = model.init_cache(ids_BT.shape[0], capacity)
+  plan = model.step_plan(ids_BT.shape[1], 0, capacity=capacity)
+  h, topk = model.model.embed_tokens(ids_BT), None
+  for i in range(model.config.num_layers):
+    layer = model.layer_module(i)
+    shared = layer.self_attn.shares_topk
+    given = (topk if shared_topk_BTK is None else shared_topk_BTK) if shared else None
+    h, _, layer_topk = layer(h, caches.layer(i), plan, shared_topk_BTK=given)
+    if not shared:
+      topk = layer_topk
+  return model.lm_head(model.model.norm(h))
+
+
+MISSING = object()
+
+
+def patch_hf_config(hf: dict, missing=MISSING, **changes) -> dict:
+  """A copy of the HF config dict ``hf`` with ``changes``; a value ``is missing`` removes its key."""
+  hf = dict(hf)
+  for key, value in changes.items():
+    if value is missing:
+      hf.pop(key, None)
+    else:
+      hf[key] = value
+  return hf
+
+
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 now (for a jax.distributed coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

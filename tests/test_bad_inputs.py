@@ -2,7 +2,7 @@
 type and a message naming the offending argument, field or file, and a refused call leaves the
 caches and files it was given as they were.
 
-Kernels (``test_kernels_inputs.py``), checkpoint files and saves (``test_checkpoint_files.py``)
+Kernels (``tests/kernels/``), checkpoint files and saves (``test_checkpoint_files.py``)
 and Hugging Face configs (``test_hf_config.py``) keep their own matrices; this one covers
 configs, modules, caches, routing, the model, checked runs under ``jit``, generation and the
 command line.
@@ -25,7 +25,7 @@ import mla_jax as m
 from mla_jax import checks, cli
 from mla_jax.checkpoints import CheckpointError, load_pretrained, save_pretrained
 from mla_jax.models.config import MoEConfig, ModelConfig, tiny_lm
-from tests.helpers import fresh_cache, make_pair
+from tests.helpers import fresh_cache, lm, make_pair
 
 NAN, INF = float("nan"), float("inf")
 TOPK = m.tiny().indexer.topk
@@ -36,9 +36,8 @@ def _layer():
   return make_pair()[1]  # a DeepseekV32Attention on the XLA backend
 
 
-@functools.lru_cache(maxsize=None)
 def _model():
-  return m.CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend="xla")
+  return lm(tiny_lm())
 
 
 def _host(tree):

@@ -4,7 +4,6 @@ every byte read once and each process reading only the files that hold its piece
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from mla_jax.checkpoints import (CheckpointError, load_pretrained, loading, open
                                  save_pretrained)
 from mla_jax.models.hf_layout import hf_params, param_layouts
 from tests.checkpoint_models import fp8_config, random_model, write_fp8_checkpoint
+from tests.helpers import free_port
 
 MESH = "data=1,tensor=2,expert=4"
 
@@ -134,17 +134,11 @@ def test_fp8_split_that_cuts_a_block_is_refused_before_reading(checkpoints, spy)
   assert spy[-1].bytes_read == {}
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_read_only_the_files_holding_their_pieces(checkpoints, tmp_path):
   """2 processes x 2 devices, experts split 4 ways: each process reads the files of the
   tensors every device needs plus those of its own two experts, and nothing else."""
-  path, port = checkpoints / "bf16", _free_port()
-  worker = Path(__file__).with_name("multiprocess_load_worker.py")
+  path, port = checkpoints / "bf16", free_port()
+  worker = Path(__file__).parents[1] / "benchmarks" / "multiprocess_load_worker.py"
   procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i), str(path),
                              "data=1,tensor=1,expert=4", "default", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]

@@ -23,6 +23,7 @@ from mla_jax.config import RopeConfig, YarnConfig
 from mla_jax.models.hf_layout import hf_params
 from mla_jax.routing import PrefillRoute
 from tests.checkpoint_models import TOPK, random_model, small_config
+from tests.helpers import layer_by_layer, patch_hf_config
 
 def _read_all(path):
   return {name: handle.read() for name, handle in open_safetensors(path).items()}
@@ -266,13 +267,8 @@ def test_truncated_safetensors(tmp_path, ds32_dir):
 # ---- config mapping -----------------------------------------------------------------------
 
 def _hf(kind="glm", **changes):
-  hf = config_to_hf(small_config(kind))
-  for key, value in changes.items():
-    if value is None:
-      hf.pop(key, None)
-    else:
-      hf[key] = value
-  return hf
+  """``small_config(kind)`` as HF writes it, with ``changes``; a change to None removes a key."""
+  return patch_hf_config(config_to_hf(small_config(kind)), missing=None, **changes)
 
 
 def test_indexer_rope_interleave_default_and_override():
@@ -360,21 +356,8 @@ def test_config_to_hf_refuses_what_hf_cannot_express():
 @nnx.jit
 def _unrolled(model, ids):
   """Logits with each shared layer fed (a) its full layer's top-k, (b) every causal row."""
-  outs = []
-  for substitute in (False, True):
-    caches = model.init_cache(ids.shape[0], 16)
-    plan = model.step_plan(ids.shape[1], 0, capacity=16)
-    h, topk = model.model.embed_tokens(ids), None
-    for i in range(model.config.num_layers):
-      layer, cache = model.layer_module(i), caches.layer(i)
-      shared = layer.self_attn.shares_topk
-      given = causal_indices(jnp.arange(ids.shape[1])[None], 16) if shared and substitute \
-          else topk
-      h, _, layer_topk = layer(h, cache, plan, shared_topk_BTK=given if shared else None)
-      if not shared:
-        topk = layer_topk
-    outs.append(model.lm_head(model.model.norm(h)))
-  return outs
+  every_row = causal_indices(jnp.arange(ids.shape[1])[None], 16)
+  return [layer_by_layer(model, ids, 16), layer_by_layer(model, ids, 16, every_row)]
 
 
 def test_glm_shared_layers_use_the_full_layers_topk(tmp_path):

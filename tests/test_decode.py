@@ -1,7 +1,6 @@
 """Long-context decode: donated caches, several steps per dispatch, live-context buckets."""
 
 import dataclasses
-import functools
 import re
 from typing import ClassVar
 
@@ -12,20 +11,13 @@ import pytest
 from flax import nnx
 
 from mla_jax import generation
-from mla_jax import testing as mt
 from mla_jax.backends import XlaBackend
 from mla_jax.cache import MIN_BUCKET, bucket_rows
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
+from tests.helpers import lm
 
 EOS = 7
-
-
-@functools.lru_cache(maxsize=None)
-def _model(backend=None):
-  model = CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend=backend or XlaBackend())
-  mt.randomize_params(model, 3)
-  return model
 
 
 def _prompts(lengths, seed=0):
@@ -37,7 +29,7 @@ def _prompts(lengths, seed=0):
 def test_decode_program_updates_every_cache_in_place(cache_dtype):
   """The compiled decode program aliases every cache buffer (and tokens, done) to an output;
   in an fp8 cache that is every e4m3 value, scale and RoPE buffer."""
-  model = _model()
+  model = lm(tiny_lm(), seed=3)
   graphdef, state = nnx.split(model)
   caches = model.init_cache(2, 512, cache_dtype)
   assert len(jax.tree.leaves(caches)) == {"fp32": 3, "fp8": 6}[cache_dtype] * 2  # 2 groups
@@ -57,7 +49,7 @@ def test_decode_program_updates_every_cache_in_place(cache_dtype):
 
 
 def test_prefill_program_updates_every_cache_in_place():
-  model = _model()
+  model = lm(tiny_lm(), seed=3)
   graphdef, state = nnx.split(model)
   caches = model.init_cache(2, 64)
   compiled = generation._prefill.lower(
@@ -72,8 +64,8 @@ def test_steps_per_dispatch_do_not_change_tokens_or_logits(steps):
   """Ragged prompts; EOS arrives mid-dispatch for some sequences and the others go on."""
   prompts = _prompts([5, 12, 1, 9])
   kwargs = dict(eos_id=EOS, temperature=0.8, top_p=0.9, seed=4, return_logits=True)
-  one = generation.generate(_model(), prompts, 20, steps_per_dispatch=1, **kwargs)
-  many = generation.generate(_model(), prompts, 20, steps_per_dispatch=steps, **kwargs)
+  one = generation.generate(lm(tiny_lm(), seed=3), prompts, 20, steps_per_dispatch=1, **kwargs)
+  many = generation.generate(lm(tiny_lm(), seed=3), prompts, 20, steps_per_dispatch=steps, **kwargs)
   assert many.tokens == one.tokens
   stopped = [t for t in one.tokens if t[-1] == EOS and len(t) < 20]
   assert stopped and any(len(t) == 20 for t in one.tokens)  # EOS for some, not all
@@ -99,7 +91,7 @@ def test_buckets_follow_the_live_context_and_keep_the_tokens():
   """A sequence crosses the 256-row bucket mid-generation in a 2048-row cache: two decode
   programs, rows past the bucket are never read, tokens equal a teacher-forced forward."""
   model = CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend=_RowSpy())
-  nnx.update(model, nnx.state(_model(), nnx.Param))
+  nnx.update(model, nnx.state(lm(tiny_lm(), seed=3), nnx.Param))
   prompt = _prompts([250])[0]
   traced = generation.trace_counts["decode"]
   _RowSpy.rows.clear()
@@ -125,11 +117,11 @@ def test_bucket_rows():
 @pytest.mark.parametrize("value", [0, -1, 2.0, True, None])
 def test_bad_steps_per_dispatch(value):
   with pytest.raises(ValueError, match="steps_per_dispatch must be a positive int"):
-    generation.generate(_model(), [[1, 2]], 4, steps_per_dispatch=value)
+    generation.generate(lm(tiny_lm(), seed=3), [[1, 2]], 4, steps_per_dispatch=value)
 
 
 def test_kv_rows_must_cover_the_step():
-  model = _model()
+  model = lm(tiny_lm(), seed=3)
   with pytest.raises(ValueError, match="kv_rows=8 is fewer than the 0 cached \\+ 12 new rows"):
     model(jnp.ones((1, 12), jnp.int32), model.init_cache(1, 16), num_cached_tokens=0, kv_rows=8)
   with pytest.raises(ValueError, match="kv_rows must be an int in \\[1, capacity=16\\]"):

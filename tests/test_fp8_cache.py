@@ -20,11 +20,11 @@ from mla_jax import fp8_cache, generation
 from mla_jax import testing as mt
 from mla_jax.cache import LayerCache, StackedLayerView, init_layer_cache, resolve_cache_dtype
 from mla_jax.models.config import tiny_lm, tiny_moe_lm
-from mla_jax.models.lm import CausalLM
 from mla_jax.routing import PrefillRoute
+from tests.helpers import lm
 from pallas_kernels.fp8_rows import Fp8LatentRows, dequantize_rows
 from tests.helpers import call, make_pair
-from tests.numpy_kernels import numpy_dequantize_rows
+from tests.kernels.numpy_reference import numpy_dequantize_rows
 
 FP8 = jnp.float8_e4m3fn
 
@@ -156,6 +156,9 @@ def test_cache_dtype_spellings():
   assert resolve_cache_dtype("fp8") == resolve_cache_dtype(FP8) == "fp8"
   assert resolve_cache_dtype("bf16") == resolve_cache_dtype(jnp.bfloat16) == jnp.bfloat16
   assert resolve_cache_dtype("fp32") == jnp.float32
+  assert resolve_cache_dtype(jnp.float16) == jnp.float16  # accepted as a dtype, not named
+  with pytest.raises(ValueError, match="one of \\('fp32', 'bf16', 'fp8'\\)"):
+    resolve_cache_dtype("fp16")
 
 
 # ---- the model with an fp8 cache -------------------------------------------------------------
@@ -172,14 +175,8 @@ def _no_selection(config):
   return dataclasses.replace(config, mla=mla)
 
 
-_models = {}
-
-
 def _model(preset):
-  if preset not in _models:
-    _models[preset] = CausalLM(PRESETS[preset](), rngs=nnx.Rngs(0), backend="xla")
-    mt.randomize_params(_models[preset], 3)
-  return _models[preset]
+  return lm(PRESETS[preset](), seed=3)
 
 
 def _teacher_forced_logits(model, ids, cache_dtype, prompt_len):

@@ -18,6 +18,7 @@ import pytest
 
 from mla_jax.checkpoints import CheckpointError, config_from_hf, config_to_hf
 from tests.checkpoint_models import small_config
+from tests.helpers import MISSING, patch_hf_config
 
 try:  # optional: cross-checks each case against HF's own config classes
   import transformers
@@ -75,18 +76,9 @@ V3_NULLS = {"num_key_value_heads": "loads", "norm_topk_prob": "loads",
 WRONG_TYPES = {int: ["7", 7.0, True], float: [1, "1e-6"], bool: [1, "true"], str: [1]}
 
 
-_MISSING = object()
-
-
 def _full(model_type, **changes):
-  """An explicit config with every documented default written out."""
-  hf = {"model_type": model_type, **HF_DOCUMENTED[model_type]}
-  for key, value in changes.items():
-    if value is _MISSING:
-      hf.pop(key, None)
-    else:
-      hf[key] = value
-  return hf
+  """An explicit config with every documented default written out, then ``changes``."""
+  return patch_hf_config({"model_type": model_type, **HF_DOCUMENTED[model_type]}, **changes)
 
 
 def _hf_class_accepts(hf):
@@ -130,7 +122,7 @@ def test_missing_field_takes_the_default(model_type, field, default):
     config_from_hf(explicit)  # the other value loads (or is refused for its own reason)
   except CheckpointError:
     pass
-  assert config_from_hf(_full(model_type, **{field: _MISSING})) == config_from_hf(
+  assert config_from_hf(_full(model_type, **{field: MISSING})) == config_from_hf(
       _full(model_type))
 
 
@@ -201,7 +193,7 @@ def _ours(config):
     ("glm_moe_dsa", dict(first_k_dense_replace=2, mlp_layer_types=["dense"] * 2 + ["sparse"] * 2),
      None, "DDSS", "FFFF"),
     ("deepseek_v32", dict(mlp_layer_types=["dense"] + ["sparse"] * 3,
-                          first_k_dense_replace=_MISSING), None, "DSSS", "FFFF"),
+                          first_k_dense_replace=MISSING), None, "DSSS", "FFFF"),
     # indexer_types wins over index_topk_pattern and index_topk_freq / offset.
     ("glm_moe_dsa", dict(indexer_types=["full", "shared", "full", "shared"], index_topk_freq=1),
      "index_topk_freq disagrees with indexer_types", "DDDS", "FSFS"),

@@ -11,10 +11,11 @@ from flax import nnx
 
 from mla_jax import testing as mt
 from mla_jax.checkpoints import load_pretrained, save_pretrained
-from mla_jax.inspect import summarize
 from mla_jax.models.config import LayerGroup, glm5_lm, layer_groups, tiny_lm
 from mla_jax.models.hf_layout import hf_params
 from mla_jax.models.lm import CausalLM
+from mla_jax.traces import summarize
+from tests.helpers import layer_by_layer
 
 
 def _glm52_types(num_layers, freq=4, offset=3):
@@ -41,18 +42,7 @@ def _indexshare_model(num_layers=9, attention="mqa-only"):
   return model
 
 
-@nnx.jit
-def _layer_by_layer(model, ids):
-  """Every layer run as a module of its own (no scan), the top-k passed by hand."""
-  caches = model.init_cache(ids.shape[0], 32)
-  plan = model.step_plan(ids.shape[1], 0, capacity=32)
-  h, topk = model.model.embed_tokens(ids), None
-  for i in range(model.config.num_layers):
-    layer = model.layer_module(i)
-    h, _, layer_topk = layer(h, caches.layer(i), plan, shared_topk_BTK=topk)
-    if not layer.self_attn.shares_topk:
-      topk = layer_topk
-  return model.lm_head(model.model.norm(h))
+_layer_by_layer = nnx.jit(layer_by_layer, static_argnames="capacity")
 
 
 def test_scanned_groups_equal_layer_by_layer_and_round_trip(tmp_path):
@@ -62,7 +52,7 @@ def test_scanned_groups_equal_layer_by_layer_and_round_trip(tmp_path):
   ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
   logits, _ = nnx.jit(lambda m, i, c: m(i, c, num_cached_tokens=0))(
       model, ids, model.init_cache(2, 32))
-  np.testing.assert_allclose(logits, _layer_by_layer(model, ids), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits, _layer_by_layer(model, ids, capacity=32), rtol=1e-5, atol=1e-5)
   params = hf_params(model)
   assert "model.layers.8.mlp.experts.7.down_proj.weight" in params
   assert not any(k.startswith("model.layers.3.self_attn.indexer") for k in params)  # shared

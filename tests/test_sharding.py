@@ -6,7 +6,6 @@ float32 tolerance and identical greedy tokens.
 
 import functools
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 from mla_jax import cli, generation, sharding
 from mla_jax import testing as mt
-from mla_jax.inspect import summarize
 from mla_jax.models.config import small_lm, tiny_lm, tiny_moe_lm
 from mla_jax.models.hf_layout import param_layouts
 from mla_jax.models.lm import CausalLM
+from mla_jax.traces import summarize
+from tests.helpers import free_port
 
 MESHES = ("data=1,tensor=2,expert=4", "data=2,tensor=2,expert=2", "data=1,tensor=8,expert=1",
           "data=8,tensor=1,expert=1")
@@ -180,15 +180,9 @@ def test_scanned_sharded_mqa_only_model_never_compiles_dense_mha():
     assert summary.primitives["cond"] == 0 and summary.primitives["scan"] >= 1
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_equal_one(tmp_path):
   """Two processes x 2 CPU devices (gloo) form one 4-device mesh; same logits and tokens."""
-  mesh_spec, port = "data=1,tensor=2,expert=2", _free_port()
+  mesh_spec, port = "data=1,tensor=2,expert=2", free_port()
   worker = Path(__file__).with_name("multiprocess_worker.py")
   out = tmp_path / "out.npz"
   procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i), mesh_spec,

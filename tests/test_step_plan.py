@@ -14,7 +14,7 @@ from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.routing import PrefillRoute
 from mla_jax.step_plan import StepPlan, plan_step
-from mla_jax.inspect import traced_scopes
+from mla_jax.traces import traced_scopes
 from tests.helpers import XlaNoDenseBackend
 
 TOPK = m.tiny().indexer.topk

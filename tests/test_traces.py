@@ -13,7 +13,7 @@ import mla_jax as m
 from mla_jax import checks, generation
 from mla_jax import testing as mt
 from mla_jax.models.config import tiny_lm
-from mla_jax.inspect import summarize, traced_kernels, traced_scopes
+from mla_jax.traces import summarize, traced_kernels, traced_scopes
 from tests.conftest import module_backends
 from tests.helpers import XlaNoDenseBackend, fresh_cache, make_pair, tiny_no_indexer
 

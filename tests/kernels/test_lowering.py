@@ -9,47 +9,13 @@ import functools
 import re
 
 import jax
-import jax.numpy as jnp
-import pytest
 from absl.testing import parameterized
 
 from mla_jax.backends.pallas import PallasTritonBackend
 from pallas_kernels import _compat
-from pallas_kernels.block_config import (
-    DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQAKernelConfig, pow2_chunks,
-)
-from pallas_kernels.dense_mha import dense_mha
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from pallas_kernels.indexer_logits import indexer_logits
-from pallas_kernels.sparse_mqa import sparse_mqa
-
-sds = jax.ShapeDtypeStruct
-BF16, I32, F32, FP8 = jnp.bfloat16, jnp.int32, jnp.float32, jnp.float8_e4m3fn
-
-
-def sparse_case(T, H, D, d_v, S, K, dtype=BF16):
-  fn = functools.partial(sparse_mqa, sm_scale=D**-0.5, d_v=d_v)
-  return fn, (sds((T, H, D), dtype), sds((S, D), dtype), sds((T, K), I32))
-
-
-def sparse_fp8_case(T, H, A, R, S, K, dtype=BF16):
-  """fp8 rows in the cache layout: e4m3 latent, a float32 scale per tile, bf16 RoPE."""
-  fn = functools.partial(sparse_mqa, sm_scale=(A + R)**-0.5, d_v=A)
-  tiles = A // 128 if A % 128 == 0 else 1
-  rows = Fp8LatentRows(sds((S, A), FP8), sds((S, tiles), F32), sds((S, R), BF16))
-  return fn, (sds((T, H, A + R), dtype), rows, sds((T, K), I32))
-
-
-def indexer_case(T, G, I, S, dtype=BF16, k_scale=False):
-  args = (sds((T, G, I), dtype), sds((S, I), dtype), sds((T, G), F32), sds((T,), I32), sds((T,), I32))
-  if not k_scale:
-    return indexer_logits, args
-  return (lambda *a: indexer_logits(*a[:5], k_scale_S=a[5])), args + (sds((S,), F32),)
-
-
-def mha_case(T, S, H, D, V, dtype=BF16):
-  fn = lambda q, k, v, off, n: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n)
-  return fn, (sds((T, H, D), dtype), sds((S, H, D), dtype), sds((S, H, V), dtype), sds((), I32), sds((), I32))
+from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, mha_case, sds, sparse_case,
+                                 sparse_fp8_case)
 
 
 CASES = {
@@ -122,30 +88,3 @@ class LoweringTest(parameterized.TestCase):
     [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     self.assertEqual(eqn.params["name"], "sparse_mqa_attention")
     self.assertEqual(eqn.params["cost_estimate"].flops, 2 * 4 * 2048 * 128 * (576 + 512))
-
-
-class BlockConfigTest(parameterized.TestCase):
-
-  @parameterized.named_parameters(
-      ("sparse", SparseMQAKernelConfig, dict(block_h=48), "block_h"),
-      ("indexer", IndexerLogitsKernelConfig, dict(block_s=0), "block_s"),
-      ("mha", DenseMHAKernelConfig, dict(num_warps=3), "num_warps"),
-      ("stages", DenseMHAKernelConfig, dict(num_stages=0), "num_stages"),
-  )
-  def test_rejects_bad_values(self, cls, kwargs, field):
-    with pytest.raises(ValueError, match=field):
-      cls(**kwargs)
-
-  def test_defaults_are_hashable_and_valid(self):
-    configs = {
-        SparseMQAKernelConfig.default_for(128, 2048, 512), SparseMQAKernelConfig.default_for(1, 1, 64),
-        IndexerLogitsKernelConfig.default_for(1, 1), DenseMHAKernelConfig.default_for(512, 512, 256, 256),
-    }
-    self.assertLen(configs, 4)
-    self.assertEqual(SparseMQAKernelConfig.default_for(128, 2048, 512).block_h, 32)
-
-  def test_pow2_chunks(self):
-    self.assertEqual(pow2_chunks(576), ((0, 512), (512, 64)))
-    self.assertEqual(pow2_chunks(192), ((0, 128), (128, 64)))
-    self.assertEqual(pow2_chunks(48), ((0, 32), (32, 16)))
-    self.assertEqual(pow2_chunks(256), ((0, 256),))

@@ -3,7 +3,7 @@
 No GPU needed (docs/design.md §8). XLA compiles the same TTIR with its own Triton fork, so
 this is a close proxy for register pressure, not the final word. Run the report with
 
-    /work/venv311/bin/python tests/test_kernels_compile.py
+    python -m tests.kernels.test_compile
 """
 
 import os
@@ -22,7 +22,7 @@ from pallas_kernels import _compat  # noqa: E402
 from pallas_kernels.block_config import (  # noqa: E402
     DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQAKernelConfig,
 )
-from tests.test_kernels_lowering import (  # noqa: E402
+from tests.kernels.cases import (  # noqa: E402
     indexer_case, mha_case, sparse_case, sparse_fp8_case,
 )
 

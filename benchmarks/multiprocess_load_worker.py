@@ -1,7 +1,7 @@
-"""One process of a multi-process checkpoint load (started by tests/test_checkpoint_streaming.py
-and benchmarks/load.py).
+"""One process of a multi-process checkpoint load (started by benchmarks/load.py and
+tests/test_checkpoint_streaming.py).
 
-Usage: python tests/multiprocess_load_worker.py PORT NUM_PROCESSES PROCESS_ID CHECKPOINT MESH
+Usage: python benchmarks/multiprocess_load_worker.py PORT NUM_PROCESSES PROCESS_ID CHECKPOINT MESH
        DTYPE OUT_DIR [--no-save]
 Each process has 2 CPU devices; together they form one mesh. Each process loads the
 checkpoint onto it, writes OUT_DIR/p{ID}.json (the bytes it read per file, the routed experts

@@ -1,0 +1,194 @@
+"""The dense causal MHA suite, run over every implementation (``test_dense_mha.py``).
+
+Against a float64 NumPy computation and the jnp reference, future and past-kv_len rows
+poisoned with NaN/inf, bad inputs and degenerate sizes.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+from mla_jax.testing import relative_error
+from pallas_kernels.block_config import DenseMHAKernelConfig
+from pallas_kernels.dense_mha import dense_mha, dense_mha_reference
+from tests.kernels import common
+from tests.kernels.numpy_reference import assert_attention_matches, numpy_dense_mha
+
+sds = jax.ShapeDtypeStruct
+F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_inputs(seed, T, S, H, D, V, dtype):
+  rng = np.random.default_rng(seed)
+  return tuple(
+      jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((T, H, D), (S, H, D), (S, H, V))
+  )
+
+
+def assert_matches(out, lse, q, k, v, sm_scale, q_offset, kv_len, dtype):
+  assert_attention_matches(out, lse, *numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len),
+                           rtol=RTOL[dtype], lse_rtol=1e-5, lse_atol=1e-4)
+
+
+# (T, S, H, q_offset, kv_len); the tiny MLA widths are qk 48 = 32 nope + 16 rope, v 32.
+CASES = (
+    dict(testcase_name="t1_kv1_h1", T=1, S=1, H=1, q_offset=0, kv_len=1),
+    dict(testcase_name="t3_kv100_h4_decode_like", T=3, S=100, H=4, q_offset=97, kv_len=100),
+    dict(testcase_name="t64_kv100_h4_padded_keys", T=64, S=128, H=4, q_offset=36, kv_len=100),
+    dict(testcase_name="t257_kv257_h4_prefill", T=257, S=257, H=4, q_offset=0, kv_len=257),
+    dict(testcase_name="t64_kv1000_h16_context", T=64, S=1000, H=16, q_offset=936, kv_len=1000),
+    dict(testcase_name="t3_kv0_h4_empty_rows", T=3, S=16, H=4, q_offset=0, kv_len=0),
+)
+
+# ---- hidden rows: T 12 at positions 20..31, kv_len 28, S 40; blocks of 16 -------------------
+# Key block 0 (keys 0-15) is seen whole by every query (the unmasked loop); block 1 (16-31)
+# holds the causal diagonal and kv_len; block 2 (32-39) lies past kv_len and is skipped.
+
+MASKING_CONFIG = DenseMHAKernelConfig(block_q=16, block_k=16)
+Q_OFFSET, KV_LEN = 20, 28
+MASKING_CASES = {
+    # name: (poisoned arrays, rows, query rows whose output may change)
+    "future_token": ("kv", [24], list(range(4, 12))),       # position 24: seen from query 4 on
+    "future_token_value_only": ("v", [24], list(range(4, 12))),
+    "future_token_key_only": ("k", [25], list(range(5, 12))),
+    "rows_at_and_past_kv_len": ("kv", list(range(28, 40)), []),
+    "row_every_query_sees": ("kv", [3], list(range(12))),
+    "own_query_row": ("q", [2], [2]),
+}
+
+
+def masking_inputs(seed=1):
+  rng = np.random.default_rng(seed)
+  shapes = ((12, 2, 48), (40, 2, 48), (40, 2, 32))
+  return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+# ---- bad inputs: (case, changed arguments, error, the argument the message must name) ------
+
+VALID = dict(q=sds((3, 2, 48), F32), k=sds((20, 2, 48), F32), v=sds((20, 2, 32), F32),
+             sm_scale=0.2, q_offset=0, kv_len=20)
+BAD_INPUTS = [
+    ("q_rank", dict(q=sds((3, 48), F32)), ValueError, "q_THQ"),
+    ("k_heads", dict(k=sds((20, 3, 48), F32)), ValueError, "k_SHQ"),
+    ("v_rows", dict(v=sds((21, 2, 32), F32)), ValueError, "v_SHV"),
+    ("v_width_zero", dict(v=sds((20, 2, 0), F32)), ValueError, "v_SHV"),
+    ("int_q", dict(q=sds((3, 2, 48), I32)), TypeError, "q_THQ"),
+    ("mixed_dtypes", dict(v=sds((20, 2, 32), BF16)), TypeError, "v_SHV"),
+    ("kv_len_float", dict(kv_len=2.5), TypeError, "kv_len"),
+    ("kv_len_bool", dict(kv_len=True), TypeError, "kv_len"),
+    ("kv_len_vector", dict(kv_len=np.array([20, 20])), TypeError, "kv_len"),
+    ("q_offset_float_array", dict(q_offset=np.float32(0)), TypeError, "q_offset"),
+    ("q_offset_past_int32", dict(q_offset=2**40), ValueError, "q_offset"),
+    ("sm_scale_zero", dict(sm_scale=0.0), ValueError, "sm_scale"),
+    ("sm_scale_inf", dict(sm_scale=float("inf")), ValueError, "sm_scale"),
+]
+
+
+class DenseMHATestBase(common.KernelTestBase):
+
+  KERNEL = staticmethod(dense_mha)
+  REFERENCE = staticmethod(dense_mha_reference)
+  STATIC_ARGNAMES = ("sm_scale",)
+  POSITIONAL = ("q", "k", "v")
+
+  @parameterized.named_parameters(
+      dict(c, testcase_name=f"{c['testcase_name']}_{dt.__name__}", dtype=dt)
+      for c in CASES for dt in (jnp.float32, jnp.bfloat16)
+      if dt == jnp.float32 or c["testcase_name"] in ("t3_kv100_h4_decode_like", "t257_kv257_h4_prefill")
+  )
+  def test_matches_float64_and_reference(self, T, S, H, q_offset, kv_len, dtype):
+    D, V, sm_scale = 48, 32, 48**-0.5
+    q, k, v = make_inputs(T + S, T, S, H, D, V, dtype)
+    out, lse = self.fn()(q, k, v, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len)
+    chex.assert_shape((out, lse), ((T, H, V), (T, H)))
+    chex.assert_type(out, dtype)
+    assert_matches(out, lse, q, k, v, sm_scale, q_offset, kv_len, dtype)
+    ref = self.reference()(q, k, v, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    chex.assert_trees_all_close(
+        (out.astype(jnp.float32), lse), (ref[0].astype(jnp.float32), ref[1]), rtol=tol, atol=tol
+    )
+
+  @parameterized.named_parameters(
+      ("deepseek_qk192_v128", 192, 128), ("glm_qk256_v256", 256, 256)
+  )
+  def test_model_widths_bf16(self, D, V):
+    q, k, v = make_inputs(0, 40, 70, 2, D, V, jnp.bfloat16)
+    out, lse = self.fn()(q, k, v, sm_scale=D**-0.5, q_offset=30, kv_len=70)
+    assert_matches(out, lse, q, k, v, D**-0.5, 30, 70, jnp.bfloat16)
+
+  def test_traced_offsets_under_jit(self):
+    q, k, v = make_inputs(1, 9, 40, 2, 48, 32, jnp.float32)
+    fn = jax.jit(functools.partial(self.fn(), sm_scale=0.2))
+    for q_offset, kv_len in ((0, 9), (31, 40), (5, 12)):
+      out, lse = fn(q, k, v, q_offset=jnp.int32(q_offset), kv_len=jnp.int32(kv_len))
+      assert_matches(out, lse, q, k, v, 0.2, q_offset, kv_len, jnp.float32)
+
+  @parameterized.parameters((1, 1, 0, 1), (6, 6, 0, 6), (4, 11, 7, 11), (5, 12, 3, 6))
+  def test_is_causal_from_offset(self, t, s, offset, kv_len):
+    rng = np.random.default_rng(t + s)
+    h, d, v = 3, 24, 8
+    q, k, val = rng.standard_normal((t, h, d)), rng.standard_normal((s, h, d)), rng.standard_normal((s, h, v))
+    out, lse = self.fn()(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+                         jnp.asarray(val, jnp.float32), sm_scale=0.25,
+                         q_offset=jnp.int32(offset), kv_len=jnp.int32(kv_len))
+    ref, _ = numpy_dense_mha(q, k, val, 0.25, offset, kv_len)
+    assert relative_error(out, ref) < 1e-5
+    chex.assert_tree_all_finite(lse)
+
+  def test_backend_batched_matches_reference(self):
+    q, k, v = (jnp.stack([x, x[::-1]]) for x in make_inputs(2, 9, 20, 2, 48, 32, jnp.float32))
+    offsets, lengths = jnp.array([0, 11], jnp.int32), jnp.array([9, 20], jnp.int32)
+    got = self.backend().dense_mha(q, k, v, sm_scale=0.2, q_offset_B=offsets, kv_len_B=lengths)
+    want = jax.jit(jax.vmap(lambda q, k, v, offset, n: self.REFERENCE(
+        q, k, v, sm_scale=0.2, q_offset=offset, kv_len=n)))(q, k, v, offsets, lengths)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+  # ---- NaN and inf in rows a query may not see never reach it ------------------------------
+
+  @parameterized.named_parameters(common.named_product(
+      case={c: c for c in MASKING_CASES}, poison=common.POISONS))
+  def test_hidden_rows_stay_hidden(self, case, poison):
+    which, rows, affected_rows = MASKING_CASES[case]
+    q, k, v = masking_inputs()
+    bad = {"q": q.copy(), "k": k.copy(), "v": v.copy()}
+    for name in ("k", "v") if which == "kv" else (which,):
+      bad[name][rows] = poison
+    call = functools.partial(self.jitted(MASKING_CONFIG, sm_scale=48**-0.5), q_offset=Q_OFFSET,
+                             kv_len=KV_LEN)
+    got = [np.asarray(x) for x in call(*(jnp.asarray(bad[n]) for n in "qkv"))]
+    clean = call(*(jnp.asarray(x) for x in (q, k, v)))
+    affected = np.isin(np.arange(12), affected_rows)
+    common.assert_only_affected_change(got, clean, affected)
+    with np.errstate(invalid="ignore"):
+      truth = numpy_dense_mha(bad["q"], bad["k"], bad["v"], 48**-0.5, Q_OFFSET, KV_LEN)
+    keep = ~affected
+    assert_attention_matches(got[0][keep], got[1][keep], truth[0][keep], truth[1][keep],
+                             rtol=1e-5, lse_rtol=1e-5, lse_atol=1e-4)
+
+  # ---- bad inputs and degenerate sizes -----------------------------------------------------
+
+  @parameterized.named_parameters(common.bad_input_cases(VALID, BAD_INPUTS))
+  def test_refuses_bad_input(self, args, error, argument):
+    self.assert_refused_like_the_reference(args, error, argument)
+
+  def test_valid_arguments_pass(self):
+    self.assert_accepted(VALID)
+
+  @parameterized.named_parameters(("no_keys", 3, 0), ("no_tokens", 0, 20))
+  def test_degenerate_sizes(self, T, S):
+    q, k, v = jnp.ones((T, 2, 48), F32), jnp.ones((S, 2, 48), F32), jnp.ones((S, 2, 32), F32)
+    common.assert_no_attention(self.fn()(q, k, v, sm_scale=0.2, q_offset=0, kv_len=S),
+                               (T, 2, 32))
+
+
+class DenseMHAKernelTestBase(DenseMHATestBase):
+  """The suite, and what only the kernel has: a block config, refused if it is not one."""
+
+  def test_refuses_a_foreign_config(self):
+    self.assert_kernel_refuses_config(VALID, "fast")
