@@ -5,7 +5,7 @@ on 1 vs 8 host devices. Every table is measured side by side in one run.
 
 The script gives itself 8 CPU host devices (XLA_FLAGS, set before jax is imported). They
 share this machine's cores, so the multi-device rows measure the cost of partitioning and
-collectives, not a speed-up; see the README.
+collectives, not a speed-up; see docs/scaling.md.
 """
 
 from __future__ import annotations

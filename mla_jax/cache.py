@@ -24,7 +24,7 @@ from pallas_kernels.fp8_rows import Fp8LatentRows
 
 CACHE_DTYPE_NAMES = ("fp32", "bf16", "fp8")
 _NAMED_FLOAT_CACHE_DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16)}
-# float16 is accepted as a dtype object but has no name (the README names fp32, bf16 and fp8).
+# float16 is accepted as a dtype object but has no name (docs/decode.md names fp32, bf16 and fp8).
 _FLOAT_CACHE_DTYPES = (*_NAMED_FLOAT_CACHE_DTYPES.values(), jnp.dtype(jnp.float16))
 
 
