@@ -533,7 +533,8 @@ def test_cli_arguments(argv, match, capsys):
 
 
 CLI_RUN_CASES = {
-    "prompt_past_positions": (["--prompt-len", "5000", "--max-new-tokens", "2"],
+    "prompt_past_positions": (["--preset", "tiny", "--prompt-len", "5000",
+                               "--max-new-tokens", "2"],
                               "needs 5002 positions, more than max_position_embeddings 4096"),
     "mesh_axis": (["--mesh", "data=1,pipeline=2"], "unknown mesh axis 'pipeline'"),
     "mesh_devices": (["--mesh", "data=3"], "needs 3 devices but 8 are available"),
