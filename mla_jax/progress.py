@@ -18,16 +18,18 @@ class _FinalLine(tqdm):
   (``set_postfix``, and the clear-and-redraw around ``write``) wait for it too.
   """
 
+  _closing = False  # a class default: a disabled tqdm returns from __init__ early
+
   def refresh(self, *args, **kwargs):
-    if self.delay == 0:
+    if self._closing:
       super().refresh(*args, **kwargs)
 
   def clear(self, *args, **kwargs):
-    if self.delay == 0:
+    if self._closing:
       super().clear(*args, **kwargs)
 
   def close(self):
-    self.delay = 0
+    self._closing, self.delay = True, 0
     super().close()
 
 
