@@ -151,6 +151,14 @@ def _on_host_or_traced(*arrays):
   return jnp, tuple(jnp.asarray(a) for a in arrays)
 
 
+def _per_sequence(*arrays_B):
+  """``_on_host_or_traced`` for per-sequence [B] arrays, refusing an empty batch first (its
+  shape is static): a min or max over no sequence has no value."""
+  if any(np.shape(a)[:1] == (0,) for a in arrays_B):
+    raise ValueError("the batch is empty (batch size 0): a call needs at least one sequence")
+  return _on_host_or_traced(*arrays_B)
+
+
 def _worst(xp, values_B):
   """The index of the largest entry and that entry."""
   b = xp.argmax(values_B)
@@ -176,7 +184,7 @@ def new_tokens(new_lens_B, lengths_B, *, num_tokens: int, capacity: int,
 
 def cache_fits(lengths_B, new_lens_B, capacity: int) -> None:
   """A step appending ``new_lens_B`` tokens must fit: rows past capacity would be dropped."""
-  xp, (lengths_B, new_lens_B) = _on_host_or_traced(lengths_B, new_lens_B)
+  xp, (lengths_B, new_lens_B) = _per_sequence(lengths_B, new_lens_B)
   b, total = _worst(xp, lengths_B + new_lens_B)
   check(total <= capacity, "sequence {} would hold {} tokens, more than the cache capacity "
         f"{capacity}; the step is refused", b, total)
@@ -184,7 +192,7 @@ def cache_fits(lengths_B, new_lens_B, capacity: int) -> None:
 
 def new_lens_in_range(new_lens_B, num_tokens: int) -> None:
   """Each sequence's count of real tokens lies in [0, T]."""
-  xp, (new_lens_B,) = _on_host_or_traced(new_lens_B)
+  xp, (new_lens_B,) = _per_sequence(new_lens_B)
   low, high = xp.min(new_lens_B), xp.max(new_lens_B)
   check((low >= 0) & (high <= num_tokens),
         f"new_lens must lie in [0, {num_tokens}], got values in [{{}}, {{}}]", low, high)
@@ -195,7 +203,7 @@ def lengths_valid(lengths_B, new_lens_B, max_positions: int) -> None:
 
   RoPE's angle tables end there: a later position would be rotated by a clamped angle.
   """
-  xp, (lengths_B, new_lens_B) = _on_host_or_traced(lengths_B, new_lens_B)
+  xp, (lengths_B, new_lens_B) = _per_sequence(lengths_B, new_lens_B)
   low = xp.min(lengths_B)
   check(low >= 0, "cache lengths must be >= 0, got {}", low)
   b, end = _worst(xp, lengths_B + new_lens_B)
@@ -205,7 +213,7 @@ def lengths_valid(lengths_B, new_lens_B, max_positions: int) -> None:
 
 def within_cached_bound(lengths_B, num_cached_tokens: int) -> None:
   """The static ``num_cached_tokens`` bound holds (the dense route reads only that many rows)."""
-  xp, (lengths_B,) = _on_host_or_traced(lengths_B)
+  xp, (lengths_B,) = _per_sequence(lengths_B)
   longest = xp.max(lengths_B)
   check(longest <= num_cached_tokens, f"num_cached_tokens={num_cached_tokens} but the cache "
         "already holds {} tokens for some sequence", longest)

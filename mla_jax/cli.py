@@ -24,6 +24,11 @@ from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm,
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
 TRAINED_PRESETS = {"recall": presets.RECALL_CHECKPOINT}  # shipped checkpoints
+DEFAULT_PRESET = "recall"  # the one whose answers mean something
+# The recall model's task (its MODEL_CARD.md): one-letter key-value pairs, '.' filler, then
+# '?k' asks for the value stored under k (here X).
+RECALL_PROMPT = "aQ ..kX zB ...mP rT ..wE cV ?k"
+DEFAULT_PROMPT_LEN = 24
 
 
 def int_in(low: int, high: int | None = None):
@@ -82,6 +87,7 @@ def _start_processes(args) -> None:
 
 
 _DTYPES = {"bf16": jnp.bfloat16, "float32": jnp.float32, "fp8": "fp8"}
+_COMPUTE_DTYPES = {"bf16": jnp.bfloat16, "float32": jnp.float32}
 
 
 def _config(args):
@@ -100,8 +106,10 @@ def _build_model(args, config, mesh):
   if args.checkpoint:
     from mla_jax.checkpoints import load_pretrained
 
+    compute = _COMPUTE_DTYPES[args.compute_dtype] if args.compute_dtype else None
     return load_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype or "bf16"],
-                           attention=args.attention, backend=args.backend, mesh=mesh)
+                           compute_dtype=compute, attention=args.attention,
+                           backend=args.backend, mesh=mesh)
   return CausalLM(config, rngs=nnx.Rngs(args.seed), backend=args.backend, mesh=mesh,
                   param_dtype=_DTYPES[args.dtype or "float32"])
 
@@ -132,7 +140,18 @@ def _prompt_ids(args, tok: tokenizer.Tokenizer, vocab_size: int) -> list[int]:
   return rng.integers(0, min(vocab_size, 256), size=args.prompt_len).tolist()
 
 
+def _default_prompt(args) -> None:
+  """The recall preset answers a lookup when given neither --prompt nor --prompt-len; the
+  others draw --prompt-len random ids."""
+  if args.prompt is None and args.prompt_len is None:
+    if args.preset == "recall" and not args.checkpoint:
+      args.prompt = RECALL_PROMPT
+    else:
+      args.prompt_len = DEFAULT_PROMPT_LEN
+
+
 def cmd_generate(args) -> int:
+  _default_prompt(args)
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
@@ -177,7 +196,10 @@ def cmd_generate(args) -> int:
     print(f"generated text: {tok.decode(ids)!r}")
   print(f"compile time: {result.compile_s:.2f}s")
   print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s")
-  print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
+  if result.decode_tokens:
+    print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
+  else:  # the only token came from the prefill: there was no decode step to time
+    print("decode: no decode step (the first token comes from the prefill)")
   return 0
 
 
@@ -251,18 +273,33 @@ def cmd_train(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("-v", "--verbose", action="store_true",
+                      help="also show the mla_jax logger's INFO messages (e.g. which route "
+                           "a layer class cannot take); by default only warnings")
   sub = parser.add_subparsers(dest="command", required=True)
-  gen = sub.add_parser("generate", help="jit-compiled generation on a built-in or HF model")
-  gen.add_argument("--preset", choices=sorted(PRESETS | TRAINED_PRESETS), default="tiny",
-                   help="built-in model: recall is the shipped model trained on key-value "
-                        "lookups (prompts like 'aQ kX zB ?k'); the others have random weights "
-                        "from --seed (default tiny)")
+  gen = sub.add_parser(
+      "generate", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
+      help="jit-compiled generation on a built-in or HF model",
+      description="jit-compiled generation on a built-in or HF model.\n\n"
+                  "The default preset, recall, is a small model trained on key-value lookups: "
+                  "one-letter\nkey-value pairs, '.' filler, then '?k' asks for the value "
+                  "stored under k:\n\n"
+                  f"  mla-jax generate --prompt \"{RECALL_PROMPT}\" --max-new-tokens 1\n\n"
+                  "answers X (its prompt when neither --prompt nor --prompt-len is given).")
+  gen.add_argument("--preset", choices=sorted(PRESETS | TRAINED_PRESETS),
+                   default=DEFAULT_PRESET,
+                   help=f"built-in model (default {DEFAULT_PRESET}): recall is the shipped "
+                        "model trained on key-value lookups (prompts like "
+                        f"'{RECALL_PROMPT}' -> 'X'); the others have random weights from "
+                        "--seed")
   gen.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face safetensors checkpoint")
   source = gen.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text prompt (the checkpoint's tokenizer.json, else the "
                                        "byte-level tokenizer)")
-  source.add_argument("--prompt-len", type=int_in(1), default=24,
-                      help="random prompt of this many ids when no --prompt (default 24)")
+  source.add_argument("--prompt-len", type=int_in(1),
+                      help=f"random prompt of this many ids (default {DEFAULT_PROMPT_LEN}; "
+                           "the recall preset's default is its example prompt)")
   gen.add_argument("--max-new-tokens", type=int_in(1), default=32)
   gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
   gen.add_argument("--attention", choices=ATTENTION_KINDS, default="mqa-only")
@@ -270,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--dtype", choices=sorted(_DTYPES),
                    help="parameters: bf16 (checkpoint default), float32 (preset default) or "
                         "fp8 (a checkpoint's float8 weights stay float8)")
+  gen.add_argument("--compute-dtype", choices=sorted(_COMPUTE_DTYPES),
+                   help="with --dtype fp8: the dtype the model computes in and holds its other "
+                        "parameters in (default bf16; float32 to compare an fp8 checkpoint "
+                        "with a float32 reference)")
   gen.add_argument("--temperature", type=float_in(0.0, math.inf),
                    help="0 is greedy (default: the checkpoint's generation_config.json, else 0)")
   gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True),
@@ -289,12 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-process run: number of processes")
   gen.add_argument("--process-id", type=int_in(0), help="multi-process run: this process, 0-based")
   gen.set_defaults(func=cmd_generate)
-  routes = sub.add_parser("routes", help="route demo: which route each module class takes")
+  routes = sub.add_parser("routes", parents=[common],
+                          help="route demo: which route each module class takes")
   routes.add_argument("--backend", choices=BACKEND_NAMES, default="xla")
   routes.add_argument("--seed", type=int_in(0, 2**32), default=0)
   routes.set_defaults(func=cmd_routes)
-  plan = sub.add_parser("plan", help="per-device bytes of a full-size model on a mesh "
-                                     "(nothing is allocated)")
+  plan = sub.add_parser("plan", parents=[common],
+                       help="per-device bytes of a full-size model on a mesh "
+                            "(nothing is allocated)")
   plan.add_argument("--model", choices=sorted(FULL_SIZE), default="deepseek_v32")
   plan.add_argument("--mesh", action="append", required=True, metavar="SPEC",
                     help="e.g. data=1,tensor=2,expert=4 (repeat for several meshes)")
@@ -308,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
   plan.set_defaults(func=cmd_plan)
   from mla_jax.training.recipes import RECIPES
 
-  train = sub.add_parser("train", help="train a named recipe (checkpoint in --out)")
+  train = sub.add_parser("train", parents=[common],
+                        help="train a named recipe (checkpoint in --out)")
   train.add_argument("--recipe", choices=sorted(RECIPES), required=True)
   train.add_argument("--out", metavar="DIR", help="checkpoint and history.json directory")
   train.add_argument("--seed", type=int_in(0, 2**32), default=None,
@@ -318,12 +362,21 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def main(argv=None) -> int:
+def configure_logging(verbose: bool) -> None:
+  """The ``mla_jax`` logger on stderr: warnings only, INFO messages too with ``verbose``."""
   logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+  logging.getLogger("mla_jax").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  configure_logging(args.verbose)
   if args.command == "generate" and args.dtype == "fp8" and not args.checkpoint:
     raise SystemExit("error: --dtype fp8 keeps a checkpoint's float8 weights; it needs "
                      "--checkpoint (the presets have none)")
+  if args.command == "generate" and args.compute_dtype and args.dtype != "fp8":
+    raise SystemExit("error: --compute-dtype applies to --dtype fp8 (otherwise the model "
+                     "computes in its --dtype)")
   try:
     return args.func(args)
   except (ValueError, TypeError, OSError) as err:

@@ -73,21 +73,25 @@ def positive_int(op: str, name: str, x, *, at_most: int, bound_name: str) -> int
   return int(x)
 
 
-def int32_scalar(op: str, name: str, x):
-  """An integer scalar (Python, NumPy or a 0-d jax array, possibly traced) as an int32 array."""
+def int32_scalar(op: str, name: str, x, *, minimum: int | None = None):
+  """An integer scalar (Python, NumPy or a 0-d jax array, possibly traced) as an int32 array.
+
+  ``minimum`` bounds a concrete value from below; a traced one is only known when it runs.
+  """
   if isinstance(x, bool):
     raise TypeError(f"{op}: {name} must be an integer scalar, got bool")
-  if isinstance(x, numbers.Integral):
-    if not _INT32.min <= int(x) <= _INT32.max:
-      raise ValueError(f"{op}: {name}={int(x)} does not fit in int32")
-    return jnp.int32(int(x))
-  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-  if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-    what = f"{dtype}{list(shape)}" if dtype is not None else type(x).__name__
-    raise TypeError(f"{op}: {name} must be an integer scalar, got {what}")
-  if not isinstance(x, jax.core.Tracer) and not _INT32.min <= int(x) <= _INT32.max:
+  if not isinstance(x, numbers.Integral):
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+      what = f"{dtype}{list(shape)}" if dtype is not None else type(x).__name__
+      raise TypeError(f"{op}: {name} must be an integer scalar, got {what}")
+    if isinstance(x, jax.core.Tracer):
+      return jnp.asarray(x, jnp.int32)
+  if not _INT32.min <= int(x) <= _INT32.max:
     raise ValueError(f"{op}: {name}={int(x)} does not fit in int32")
-  return jnp.asarray(x, jnp.int32)
+  if minimum is not None and int(x) < minimum:
+    raise ValueError(f"{op}: {name} must be >= {minimum}, got {int(x)}")
+  return jnp.int32(int(x)) if isinstance(x, numbers.Integral) else jnp.asarray(x, jnp.int32)
 
 
 def kernel_config(op: str, config, cls) -> None:

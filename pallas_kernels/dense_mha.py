@@ -44,7 +44,9 @@ def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len):
     _checks.float_dtype(op, name, x)
   _checks.same_dtype(op, q_THQ=q_THQ, k_SHQ=k_SHQ, v_SHV=v_SHV)
   sm_scale = _checks.positive_float(op, "sm_scale", sm_scale)
-  q_offset = _checks.int32_scalar(op, "q_offset", q_offset)
+  # A negative offset puts query rows before position 0: they see no key and would come out
+  # as silent zero rows with LSE +inf.
+  q_offset = _checks.int32_scalar(op, "q_offset", q_offset, minimum=0)
   kv_len = _checks.int32_scalar(op, "kv_len", kv_len)
   return sm_scale, q_offset, kv_len
 
@@ -76,8 +78,8 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
     q_THQ, k_SHQ: per-head queries and keys [nope | rope], Q = N + R wide.
     v_SHV: per-head values.
     sm_scale: softmax scale, a finite positive float.
-    q_offset: integer scalar (int32 range, may be traced), the position of query row 0 (the
-      cached-context length).
+    q_offset: integer scalar >= 0 (int32 range, may be traced: then unchecked), the position
+      of query row 0 (the cached-context length).
     kv_len: integer scalar (may be traced); keys at rows >= kv_len are ignored.
 
   Returns:

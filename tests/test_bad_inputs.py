@@ -24,7 +24,10 @@ from flax import nnx
 import mla_jax as m
 from mla_jax import checks, cli
 from mla_jax.checkpoints import CheckpointError, load_pretrained, save_pretrained
+from mla_jax.backends.pallas import PallasTritonBackend
 from mla_jax.models.config import MoEConfig, ModelConfig, tiny_lm
+from mla_jax.models.lm import ModelCache
+from pallas_kernels.dense_mha import dense_mha, dense_mha_reference
 from tests.helpers import fresh_cache, lm, make_pair
 
 NAN, INF = float("nan"), float("inf")
@@ -223,6 +226,8 @@ LAYER_CALL_CASES = {
                                  "holds 4 tokens"),
     "cached_bound_string": (lambda: (X5, _cache(), dict(num_cached_tokens="0")), TypeError,
                             "num_cached_tokens must be a static int or None"),
+    "batch_empty": (lambda: (X5[:0], _cache(lengths=()), {}), ValueError,
+                    r"the batch is empty \(batch size 0\)"),
 }
 
 
@@ -285,6 +290,14 @@ KERNEL_CASES = {
                              "dense_mha: q_offset_B must lead with the batch axis"),
     "scores_ends_float": (lambda: _scores(ends_BT=np.zeros((1, 3), np.float32)), TypeError,
                           "ends_T must be int32"),
+    # One sequence's op (the backend vmaps it, so the batch's offsets reach it traced):
+    # without the check these query rows saw no key and came out 0 with LSE +inf.
+    "dense_q_offset_negative": (lambda: dense_mha_reference(
+        _DQ[0], _DK[0], _DV[0], sm_scale=0.2, q_offset=-2, kv_len=20), ValueError,
+                                "dense_mha: q_offset must be >= 0, got -2"),
+    "dense_kernel_q_offset_negative": (lambda: dense_mha(
+        _DQ[0], _DK[0], _DV[0], sm_scale=0.2, q_offset=np.int64(-2), kv_len=20, interpret=True),
+                                       ValueError, "dense_mha: q_offset must be >= 0, got -2"),
 }
 
 
@@ -292,6 +305,33 @@ KERNEL_CASES = {
 def test_kernels_through_a_backend(build, error, match):
   with pytest.raises(error, match=match):
     build()
+
+
+_PALLAS = PallasTritonBackend(interpret=True)
+_NO_BACKWARD = "the Pallas kernel {} \\(pallas_kernels.{}\\) has no backward yet; train with " \
+    "backend='xla'"
+
+# (loss of a float input through a Pallas op, that input, kernel name, function name)
+GRADIENT_CASES = {
+    "sparse_mqa": (lambda q: _PALLAS.sparse_mqa(q, _KV, _TOPK, sm_scale=0.1, d_v=64)[0].sum(),
+                   _Q, "sparse_mqa_attention", "sparse_mqa"),
+    "dense_mha": (lambda q: _PALLAS.dense_mha(q, _DK, _DV, sm_scale=0.2, q_offset_B=_I32(0),
+                                              kv_len_B=_I32(20))[0].sum(),
+                  _DQ, "dense_mha_prefill", "dense_mha"),
+    "indexer_logits": (lambda w: jnp.where(jnp.isfinite(logits := _PALLAS.indexer_logits(
+        np.zeros((1, 3, 4, 32), np.float32), np.zeros((1, 50, 32), np.float32), w,
+        np.zeros((1, 3), np.int32), np.full((1, 3), 50, np.int32))), logits, 0).sum(),
+                       np.zeros((1, 3, 4), np.float32), "indexer_logits", "indexer_logits"),
+}
+
+
+@pytest.mark.parametrize("loss, x, kernel, function", GRADIENT_CASES.values(),
+                         ids=GRADIENT_CASES.keys())
+def test_a_gradient_through_a_pallas_kernel_is_refused_by_name(loss, x, kernel, function):
+  """Refused while the gradient is traced (eager or under jit), before any kernel runs."""
+  for grad in (jax.grad(loss), jax.jit(jax.grad(loss))):
+    with pytest.raises(NotImplementedError, match=_NO_BACKWARD.format(kernel, function)):
+      grad(jnp.asarray(x))
 
 
 # ---- the model ------------------------------------------------------------------------------
@@ -308,6 +348,8 @@ MODEL_CALL_CASES = {
                      r"token ids must lie in \[0, 260\)"),
     "overflow": (lambda: jnp.ones((1, 9), jnp.int32), checks.CheckError,
                  "would hold 9 tokens, more than the cache capacity 8"),
+    "batch_empty": (lambda: jnp.ones((0, 2), jnp.int32), ValueError,
+                    r"token ids hold no sequence: the batch is empty \(batch size 0\)"),
 }
 
 
@@ -329,6 +371,31 @@ def test_model_new_lens(new_lens, error, match):
   caches = _model().init_cache(1, 8)
   _refused(lambda: _model()(jnp.ones((1, 2), jnp.int32), caches, new_lens_B=jnp.asarray(new_lens)),
            error, match, caches)
+
+
+def test_a_model_cache_missing_a_group_is_refused():
+  """The first group's caches alone under the 2-group layout ran layer 0 only (the model
+  zips groups with its stacks), with silently wrong logits."""
+  caches = _model().init_cache(1, 8)
+  with pytest.raises(ValueError, match=r"ModelCache: group 1 \(layers 1..1\) of its layout "
+                                       r"has no caches: 1 group\(s\) of caches for 2"):
+    ModelCache(caches.groups[:1], caches.layout)
+  with pytest.raises(ValueError, match=r"ModelCache: group 2 has caches but no place"):
+    ModelCache(caches.groups + caches.groups[:1], caches.layout)
+  with pytest.raises(ValueError, match=r"ModelCache: group 0 \(layers 0..0\) holds 2 layer "
+                                       r"cache\(s\), but its unit has 1 layer\(s\)"):
+    ModelCache((caches.groups[0] * 2, caches.groups[1]), caches.layout)
+
+
+def test_a_model_cache_with_too_few_repetitions_is_refused():
+  deeper = m.CausalLM(dataclasses.replace(tiny_lm(), num_layers=3), rngs=nnx.Rngs(0),
+                      backend="xla")  # groups: layer 0, then layers 1..2 as 2 repetitions
+  caches = deeper.init_cache(1, 8)
+  one_rep = ModelCache((caches.groups[0], jax.tree.map(lambda a: a[:1], caches.groups[1])),
+                       caches.layout)
+  _refused(lambda: deeper(jnp.ones((1, 2), jnp.int32), one_rep), ValueError,
+           r"caches: group 1 \(layers 1..2\), unit position 0 stacks \[1\] repetitions, but "
+           "the group has 2", one_rep)
 
 
 def test_caches_of_another_model_are_refused():
@@ -438,6 +505,9 @@ GENERATE_CASES = {
                                 "steps_per_dispatch must be a positive int"),
     "steps_per_dispatch_zero": (dict(steps_per_dispatch=0), ValueError, "steps_per_dispatch"),
     "eos_list_with_bool": (dict(eos_id=[3, False]), ValueError, "eos_id"),
+    "prompts_empty": (dict(prompt_ids=[]), ValueError, "prompt_ids holds no prompt"),
+    "prompts_empty_array": (dict(prompt_ids=np.zeros((0, 3), np.int32)), ValueError,
+                            "prompt_ids holds no prompt"),
 }
 
 
@@ -464,6 +534,10 @@ def saved_files(tmp_path_factory):
 CHECKPOINT_CASES = {
     "dtype_int8": (None, dict(dtype="int8"), ValueError, "dtype must be one of"),
     "dtype_bool": (None, dict(dtype=bool), ValueError, "dtype must be one of"),
+    "compute_dtype_int8": (None, dict(dtype="fp8", compute_dtype="int8"), ValueError,
+                           "compute_dtype must be one of"),
+    "compute_dtype_without_fp8": (None, dict(compute_dtype=jnp.float32), ValueError,
+                                  "compute_dtype float32 differs from dtype bfloat16"),
     "attention_unknown": (None, dict(attention="mha"), ValueError, "attention must be one of"),
     "config_a_list": ("[1, 2]", {}, CheckpointError, "config.json: must hold a JSON object"),
     "config_not_json": ("{not json", {}, CheckpointError, "config.json: invalid JSON"),
@@ -518,6 +592,7 @@ CLI_CASES = {
     "temperature_inf": (["--temperature", "inf"], "argument --temperature: must be a finite"),
     "top_p_nan": (["--top-p", "nan"], "argument --top-p: must be a finite"),
     "dtype_int8": (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    "compute_dtype_fp8": (["--compute-dtype", "fp8"], "argument --compute-dtype: invalid choice"),
     "steps_float": (["--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an int"),
 }
 
@@ -532,12 +607,15 @@ def test_cli_arguments(argv, match, capsys):
 
 
 CLI_RUN_CASES = {
-    "prompt_past_positions": (["--prompt-len", "5000", "--max-new-tokens", "2"],
+    "prompt_past_positions": (["--preset", "tiny", "--prompt-len", "5000",
+                               "--max-new-tokens", "2"],
                               "needs 5002 positions, more than max_position_embeddings 4096"),
     "mesh_axis": (["--mesh", "data=1,pipeline=2"], "unknown mesh axis 'pipeline'"),
     "mesh_devices": (["--mesh", "data=3"], "needs 3 devices but 8 are available"),
     "coordinator_alone": (["--coordinator", "localhost:1234"],
                           "--coordinator, --num-processes and --process-id go together"),
+    "compute_dtype_without_fp8": (["--compute-dtype", "float32"],
+                                  "--compute-dtype applies to --dtype fp8"),
 }
 
 

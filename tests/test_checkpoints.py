@@ -386,3 +386,54 @@ def test_dense_capable_short_prefill_matches_mqa_only(tmp_path):
   np.testing.assert_allclose(np.asarray(prefill), reference[:, :TOPK], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(decode)[:, 0], reference[:, TOPK], rtol=1e-5,
                              atol=1e-5)
+
+
+def test_stacked_experts_take_each_hf_expert_tensor_in_its_own_slot(tmp_path):
+  """Per-expert HF tensors written straight to safetensors (not through the mapping code):
+  each lands in its own stacked slice, [layer rep, expert], gate as gate and up as up, and the
+  loaded MoE layer computes HF's formula (float64 NumPy). A load/save round trip cannot see a
+  gate/up swap: both directions would swap alike."""
+  from safetensors.numpy import save_file
+
+  from tests.test_moe import ref_moe, ref_route
+
+  config = dataclasses.replace(small_config("v3"), num_layers=3)  # MoE layers 1, 2: 2 reps
+  save_pretrained(random_model(config, seed=3), tmp_path)
+  tensors = {}
+  for file in sorted(tmp_path.glob("*.safetensors")):
+    tensors.update(_read_all(file))
+    file.unlink()
+  for stale in tmp_path.glob("*.index.json"):
+    stale.unlink()
+  moe = config.moe
+  e_count, f, d = moe.num_experts, moe.moe_intermediate_size, config.mla.hidden_size
+  rng = np.random.default_rng(7)
+  shapes = {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+  for layer in (1, 2):
+    for e in range(e_count):
+      for proj, shape in shapes.items():
+        name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+        assert name in tensors  # the HF names the checkpoint must use
+        scale = {"gate_proj": 1.0, "up_proj": 0.5, "down_proj": 0.2}[proj]
+        tensors[name] = (scale * rng.standard_normal(shape) / np.sqrt(shape[1])).astype(
+            np.float32)
+  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+
+  model = load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
+  x = rng.standard_normal((1, 16, d)).astype(np.float32)
+  for layer in (1, 2):
+    prefix = f"model.layers.{layer}.mlp."
+    mlp = model.layer_module(layer).mlp
+    for proj in shapes:
+      stacked = np.asarray(getattr(mlp.experts, proj)[...])  # [E, out, in]
+      for e in range(e_count):
+        np.testing.assert_array_equal(stacked[e], tensors[f"{prefix}experts.{e}.{proj}.weight"],
+                                      err_msg=f"layer {layer} {proj} expert {e}")
+    params = {n[len(prefix):]: np.asarray(v, np.float64) for n, v in tensors.items()
+              if n.startswith(prefix)}
+    chosen, _ = ref_route(x[0].astype(np.float64) @ params["gate.weight"].T,
+                          params["gate.e_score_correction_bias"], moe)
+    assert set(chosen.ravel()) == set(range(e_count))  # every expert's weights are used
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(mlp, jnp.asarray(x)))[0]
+    want = ref_moe(x, params, moe)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5, layer

@@ -1,16 +1,21 @@
 """The ``mla-jax`` command: the main job, checkpoints through the loader, errors."""
 
+import logging
+
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 import mla_jax as m
-from mla_jax import cli
+from mla_jax import checkpoints, cli
 from mla_jax.checkpoints import save_pretrained
 from mla_jax.models.config import tiny_lm
+from tests.checkpoint_models import fp8_config, random_model, write_fp8_checkpoint
 
 
 def test_generate_prints_routes_and_throughput(capsys):
-  assert cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "4", "--quiet",
+  assert cli.main(["generate", "--preset", "tiny", "--prompt", "hi", "--max-new-tokens", "4",
+                   "--quiet",
                    "--attention", "dense-capable", "--backend", "xla"]) == 0
   out = capsys.readouterr().out
   assert "prefill route, layer 0: dense_mha" in out  # 3 prompt tokens <= index_topk 16
@@ -28,8 +33,8 @@ def test_generate_from_a_checkpoint(tmp_path, capsys):
 
 
 def test_generate_with_an_fp8_cache(capsys):
-  assert cli.main(["generate", "--prompt-len", "20", "--max-new-tokens", "3", "--quiet",
-                   "--backend", "xla", "--cache-dtype", "fp8"]) == 0
+  assert cli.main(["generate", "--preset", "tiny", "--prompt-len", "20", "--max-new-tokens",
+                   "3", "--quiet", "--backend", "xla", "--cache-dtype", "fp8"]) == 0
   out = capsys.readouterr().out
   # A = 64 e4m3 + one float32 scale + R = 16 bf16, then I = 32 e4m3 + one float32 scale.
   assert "cache: fp8, 136 bytes per token per layer" in out and "decode: 2 tokens" in out
@@ -44,6 +49,8 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
                                   ["generate", "--prompt-len", "0"],
                                   ["generate", "--backend", "cuda"],
                                   ["generate", "--dtype", "fp8"],
+                                  ["generate", "--compute-dtype", "float32"],
+                                  ["generate", "--compute-dtype", "fp8"],
                                   ["generate", "--cache-dtype", "fp4"]])
 def test_bad_arguments_exit(argv):
   with pytest.raises(SystemExit):
@@ -69,3 +76,57 @@ def test_plan_with_fp8_weights(capsys):
 def test_fp8_weights_need_a_checkpoint(preset, capsys):
   with pytest.raises(SystemExit, match="needs --checkpoint"):
     cli.main(["generate", "--preset", preset, "--dtype", "fp8"])
+
+
+def test_generate_defaults_to_the_recall_preset_and_its_prompt(capsys):
+  """No flags but one: the trained recall model answers its example lookup; one new token
+  is the prefill's, so there is no decode rate to report."""
+  assert cli.main(["generate", "--max-new-tokens", "1", "--quiet", "--backend", "xla"]) == 0
+  out = capsys.readouterr().out
+  assert "generated text: 'X'" in out and "prompt: 31 tokens" in out
+  assert out.splitlines()[-1] == "decode: no decode step (the first token comes from the prefill)"
+  with pytest.raises(SystemExit):
+    cli.main(["generate", "--help"])
+  help_text = " ".join(capsys.readouterr().out.split())
+  assert cli.RECALL_PROMPT in help_text and "(default recall)" in help_text
+
+
+def test_progress_bar_prints_one_line(capsys):
+  """Off a terminal (a pipe, a log) each tqdm redraw would stay as a line of its own."""
+  assert cli.main(["generate", "--preset", "tiny", "--max-new-tokens", "5",
+                   "--backend", "xla"]) == 0
+  bars = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
+          if line.startswith("decode")]
+  assert len(bars) == 1 and "5/5" in bars[0], bars
+
+
+@pytest.fixture
+def mla_jax_logger():
+  logger = logging.getLogger("mla_jax")
+  level = logger.level
+  yield logger
+  logger.setLevel(level)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_verbose_shows_the_mla_jax_info_messages(mla_jax_logger, caplog, verbose):
+  caplog.set_level(logging.DEBUG, logger="")
+  assert cli.main(["plan", "--mesh", "data=1,tensor=2,expert=8"]
+                  + ["-v"] * verbose) == 0
+  mla_jax_logger.info("an info message")
+  mla_jax_logger.warning("a warning")
+  messages = [r.getMessage() for r in caplog.records if r.name == "mla_jax"]
+  assert messages == ["an info message"] * verbose + ["a warning"]
+
+
+def test_fp8_checkpoint_with_float32_compute(tmp_path, monkeypatch, capsys):
+  write_fp8_checkpoint(random_model(fp8_config(), seed=1), tmp_path)
+  asked = []
+  load = checkpoints.load_pretrained
+  monkeypatch.setattr(checkpoints, "load_pretrained",
+                      lambda *a, **kw: asked.append(kw) or load(*a, **kw))
+  assert cli.main(["generate", "--checkpoint", str(tmp_path), "--dtype", "fp8",
+                   "--compute-dtype", "float32", "--max-new-tokens", "2", "--quiet",
+                   "--backend", "xla"]) == 0
+  assert asked[0]["dtype"] == "fp8" and asked[0]["compute_dtype"] == jnp.float32
+  assert "decode: 1 tokens" in capsys.readouterr().out

@@ -178,3 +178,35 @@ def test_fp8_needs_float8_weights_and_one_dtype_per_stacked_parameter(checkpoint
           in message)
   mixed = hf_params(load_pretrained(tmp_path, dtype=jnp.float32))  # dequantizing mixes freely
   assert mixed[name].dtype == np.float32
+
+
+def test_fp8_weights_with_float32_compute_match_the_float32_dequantized_model(checkpoints):
+  """``compute_dtype=float32``: the float8 weights stay float8 (dequantized inside each
+  matmul) and everything else is float32, so the logits match the model dequantized to
+  float32 at load up to rounding order; bf16 compute (the default) does not."""
+  path = checkpoints / "fp8"
+  fp8 = load_pretrained(path, dtype="fp8", compute_dtype=jnp.float32, backend="xla")
+  held = hf_params(fp8)
+  stored = open_checkpoint(path)
+  for name, value in held.items():  # the scales are float32 as stored
+    assert value.dtype == (FP8 if stored[name].dtype == FP8 else np.float32), name
+  assert sum(v.dtype == FP8 for v in held.values()) == 7 * 3 + 3 + (4 + 1) * 3 * 2
+  reference = load_pretrained(path, dtype=jnp.float32, backend="xla")
+  ids = np.random.default_rng(2).integers(0, 256, (4, 12)).astype(np.int32)
+  got, want = _logits(fp8, ids), _logits(reference, ids)
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  bf16 = _logits(load_pretrained(path, dtype="fp8", backend="xla"), ids)
+  assert np.abs(bf16 - want).max() > 1e-3  # the default still computes in bfloat16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dtype="fp8", compute_dtype="fp8"), "compute_dtype must be one of"),
+    (dict(dtype="fp8", compute_dtype=jnp.int32), "compute_dtype must be one of"),
+    (dict(dtype="fp8", compute_dtype=True), "compute_dtype must be one of"),
+    (dict(dtype=jnp.bfloat16, compute_dtype=jnp.float32),
+     "compute_dtype float32 differs from dtype bfloat16"),
+])
+def test_bad_compute_dtype_is_refused_by_name(checkpoints, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    load_pretrained(checkpoints / "fp8", **kwargs)

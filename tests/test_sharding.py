@@ -227,3 +227,79 @@ def test_cli_generate_on_a_mesh(capsys):
   out = capsys.readouterr().out
   assert "mesh: data=2,tensor=2,expert=2 over 8 devices in 1 process(es)" in out
   assert "generated ids:" in out
+
+
+# The rule table, pinned literally: a rule moved to another axis (kv_b_proj split over its
+# columns, say) stays numerically right under any split, so only a literal check sees it.
+PINNED_RULES = (
+    (r"embed_tokens\.weight$", P("tensor", None)),
+    (r"lm_head\.weight$", P("tensor", None)),
+    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P("tensor", None)),
+    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P("tensor", None)),
+    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, "tensor")),
+    (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
+     P("tensor", None)),
+    (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
+     P(None, "tensor")),
+    (r".", P()),
+)
+
+# Every parameter of the tiny MoE preset (HF template, {layer} stacked in front) -> its full
+# spec, written out by hand: rows of q_b / kv_b (heads) and gate / up (intermediate), columns
+# of o_proj / down_proj, vocab rows; routed experts over "expert"; the rest replicated.
+_R = (None,)  # the stacked-layer axis: whole on every device
+PINNED_PARAM_SPECS = {
+    "model.embed_tokens.weight": P("tensor", None),
+    "lm_head.weight": P("tensor", None),
+    "model.norm.weight": P(None),
+    "model.layers.{layer}.input_layernorm.weight": P(*_R, None),
+    "model.layers.{layer}.post_attention_layernorm.weight": P(*_R, None),
+    "model.layers.{layer}.self_attn.q_a_proj.weight": P(*_R, None, None),
+    "model.layers.{layer}.self_attn.q_a_layernorm.weight": P(*_R, None),
+    "model.layers.{layer}.self_attn.q_b_proj.weight": P(*_R, "tensor", None),
+    "model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight": P(*_R, None, None),
+    "model.layers.{layer}.self_attn.kv_a_layernorm.weight": P(*_R, None),
+    "model.layers.{layer}.self_attn.kv_b_proj.weight": P(*_R, "tensor", None),
+    "model.layers.{layer}.self_attn.o_proj.weight": P(*_R, None, "tensor"),
+    "model.layers.{layer}.self_attn.indexer.wq_b.weight": P(*_R, None, None),
+    "model.layers.{layer}.self_attn.indexer.wk.weight": P(*_R, None, None),
+    "model.layers.{layer}.self_attn.indexer.k_norm.weight": P(*_R, None),
+    "model.layers.{layer}.self_attn.indexer.k_norm.bias": P(*_R, None),
+    "model.layers.{layer}.self_attn.indexer.weights_proj.weight": P(*_R, None, None),
+    "model.layers.{layer}.mlp.gate_proj.weight": P(*_R, "tensor", None),
+    "model.layers.{layer}.mlp.up_proj.weight": P(*_R, "tensor", None),
+    "model.layers.{layer}.mlp.down_proj.weight": P(*_R, None, "tensor"),
+    "model.layers.{layer}.mlp.gate.weight": P(*_R, None, None),
+    "model.layers.{layer}.mlp.gate.e_score_correction_bias": P(*_R, None),
+    "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight": P(*_R, "expert", "tensor", None),
+    "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight": P(*_R, "expert", "tensor", None),
+    "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight": P(*_R, "expert", None, "tensor"),
+    "model.layers.{layer}.mlp.shared_experts.gate_proj.weight": P(*_R, "tensor", None),
+    "model.layers.{layer}.mlp.shared_experts.up_proj.weight": P(*_R, "tensor", None),
+    "model.layers.{layer}.mlp.shared_experts.down_proj.weight": P(*_R, None, "tensor"),
+}
+
+
+def test_every_partition_rule_is_pinned():
+  assert sharding.PARTITION_RULES == PINNED_RULES
+  assert sharding.LEADING_AXIS_SPECS == {"layer": None, "expert": "expert"}
+
+
+def test_every_parameter_shard_has_its_pinned_shape():
+  """On 8 devices as tensor=4 x expert=2 (unequal sizes, so a rule on the wrong mesh axis
+  changes the shapes too), each device holds exactly the piece the pinned spec gives."""
+  mesh = sharding.make_mesh("data=1,tensor=4,expert=2")
+  model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  state = nnx.state(model, nnx.Param)
+  layouts = param_layouts(state)
+  seen = set()
+  for path, var in state.flat_state():
+    value, template = var[...], layouts[path].template
+    spec = PINNED_PARAM_SPECS[template]  # a KeyError: a parameter without a pinned spec
+    seen.add(template)
+    assert value.sharding.spec == spec, template
+    want = tuple(n // (mesh.shape[a] if a else 1)
+                 for n, a in zip(value.shape, (*spec, *(None,) * (value.ndim - len(spec)))))
+    assert {s.data.shape for s in value.addressable_shards} == {want}, template
+    assert len(value.addressable_shards) == 8
+  assert seen == set(PINNED_PARAM_SPECS)

@@ -40,7 +40,7 @@ from mla_jax.models.lm import CausalLM, state_shardings
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 _MAX_LISTED = 50  # per problem kind, to keep one error readable
 _PARAM_DTYPES = ("bfloat16", "float16", "float32", "float64")
-FP8 = "fp8"  # keep the checkpoint's float8 weights (and bfloat16 for everything else)
+FP8 = "fp8"  # keep the checkpoint's float8 weights (everything else in the compute dtype)
 
 
 def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray,
@@ -145,19 +145,39 @@ def _check_tensors(path: Path, expected: dict, available: dict[str, TensorHandle
   return scales
 
 
-def _param_dtype(dtype) -> tuple[jnp.dtype, bool]:
-  """(dtype of the parameters that are not fp8, whether fp8 weights stay fp8)."""
-  if dtype is None:
-    return jnp.dtype(jnp.bfloat16), False
-  if isinstance(dtype, str) and dtype == FP8:
-    return jnp.dtype(jnp.bfloat16), True
+def _float_dtype(value, name: str, none_means: str) -> jnp.dtype | None:
+  """``value`` as one of ``_PARAM_DTYPES``; None stays None; anything else is refused by
+  ``name``."""
+  if value is None:
+    return None
   try:
-    resolved = jnp.dtype(dtype)
+    resolved = None if isinstance(value, bool) else jnp.dtype(value)
   except TypeError:
     resolved = None
-  if isinstance(dtype, bool) or resolved is None or resolved.name not in _PARAM_DTYPES:
-    raise ValueError(f"dtype must be one of {', '.join(_PARAM_DTYPES)} or 'fp8' (None: "
-                     f"bfloat16), got {dtype!r}")
+  if resolved is None or resolved.name not in _PARAM_DTYPES:
+    extra = " or 'fp8'" if name == "dtype" else ""
+    raise ValueError(f"{name} must be one of {', '.join(_PARAM_DTYPES)}{extra} (None: "
+                     f"{none_means}), got {value!r}")
+  return resolved
+
+
+def _param_dtype(dtype, compute_dtype=None) -> tuple[jnp.dtype, bool]:
+  """(dtype of the parameters that are not fp8, whether fp8 weights stay fp8).
+
+  The model computes in the dtype of its parameters (activations follow the embedding), so
+  with ``dtype="fp8"`` the compute dtype is the dtype of everything that is not float8; the
+  float8 weights are dequantized to it inside each matmul. Without fp8 the parameters are
+  the compute dtype, so a ``compute_dtype`` other than ``dtype`` is refused.
+  """
+  compute = _float_dtype(compute_dtype, "compute_dtype",
+                         "bfloat16 with dtype='fp8', else the parameter dtype")
+  if isinstance(dtype, str) and dtype == FP8:
+    return compute or jnp.dtype(jnp.bfloat16), True
+  resolved = _float_dtype(dtype, "dtype", "bfloat16") or jnp.dtype(jnp.bfloat16)
+  if compute is not None and compute != resolved:
+    raise ValueError(f"compute_dtype {compute.name} differs from dtype {resolved.name}: "
+                     "without dtype='fp8' the model computes in its parameter dtype; pass "
+                     "dtype=compute_dtype (or dtype='fp8' to keep float8 weights)")
   return resolved, False
 
 
@@ -183,17 +203,24 @@ def read_config(path: Path) -> dict:
   return hf
 
 
-def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mqa-only",
-                    backend: str | Backend = "auto", mesh=None) -> CausalLM:
+def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
+                    attention: str = "mqa-only", backend: str | Backend = "auto",
+                    mesh=None) -> CausalLM:
   """A ``CausalLM`` from an HF directory (``config.json`` + safetensors, single or sharded).
 
   Args:
     path: the checkpoint directory.
     dtype: parameter dtype (bfloat16, float16, float32 or float64; None is bfloat16), or
       ``"fp8"``: weights the checkpoint stores as float8 with a ``weight_scale_inv`` stay
-      float8 with their block scales (dequantized inside each matmul), the rest is bfloat16.
-      Otherwise fp8 weights are dequantized while loading. The MoE router and the indexer's
-      ``weights_proj`` stay float32 whatever is asked, as in HF.
+      float8 with their block scales (dequantized to the compute dtype inside each matmul),
+      the rest is held in ``compute_dtype``. Otherwise fp8 weights are dequantized while
+      loading. The MoE router and the indexer's ``weights_proj`` stay float32 whatever is
+      asked, as in HF.
+    compute_dtype: with ``dtype="fp8"``, the dtype the model computes in and holds its other
+      parameters in (bfloat16, float16, float32 or float64; None is bfloat16). float32 lets
+      an fp8 checkpoint be checked against a float32 reference: it then differs from
+      ``dtype=jnp.float32`` (dequantized at load) only by rounding order. Without fp8 it may
+      only repeat ``dtype``.
     attention: ``"mqa-only"`` or ``"dense-capable"`` (``ModelConfig.attention``).
     backend: ``"auto" | "xla" | "pallas"`` or a ``Backend``.
     mesh: a ``jax.sharding.Mesh`` (``mla_jax.sharding.make_mesh``): parameters are placed by
@@ -203,9 +230,10 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, attention: str = "mq
   Raises:
     CheckpointError: a bad config, file or tensor set; every tensor mismatch is listed
       together and nothing is read before all checks pass.
-    ValueError: a bad ``dtype`` or ``attention``, or a mesh the model cannot be split over.
+    ValueError: a bad ``dtype``, ``compute_dtype`` or ``attention``, or a mesh the model
+      cannot be split over.
   """
-  param_dtype, keep_fp8 = _param_dtype(dtype)
+  param_dtype, keep_fp8 = _param_dtype(dtype, compute_dtype)
   if attention not in ATTENTION_KINDS:
     raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
   path = Path(path)

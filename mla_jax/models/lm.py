@@ -42,6 +42,23 @@ class ModelCache:
   groups: tuple[tuple[LayerCache, ...], ...]
   layout: tuple[LayerGroup, ...] = dataclasses.field(metadata=dict(static=True))
 
+  def __post_init__(self):
+    # Structure only (counts of groups and unit positions): pytree transforms rebuild the
+    # cache with placeholder leaves, but always in the same tuples. A short ``groups`` would
+    # otherwise run only the layers it covers (the model zips groups with its stacks).
+    for g, group in enumerate(self.layout):
+      if g >= len(self.groups):
+        raise ValueError(f"ModelCache: group {g} (layers {group.first}..{group.end - 1}) of "
+                         f"its layout has no caches: {len(self.groups)} group(s) of caches "
+                         f"for {len(self.layout)} in the layout")
+      if len(self.groups[g]) != group.unit_len:
+        raise ValueError(f"ModelCache: group {g} (layers {group.first}..{group.end - 1}) "
+                         f"holds {len(self.groups[g])} layer cache(s), but its unit has "
+                         f"{group.unit_len} layer(s)")
+    if len(self.groups) > len(self.layout):
+      raise ValueError(f"ModelCache: group {len(self.layout)} has caches but no place in the "
+                       f"layout ({len(self.groups)} group(s) of caches for {len(self.layout)})")
+
   @property
   def lengths_B(self):
     return self.groups[0][0].lengths_B[0]
@@ -304,9 +321,18 @@ class CausalLM(nnx.Module):
                        f"{type(ids_BT).__name__} of shape {getattr(ids_BT, 'shape', None)}")
     if not jnp.issubdtype(ids_BT.dtype, jnp.integer):
       raise TypeError(f"token ids must be an int array, got dtype {ids_BT.dtype}")
+    if ids_BT.shape[0] == 0:
+      raise ValueError("token ids hold no sequence: the batch is empty (batch size 0)")
     if not isinstance(caches, ModelCache) or caches.layout != self.layer_groups:
       raise ValueError("caches must be the ModelCache of this model's init_cache (layer groups "
                        f"{self.layer_groups}), got {type(caches).__name__}")
+    for g, (group, unit) in enumerate(zip(caches.layout, caches.groups)):
+      for u, cache in enumerate(unit):  # a scan over fewer reps would stop short or fail
+        reps = tuple(getattr(cache.lengths_B, "shape", ()))[:1]
+        if reps != (group.reps,):
+          raise ValueError(f"caches: group {g} (layers {group.first}..{group.end - 1}), unit "
+                           f"position {u} stacks {list(reps)} repetitions, but the group has "
+                           f"{group.reps}")
     checks.ids_in_vocab(ids_BT, self.config.vocab_size)
 
   def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, plan: StepPlan | None = None,

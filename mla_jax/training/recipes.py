@@ -5,7 +5,8 @@ Every recipe runs DeepSeek-V3.2's three stages on the key-value lookup task: a d
 only the indexer learns) and sparse training at the model's real top-k. ``recall`` starts
 with a short dense copy stage that forms the retrieval circuit (see ``training.data``).
 
-Training always runs on the XLA backend: the Pallas kernels have no gradients.
+Training always runs on the XLA backend: the Pallas kernels have no backward yet, and a
+gradient through ``backend="pallas"`` raises ``NotImplementedError`` naming the kernel.
 """
 
 from __future__ import annotations

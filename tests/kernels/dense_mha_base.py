@@ -84,6 +84,8 @@ BAD_INPUTS = [
     ("kv_len_vector", dict(kv_len=np.array([20, 20])), TypeError, "kv_len"),
     ("q_offset_float_array", dict(q_offset=np.float32(0)), TypeError, "q_offset"),
     ("q_offset_past_int32", dict(q_offset=2**40), ValueError, "q_offset"),
+    ("q_offset_negative", dict(q_offset=-2), ValueError, "q_offset"),
+    ("q_offset_negative_numpy", dict(q_offset=np.int32(-1)), ValueError, "q_offset"),
     ("sm_scale_zero", dict(sm_scale=0.0), ValueError, "sm_scale"),
     ("sm_scale_inf", dict(sm_scale=float("inf")), ValueError, "sm_scale"),
 ]
