@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import generation
+from mla_jax.generation import programs
 from mla_jax import testing as mt
 from mla_jax.backends import XlaBackend
 from mla_jax.cache import MIN_BUCKET, bucket_rows
@@ -43,10 +44,9 @@ def test_decode_program_updates_every_cache_in_place(cache_dtype):
   assert len(jax.tree.leaves(caches)) == {"fp32": 3, "fp8": 6}[cache_dtype] * 2  # 2 groups
   tokens, done = jnp.zeros((2,), jnp.int32), jnp.zeros((2,), bool)
   step = jnp.int32(1)
-  compiled = generation._decode.lower(
-      graphdef, state, caches, tokens, done, jnp.uint32(0), step, step,
-      sampling=generation.SamplingConfig(), eos_id=EOS, steps=4, kv_rows=256,
-      keep_logits=False).compile()
+  compiled = programs.trace(graphdef, state, caches, tokens, done, jnp.uint32(0), step, step,
+                            settings=programs.DecodeSettings(eos_id=(EOS,), steps=4,
+                                                             kv_rows=256)).lower().compile()
   header = compiled.as_text().split("\n", 1)[0]
   aliased = {int(p) for p in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
   num_state = len(jax.tree.leaves(state))
@@ -60,9 +60,9 @@ def test_prefill_program_updates_every_cache_in_place():
   model = _model()
   graphdef, state = nnx.split(model)
   caches = model.init_cache(2, 64)
-  compiled = generation._prefill.lower(
-      graphdef, state, caches, jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32),
-      jnp.uint32(0), sampling=generation.SamplingConfig()).compile()
+  compiled = programs.trace(graphdef, state, caches, jnp.zeros((2, 8), jnp.int32),
+                            jnp.full((2,), 8, jnp.int32), jnp.uint32(0),
+                            settings=programs.PrefillSettings()).lower().compile()
   assert compiled.memory_analysis().alias_size_in_bytes == sum(
       x.nbytes for x in jax.tree.leaves(caches))
 
@@ -134,3 +134,4 @@ def test_kv_rows_must_cover_the_step():
     model(jnp.ones((1, 12), jnp.int32), model.init_cache(1, 16), num_cached_tokens=0, kv_rows=8)
   with pytest.raises(ValueError, match="kv_rows must be an int in \\[1, capacity=16\\]"):
     model(jnp.ones((1, 4), jnp.int32), model.init_cache(1, 16), kv_rows=32)
+

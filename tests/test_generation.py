@@ -1,6 +1,5 @@
 """Decode against full forwards, greedy agreement of the two attention classes, generation."""
 
-import collections
 import functools
 
 import chex
@@ -12,6 +11,7 @@ from flax import nnx
 
 import mla_jax as m
 from mla_jax import checks, generation
+from mla_jax.generation import programs
 from mla_jax import testing as mt
 from mla_jax.indexer import Indexer
 from mla_jax.models.config import tiny_lm
@@ -88,22 +88,14 @@ def test_ragged_batch_matches_each_prompt_alone():
     assert m.generate(model, [prompt], 10).tokens[0] == tokens
 
 
-def _clear_programs():
-  generation._executables.clear()
-  for fn in (generation._prefill, generation._decode):
-    fn.clear_cache()
-
-
 @pytest.fixture
-def fresh_programs(monkeypatch):
-  """Empty compile caches and trace counters for one test, whatever ran before it in this
-  process (``generate``'s executables, the jitted programs' own caches, the counters); the
-  programs it compiles are dropped afterwards."""
-  monkeypatch.setattr(generation, "_executables", {})
-  monkeypatch.setattr(generation, "trace_counts", collections.Counter())
-  _clear_programs()
-  yield generation.trace_counts
-  _clear_programs()
+def fresh_programs():
+  """Empty compile cache and trace counters for one test, whatever ran before it in this
+  process; the programs it compiles are dropped afterwards."""
+  programs.cache.clear()
+  programs.trace_counts.clear()
+  yield programs.trace_counts
+  programs.cache.clear()
 
 
 def test_decode_is_traced_once_for_a_long_generation(fresh_programs):
@@ -125,7 +117,7 @@ def test_checked_generate_raises_where_unchecked_is_silent(fresh_programs, monke
   monkeypatch.setattr(Indexer, "select",
                       lambda self, x_BTD, *args, **kwargs: jnp.full(x_BTD.shape[:2] + (TOPK,),
                                                                     -1, jnp.int32))
-  _clear_programs()
+  programs.cache.clear()
   with pytest.raises(checks.CheckError, match="query row 0 of sequence 0 has no valid top-k"):
     m.generate(model, prompt, 4, checks=True)
   assert len(m.generate(model, prompt, 4).tokens[0]) == 4
