@@ -439,15 +439,23 @@ GENERATE_CASES = {
                                 "steps_per_dispatch must be a positive int"),
     "steps_per_dispatch_zero": (dict(steps_per_dispatch=0), ValueError, "steps_per_dispatch"),
     "eos_list_with_bool": (dict(eos_id=[3, False]), ValueError, "eos_id"),
+    "model_an_attention_layer": (dict(model=_layer), TypeError,
+                                 "model must be a CausalLM, got DeepseekV32Attention"),
+    "max_new_tokens_numpy_zero": (dict(max_new_tokens=np.int64(0)), ValueError,
+                                  "max_new_tokens must be a positive int"),
+    "steps_per_dispatch_numpy_bool": (dict(steps_per_dispatch=np.bool_(True)), ValueError,
+                                      "steps_per_dispatch must be a positive int"),
 }
 
 
 @pytest.mark.parametrize("changes, error, match", GENERATE_CASES.values(),
                          ids=GENERATE_CASES.keys())
 def test_generate(changes, error, match):
-  kwargs = {**dict(prompt_ids=[[1, 2]], max_new_tokens=4), **changes}
+  """``model`` in a case is a function building it (so collecting the cases builds nothing)."""
+  kwargs = {**dict(model=_model, prompt_ids=[[1, 2]], max_new_tokens=4), **changes}
+  kwargs["model"] = kwargs["model"]()
   with pytest.raises(error, match=match):
-    m.generate(_model(), **kwargs)
+    m.generate(**kwargs)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

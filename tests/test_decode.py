@@ -5,6 +5,7 @@ import functools
 import re
 from typing import ClassVar
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +136,41 @@ def test_kv_rows_must_cover_the_step():
   with pytest.raises(ValueError, match="kv_rows must be an int in \\[1, capacity=16\\]"):
     model(jnp.ones((1, 4), jnp.int32), model.init_cache(1, 16), kv_rows=32)
 
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_finished_sequence_keeps_its_cache(monkeypatch, steps):
+  """After its EOS a sequence's cache length and rows stay as they were while the others go
+  on decoding (a finished sequence that kept appending would overflow a long batch's cache,
+  or write into pages an engine has handed on). Every decode dispatch's caches are copied to
+  the host as they come out."""
+  seen = []
+  get = programs.ProgramCache.get
+
+  def spying_get(self, *args, settings):
+    program, seconds = get(self, *args, settings=settings)
+    if not isinstance(settings, programs.DecodeSettings):
+      return program, seconds
+
+    def spied(*call_args):
+      out = program(*call_args)
+      seen.append(jax.tree.map(np.asarray, out[1][2]))  # [reps, B, ...] per leaf
+      return out
+
+    return spied, seconds
+
+  monkeypatch.setattr(programs.ProgramCache, "get", spying_get)
+  prompts = _prompts([5, 12, 1, 9])
+  result = generation.generate(_model(), prompts, 20, steps_per_dispatch=steps, eos_id=EOS,
+                               temperature=0.8, top_p=0.9, seed=4)
+  finished = [b for b, t in enumerate(result.tokens) if t[-1] == EOS and len(t) < 20]
+  going_on = [b for b, t in enumerate(result.tokens) if len(t) == 20]
+  assert finished and going_on
+  for b in finished:
+    num_tokens = len(result.tokens[b])
+    # Token i >= 1 is sampled in dispatch (i - 1) // steps; the EOS (the last) is never written.
+    last_write = max(num_tokens - 2, 0) // steps
+    rows_b = lambda caches: jax.tree.map(lambda x: x[:, b], caches)
+    for caches in seen[last_write:]:
+      assert (caches.lengths_B[b] == len(prompts[b]) + num_tokens - 1), b
+      chex.assert_trees_all_equal(rows_b(caches), rows_b(seen[last_write]))
+    assert all(seen[-1].lengths_B[o] > seen[last_write].lengths_B[o] for o in going_on)

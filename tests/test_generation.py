@@ -123,6 +123,16 @@ def test_checked_generate_raises_where_unchecked_is_silent(fresh_programs, monke
   assert len(m.generate(model, prompt, 4).tokens[0]) == 4
 
 
+def test_numpy_integers_are_ints():
+  """NumPy integer scalars (as from an array or a tokenizer) work wherever Python ints do."""
+  model, prompt = _models()["mqa-only"], [[5, 6, 7]]
+  ints = dict(seed=3, cache_capacity=16, steps_per_dispatch=1, eos_id=[9, 11])
+  given = m.generate(model, np.array(prompt, np.int64), np.int64(4),
+                     **{k: np.asarray(v, np.int64)[()] if k != "eos_id" else
+                        [np.int32(i) for i in v] for k, v in ints.items()})
+  assert given.tokens == m.generate(model, prompt, 4, **ints).tokens
+
+
 def test_eos_stops_one_sequence_while_the_other_continues():
   model = _models()["mqa-only"]
   prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5]]
