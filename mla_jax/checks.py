@@ -7,7 +7,8 @@ here takes the values it needs and
 * raises ``CheckError`` at once when they are concrete (an eager call);
 * otherwise adds a ``checkify.debug_check``: a no-op in the compiled program unless the
   computation runs checkified, so the default path keeps its program (XLA removes the dead
-  predicate) and its speed.
+  predicate) and its speed. An entry point that chooses at trace time (``functionalize``,
+  ``generate``'s programs) leaves the checks out of an unchecked trace altogether.
 
 Run a jitted computation with its checks on through ``checked(fn)`` (or
 ``generate(..., checks=True)``): a failed check then raises ``CheckError`` naming the problem
