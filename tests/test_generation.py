@@ -109,6 +109,24 @@ def test_decode_is_traced_once_for_a_long_generation(fresh_programs):
   assert fresh_programs == {"prefill": 1, "decode": 1} and len(again.tokens[0]) == 64
 
 
+def test_program_cache_keeps_the_most_recently_used():
+  """The cache is bounded: past ``max_size`` the least recently used program is dropped (and
+  compiled again when asked for); a hit costs no compile time."""
+  graphdef, state = nnx.split(_models()["mqa-only"])
+  leaves, state_def = jax.tree.flatten(state)
+  args = (_models()["mqa-only"].init_cache(1, 4), jnp.ones((1, 2), jnp.int32),
+          jnp.array([2], jnp.int32), jnp.uint32(0))
+  cache = programs.ProgramCache(max_size=1)
+  greedy, sampled = programs.PrefillSettings(), programs.PrefillSettings(
+      generation.SamplingConfig(temperature=1.0))
+  get = lambda settings: cache.get(graphdef, state_def, leaves, *args, settings=settings)[1]
+  assert get(greedy) > 0 and get(greedy) == 0.0 and len(cache) == 1
+  assert get(sampled) > 0 and len(cache) == 1
+  assert get(greedy) > 0  # dropped when ``sampled`` came in
+  with pytest.raises(ValueError, match="max_size must be an int >= 1"):
+    programs.ProgramCache(max_size=0)
+
+
 def test_checked_generate_raises_where_unchecked_is_silent(fresh_programs, monkeypatch):
   """``checks=True`` gives the same tokens when nothing is wrong; with scoring broken (every
   top-k slot -1, the vLLM #52512 symptom) it raises, where the unchecked run goes on."""
