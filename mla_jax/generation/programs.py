@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax.cache import MIN_BUCKET
 from mla_jax.checks import functionalize, static_int
 from mla_jax.generation.sampling import SamplingConfig, sample
 
@@ -40,7 +41,7 @@ class DecodeSettings:
   sampling: SamplingConfig = SamplingConfig()
   eos_id: tuple[int, ...] | None = None
   steps: int = 1  # decode steps per dispatch (a ``lax.scan``)
-  kv_rows: int = 256  # cache rows read: the live context's bucket
+  kv_rows: int = MIN_BUCKET  # cache rows read: the live context's bucket
   keep_logits: bool = False
   checked: bool = False
 
