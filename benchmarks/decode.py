@@ -2,6 +2,7 @@
 
     python benchmarks/decode.py                            # the context sweep (~4 minutes)
     python benchmarks/decode.py --hf-python /path/to/venv/bin/python   # + HF eager, batch 1/8/32
+    python benchmarks/decode.py --no-sweep --dispatch       # host time per dispatch (~1 minute)
 
 Sweep: the ``small`` preset with ``max_position_embeddings`` raised to the largest context,
 one cache of that capacity per variant, its rows filled with random values and every
@@ -22,6 +23,13 @@ Times are per decode step (one token for every sequence of the batch), the best 
 are reset before each dispatch, so L stays fixed. This machine is shared and noisy: the best
 dispatch is the least disturbed one, and ratios within a table mean more than absolute times.
 
+Dispatch (``--dispatch``): the host time of one decode dispatch, as the median wall time of a
+program that takes and returns what a decode dispatch does and computes nothing, called the
+way ``generate`` calls its programs now and the way it did before (an ``nnx.State`` argument,
+whose flattening runs Python per call, and a ``checkify.debug_check`` effect, which sends
+every call through jax's Python dispatch path); then ``generate``'s decode tokens/s at 1 and 8
+steps per dispatch on the ``tiny`` preset, batch 1.
+
 HF (``--hf-python``, an interpreter with torch and transformers): ``hf_eager_decode.py``
 builds and saves a random tiny DeepSeek-V3.2 checkpoint (the tiny preset's dimensions) and
 times HF eager greedy decoding; mla_jax loads the same files and decodes the same prompts.
@@ -31,30 +39,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import checkify  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from mla_jax import generation  # noqa: E402
 from mla_jax.cache import bucket_rows  # noqa: E402
-from mla_jax.generation import SamplingConfig  # noqa: E402
-from mla_jax.models.config import small_lm  # noqa: E402
+from mla_jax.generation import programs  # noqa: E402
+from mla_jax.models.config import small_lm, tiny_lm  # noqa: E402
 from mla_jax.models.lm import CausalLM, ModelCache  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-DECODE_STATIC = ("graphdef", "sampling", "eos_id", "steps", "kv_rows", "keep_logits")
-# The decode program without donation: "before" (the same computation, caches copied).
-_decode_copying = jax.jit(generation._decode.__wrapped__, static_argnames=DECODE_STATIC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +117,9 @@ class Runner:
 
   def __init__(self, model, variant: Variant, capacity: int, batch: int):
     self.variant, self.capacity, self.batch = variant, capacity, batch
-    self.graphdef, self.state = nnx.split(model)
+    self.graphdef, state = nnx.split(model)
+    self.state_leaves, self.state_def = jax.tree.flatten(state)
     self.caches = random_caches(model, batch, capacity, variant.cache_dtype)
-    self.fn = generation._decode if variant.donate else _decode_copying
     self.seed = jnp.asarray(0, jnp.uint32)
     self.first, self.end = jnp.asarray(1, jnp.int32), jnp.asarray(2**30, jnp.int32)
     self.programs = {}
@@ -128,21 +135,24 @@ class Runner:
   def compile(self, context: int) -> None:
     rows = self.rows(context)
     if rows not in self.programs:
-      static = dict(sampling=SamplingConfig(), eos_id=None, steps=self.variant.steps,
-                    kv_rows=rows, keep_logits=False)
-      self.programs[rows] = self.fn.lower(self.graphdef, self.state, *self._inputs(context),
-                                          self.seed, self.first, self.end, **static).compile()
+      settings = programs.DecodeSettings(steps=self.variant.steps, kv_rows=rows)
+      fn = programs.jitted(self.graphdef, self.state_def, settings)
+      if not self.variant.donate:  # "before": the same computation, every cache copied
+        fn = jax.jit(fn.__wrapped__)
+      self.programs[rows] = fn.lower(self.state_leaves, *self._inputs(context), self.seed,
+                                     self.first, self.end).compile()
 
-  def step_seconds(self, context: int) -> float:
-    """One dispatch ending at ``context``: seconds per decode step."""
-    caches, tokens, done = self._inputs(context)
-    t0 = time.perf_counter()
-    result = self.programs[self.rows(context)](self.state, caches, tokens, done, self.seed,
-                                               self.first, self.end)
-    jax.block_until_ready(result)
-    seconds = time.perf_counter() - t0
-    self.caches = result[2]  # the donated buffers live on in the result
-    return seconds / self.variant.steps
+  def dispatch(self, context: int):
+    """``(setup, run)``: one dispatch ending at ``context``; ``setup`` makes its inputs."""
+    program = self.programs[self.rows(context)]
+
+    def run(caches, tokens, done):
+      result = program(self.state_leaves, caches, tokens, done, self.seed, self.first,
+                       self.end)
+      self.caches = result[1][2]  # the donated buffers live on in the result
+      return result
+
+    return (lambda: self._inputs(context)), run
 
 
 def measure(model, columns, contexts, batch: int, repeats: int):
@@ -153,14 +163,12 @@ def measure(model, columns, contexts, batch: int, repeats: int):
   for context in contexts:
     for r in runners:
       r.compile(context)
-    times = {v.name: [] for v in columns}
-    for i in range(repeats + 1):  # the first round warms up
-      for r in runners:
-        seconds = r.step_seconds(context)
-        if i:
-          times[r.variant.name].append(seconds)
-    for name, ts in times.items():
-      out[name][context] = min(ts)
+    dispatches = {r.variant.name: r.dispatch(context) for r in runners}
+    best = timing.side_by_side({name: run for name, (_, run) in dispatches.items()}, repeats,
+                               stat="best", setup={name: setup for name, (setup, _)
+                                                   in dispatches.items()})
+    for r in runners:
+      out[r.variant.name][context] = best[r.variant.name] / r.variant.steps
     print(f"[context {context} measured]", file=sys.stderr, flush=True)
   return out, {r.variant.name: len(r.programs) for r in runners}
 
@@ -201,6 +209,64 @@ def dispatch_table(model, args) -> None:
   print("|---" * (len(counts) + 1) + "|")
   print("| ms per step | " + " | ".join(f"{results[str(n)][context] * 1e3:.2f}"
                                         for n in counts) + " |\n", flush=True)
+
+
+def _empty_program(model, capacity: int, before: bool):
+  """A program taking and returning what a decode dispatch does, computing (next to) nothing:
+  its wall time per call is the host time of a dispatch. ``before``: as ``generate`` called its programs
+  until 2026-12 (the state as an ``nnx.State`` pytree, a ``debug_check`` effect in the
+  program); otherwise as it calls them now (the state's leaves, no effects)."""
+  _, state = nnx.split(model)
+  state_in = state if before else jax.tree.leaves(state)
+
+  def body(state, caches, tokens_B, done_B, seed, step, end_step):
+    if before:
+      checkify.debug_check(step < end_step, "step {} past the end", step)
+    # One element of every array, so that jit prunes no argument (as the real program uses all).
+    touched = sum(x.ravel()[0].astype(jnp.int32) for x in jax.tree.leaves((state, caches, seed)))
+    return None, (tokens_B, done_B, caches, step + 1, (tokens_B + 0 * touched)[None], None)
+
+  args = [model.init_cache(1, capacity), jnp.zeros((1,), jnp.int32), jnp.zeros((1,), bool),
+          jnp.uint32(0), jnp.int32(1), jnp.int32(2**30)]
+  program = jax.jit(body, donate_argnums=(1, 2, 3)).lower(state_in, *args).compile()
+
+  def run():
+    err, (args[1], args[2], args[0], args[4], emitted, _) = program(state_in, *args)
+    return emitted
+
+  return run
+
+
+def dispatch_overhead(args) -> None:
+  """Host time per dispatch and decode tokens/s against the steps per dispatch (tiny preset)."""
+  model = CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend="xla")
+  prompt = [list(range(1, args.prompt_len + 1))]
+  capacity = args.prompt_len + args.new_tokens
+  paths = {"before (nnx.State argument, checks' effects)": _empty_program(model, capacity, True),
+           "now (state leaves, no effects)": _empty_program(model, capacity, False)}
+  host = timing.side_by_side(paths, 200, warmup=5)
+  print(f"## Host time per dispatch and steps per dispatch\n\n`tiny` preset, batch 1, XLA on "
+        f"{jax.devices()[0].platform}. Host time: the median wall time of a call of a program "
+        "that takes and returns what a decode dispatch does and computes nothing (200 calls).\n")
+  print("| dispatch path | host ms per dispatch |\n|---|---|")
+  for name, seconds in host.items():
+    print(f"| {name} | {seconds * 1e3:.3f} |")
+  counts = (1, 8)
+  decode = {n: functools.partial(generation.generate, model, prompt, args.new_tokens,
+                                 steps_per_dispatch=n) for n in counts}
+  runs = {n: [] for n in counts}
+  for _ in range(args.repeats + 1):  # the first round compiles
+    for n in counts:
+      runs[n].append(decode[n]().decode_tokens_per_s)
+  best = {n: max(r[1:]) for n, r in runs.items()}
+  print(f"\nDecode tokens/s of `generate` ({args.prompt_len}-token prompt, {args.new_tokens} "
+        f"new tokens), the best of {args.repeats} interleaved runs:\n")
+  print("| steps per dispatch | " + " | ".join(map(str, counts)) + " | 8 / 1 |")
+  print("|---" * (len(counts) + 2) + "|")
+  print("| tokens/s | " + " | ".join(f"{best[n]:.0f}" for n in counts)
+        + f" | {best[8] / best[1]:.2f}x |")
+  print("| ms per dispatch | " + " | ".join(f"{n / best[n] * 1e3:.3f}" for n in counts)
+        + " | |\n", flush=True)
 
 
 def mla_jax_tokens_per_s(model, ids, new_tokens: int, repeats: int, cache_dtype: str):
@@ -269,12 +335,16 @@ def main(argv=None) -> None:
   parser.add_argument("--prompt-len", type=int, default=32)
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--repeats-hf", type=int, default=5)
-  parser.add_argument("--no-sweep", action="store_true", help="only the HF comparison")
+  parser.add_argument("--no-sweep", action="store_true", help="no context sweep")
+  parser.add_argument("--dispatch", action="store_true",
+                      help="host time per dispatch and tokens/s at 1 vs 8 steps per dispatch")
   args = parser.parse_args(argv)
   if min(args.contexts) <= args.steps_per_dispatch:
     parser.error(f"every context must exceed --steps-per-dispatch {args.steps_per_dispatch}")
   if not args.no_sweep:
     sweep(args)
+  if args.dispatch:
+    dispatch_overhead(args)
   if args.hf_python:
     hf_comparison(args)
 

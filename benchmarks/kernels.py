@@ -15,9 +15,7 @@ import argparse
 import dataclasses
 import functools
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from pallas_kernels.dense_mha import dense_mha, dense_mha_reference  # noqa: E402
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference  # noqa: E402
 from pallas_kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference  # noqa: E402
@@ -110,13 +109,7 @@ def build(shape: Shape, interpret: bool, seed: int = 0):
 
 def time_fn(fn, args, iters):
   fn = jax.jit(fn)
-  jax.block_until_ready(fn(*args))  # warm-up: compile, excluded
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return timing.timed(lambda: fn(*args), iters)  # the warm-up call compiles
 
 
 def rel_err(got, want):

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -27,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 import mla_jax as m
+from benchmarks.timing import side_by_side
 from mla_jax import testing as mt
 from mla_jax.params import flat_params, set_flat_params
 from mla_jax.routing import PrefillRoute
@@ -252,39 +251,6 @@ def measured_crossover(lengths: Sequence[int], dense: Sequence[float],
       f"{n}:{'sparse' if c else 'dense'}" for n, c in zip(lengths, cheaper))
 
 
-# ---- wall time ----------------------------------------------------------------------------
-
-def _block(value):
-  return jax.block_until_ready(value)
-
-
-def time_side_by_side(fns: Mapping[str, Callable], args: Mapping[str, tuple] | tuple,
-                      repeats: int = 5, *, warmup: int = 1) -> dict[str, float]:
-  """Median wall seconds per function, measured interleaved in one run.
-
-  Each function is called ``warmup`` times first (compile; excluded). Then, ``repeats``
-  times, every function runs once in turn (route A, route B, route A, ...), each call ended by
-  ``block_until_ready``, so slow drift of the machine hits all routes alike.
-
-  Args:
-    fns: name -> callable.
-    args: name -> argument tuple, or one tuple shared by all functions.
-  """
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1, got {repeats}")
-  per_fn = args if isinstance(args, Mapping) else {name: args for name in fns}
-  for name, fn in fns.items():
-    for _ in range(warmup):
-      _block(fn(*per_fn[name]))
-  samples = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      t0 = time.perf_counter()
-      _block(fn(*per_fn[name]))
-      samples[name].append(time.perf_counter() - t0)
-  return {name: statistics.median(values) for name, values in samples.items()}
-
-
 # ---- one table row per length -------------------------------------------------------------
 
 def measure_routes(layers: RouteLayers, lengths: Sequence[int], *, repeats: int = 5,
@@ -302,8 +268,8 @@ def measure_routes(layers: RouteLayers, lengths: Sequence[int], *, repeats: int 
       row[f"{route}_module"] = type(layers.for_route(route, length)).__name__ + (
           "" if layers.for_route(route, length).config.indexer else " (no indexer)")
     if timing:
-      times = time_side_by_side({r: p[0] for r, p in programs.items()},
-                                {r: p[1] for r, p in programs.items()}, repeats)
+      times = side_by_side({r: p[0] for r, p in programs.items()}, repeats,
+                           setup={r: (lambda args=p[1]: args) for r, p in programs.items()})
       for route in ROUTES:
         row[f"{route}_s"] = times[route]
     rows.append(row)

@@ -13,18 +13,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
-import time
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from mla_jax import sharding  # noqa: E402
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig  # noqa: E402
 from mla_jax.generation import generate  # noqa: E402
@@ -53,9 +54,7 @@ def compile_seconds(num_layers: int, scan: bool) -> float:
   caches = jax.eval_shape(lambda: model.init_cache(1, 64))
   ids = jax.ShapeDtypeStruct((1, 32), jnp.int32)
   fn = jax.jit(lambda s, i, c: nnx.merge(graphdef, s)(i, c, num_cached_tokens=0))
-  t0 = time.perf_counter()
-  fn.lower(state, ids, caches).compile()
-  return time.perf_counter() - t0
+  return timing.once(lambda: fn.lower(state, ids, caches).compile(), sync=None)[1]
 
 
 def table_compile(depths) -> None:
@@ -69,15 +68,6 @@ def table_compile(depths) -> None:
     print(f"| {depth} | {groups} | {scanned:.2f} | {unrolled:.2f} | {unrolled / scanned:.1f} |")
 
 
-def timed(fn, *args, repeats: int) -> float:
-  """Median seconds of ``repeats`` warm calls."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def _all_experts(moe: MoE, x_BTD):
@@ -120,7 +110,7 @@ def _moe_row(x, num_experts, ffn, top, repeats):
       fn = jax.jit(lambda s, x: _all_experts(nnx.merge(graphdef, s), x))
     else:
       fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
-    times.append(timed(fn, state, x, repeats=repeats) * 1e3)
+    times.append(timing.timed(lambda: fn(state, x), repeats) * 1e3)
   pairs = tokens * top
   tile, num_tiles = tile_plan(pairs, num_experts)
   print(f"| {tokens} | {num_experts} | {times[0]:.1f} | {times[1]:.1f} | {times[2]:.1f} | "

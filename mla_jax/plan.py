@@ -165,7 +165,7 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
   ``shard_map``); XLA's SPMD partitioner adds the rest when it compiles for the devices.
   """
   from mla_jax.backends.pallas import PallasTritonBackend
-  from mla_jax.generation import SamplingConfig, _decode
+  from mla_jax.generation import programs
 
   config = FULL_SIZE[model]()
   sizes = sharding.parse_mesh_spec(mesh_spec)
@@ -193,9 +193,9 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
             jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-    text = _decode.trace(graphdef, *args, sampling=SamplingConfig(), eos_id=None, steps=1,
-                         kv_rows=context, keep_logits=False).lower(
-                             lowering_platforms=("cuda",)).as_text()
+    settings = programs.DecodeSettings(steps=1, kv_rows=context)
+    text = programs.trace(graphdef, *args, settings=settings).lower(
+        lowering_platforms=("cuda",)).as_text()
   counts = collections.Counter(re.findall(r"stablehlo\.(" + "|".join(_COLLECTIVES) + r")\b",
                                           text))
   partitions = re.search(r"mhlo\.num_partitions = (\d+)", text)

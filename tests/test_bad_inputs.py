@@ -508,15 +508,23 @@ GENERATE_CASES = {
     "prompts_empty": (dict(prompt_ids=[]), ValueError, "prompt_ids holds no prompt"),
     "prompts_empty_array": (dict(prompt_ids=np.zeros((0, 3), np.int32)), ValueError,
                             "prompt_ids holds no prompt"),
+    "model_an_attention_layer": (dict(model=_layer), TypeError,
+                                 "model must be a CausalLM, got DeepseekV32Attention"),
+    "max_new_tokens_numpy_zero": (dict(max_new_tokens=np.int64(0)), ValueError,
+                                  "max_new_tokens must be a positive int"),
+    "steps_per_dispatch_numpy_bool": (dict(steps_per_dispatch=np.bool_(True)), ValueError,
+                                      "steps_per_dispatch must be a positive int"),
 }
 
 
 @pytest.mark.parametrize("changes, error, match", GENERATE_CASES.values(),
                          ids=GENERATE_CASES.keys())
 def test_generate(changes, error, match):
-  kwargs = {**dict(prompt_ids=[[1, 2]], max_new_tokens=4), **changes}
+  """``model`` in a case is a function building it (so collecting the cases builds nothing)."""
+  kwargs = {**dict(model=_model, prompt_ids=[[1, 2]], max_new_tokens=4), **changes}
+  kwargs["model"] = kwargs["model"]()
   with pytest.raises(error, match=match):
-    m.generate(_model(), **kwargs)
+    m.generate(**kwargs)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import dataclasses
 import re
 from typing import ClassVar
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import generation
+from mla_jax.generation import programs
 from mla_jax.backends import XlaBackend
 from mla_jax.cache import MIN_BUCKET, bucket_rows
 from mla_jax.models.config import tiny_lm
@@ -35,10 +37,9 @@ def test_decode_program_updates_every_cache_in_place(cache_dtype):
   assert len(jax.tree.leaves(caches)) == {"fp32": 3, "fp8": 6}[cache_dtype] * 2  # 2 groups
   tokens, done = jnp.zeros((2,), jnp.int32), jnp.zeros((2,), bool)
   step = jnp.int32(1)
-  compiled = generation._decode.lower(
-      graphdef, state, caches, tokens, done, jnp.uint32(0), step, step,
-      sampling=generation.SamplingConfig(), eos_id=EOS, steps=4, kv_rows=256,
-      keep_logits=False).compile()
+  compiled = programs.trace(graphdef, state, caches, tokens, done, jnp.uint32(0), step, step,
+                            settings=programs.DecodeSettings(eos_id=(EOS,), steps=4,
+                                                             kv_rows=256)).lower().compile()
   header = compiled.as_text().split("\n", 1)[0]
   aliased = {int(p) for p in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
   num_state = len(jax.tree.leaves(state))
@@ -52,9 +53,9 @@ def test_prefill_program_updates_every_cache_in_place():
   model = lm(tiny_lm(), seed=3)
   graphdef, state = nnx.split(model)
   caches = model.init_cache(2, 64)
-  compiled = generation._prefill.lower(
-      graphdef, state, caches, jnp.zeros((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32),
-      jnp.uint32(0), sampling=generation.SamplingConfig()).compile()
+  compiled = programs.trace(graphdef, state, caches, jnp.zeros((2, 8), jnp.int32),
+                            jnp.full((2,), 8, jnp.int32), jnp.uint32(0),
+                            settings=programs.PrefillSettings()).lower().compile()
   assert compiled.memory_analysis().alias_size_in_bytes == sum(
       x.nbytes for x in jax.tree.leaves(caches))
 
@@ -126,3 +127,42 @@ def test_kv_rows_must_cover_the_step():
     model(jnp.ones((1, 12), jnp.int32), model.init_cache(1, 16), num_cached_tokens=0, kv_rows=8)
   with pytest.raises(ValueError, match="kv_rows must be an int in \\[1, capacity=16\\]"):
     model(jnp.ones((1, 4), jnp.int32), model.init_cache(1, 16), kv_rows=32)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_finished_sequence_keeps_its_cache(monkeypatch, steps):
+  """After its EOS a sequence's cache length and rows stay as they were while the others go
+  on decoding (a finished sequence that kept appending would overflow a long batch's cache,
+  or write into pages an engine has handed on). Every decode dispatch's caches are copied to
+  the host as they come out."""
+  seen = []
+  get = programs.ProgramCache.get
+
+  def spying_get(self, *args, settings):
+    program, seconds = get(self, *args, settings=settings)
+    if not isinstance(settings, programs.DecodeSettings):
+      return program, seconds
+
+    def spied(*call_args):
+      out = program(*call_args)
+      seen.append(jax.tree.map(np.asarray, out[1][2]))  # [reps, B, ...] per leaf
+      return out
+
+    return spied, seconds
+
+  monkeypatch.setattr(programs.ProgramCache, "get", spying_get)
+  prompts = _prompts([5, 12, 1, 9])
+  result = generation.generate(_model(), prompts, 20, steps_per_dispatch=steps, eos_id=EOS,
+                               temperature=0.8, top_p=0.9, seed=4)
+  finished = [b for b, t in enumerate(result.tokens) if t[-1] == EOS and len(t) < 20]
+  going_on = [b for b, t in enumerate(result.tokens) if len(t) == 20]
+  assert finished and going_on
+  for b in finished:
+    num_tokens = len(result.tokens[b])
+    # Token i >= 1 is sampled in dispatch (i - 1) // steps; the EOS (the last) is never written.
+    last_write = max(num_tokens - 2, 0) // steps
+    rows_b = lambda caches: jax.tree.map(lambda x: x[:, b], caches)
+    for caches in seen[last_write:]:
+      assert (caches.lengths_B[b] == len(prompts[b]) + num_tokens - 1), b
+      chex.assert_trees_all_equal(rows_b(caches), rows_b(seen[last_write]))
+    assert all(seen[-1].lengths_B[o] > seen[last_write].lengths_B[o] for o in going_on)

@@ -1,6 +1,5 @@
 """Decode against full forwards, greedy agreement of the two attention classes, generation."""
 
-import collections
 import functools
 
 import chex
@@ -12,6 +11,7 @@ from flax import nnx
 
 import mla_jax as m
 from mla_jax import checks, generation
+from mla_jax.generation import programs
 from mla_jax import testing as mt
 from mla_jax.indexer import Indexer
 from mla_jax.models.config import tiny_lm
@@ -88,22 +88,14 @@ def test_ragged_batch_matches_each_prompt_alone():
     assert m.generate(model, [prompt], 10).tokens[0] == tokens
 
 
-def _clear_programs():
-  generation._executables.clear()
-  for fn in (generation._prefill, generation._decode):
-    fn.clear_cache()
-
-
 @pytest.fixture
-def fresh_programs(monkeypatch):
-  """Empty compile caches and trace counters for one test, whatever ran before it in this
-  process (``generate``'s executables, the jitted programs' own caches, the counters); the
-  programs it compiles are dropped afterwards."""
-  monkeypatch.setattr(generation, "_executables", {})
-  monkeypatch.setattr(generation, "trace_counts", collections.Counter())
-  _clear_programs()
-  yield generation.trace_counts
-  _clear_programs()
+def fresh_programs():
+  """Empty compile cache and trace counters for one test, whatever ran before it in this
+  process; the programs it compiles are dropped afterwards."""
+  programs.cache.clear()
+  programs.trace_counts.clear()
+  yield programs.trace_counts
+  programs.cache.clear()
 
 
 def test_decode_is_traced_once_for_a_long_generation(fresh_programs):
@@ -117,6 +109,24 @@ def test_decode_is_traced_once_for_a_long_generation(fresh_programs):
   assert fresh_programs == {"prefill": 1, "decode": 1} and len(again.tokens[0]) == 64
 
 
+def test_program_cache_keeps_the_most_recently_used():
+  """The cache is bounded: past ``max_size`` the least recently used program is dropped (and
+  compiled again when asked for); a hit costs no compile time."""
+  graphdef, state = nnx.split(_models()["mqa-only"])
+  leaves, state_def = jax.tree.flatten(state)
+  args = (_models()["mqa-only"].init_cache(1, 4), jnp.ones((1, 2), jnp.int32),
+          jnp.array([2], jnp.int32), jnp.uint32(0))
+  cache = programs.ProgramCache(max_size=1)
+  greedy, sampled = programs.PrefillSettings(), programs.PrefillSettings(
+      generation.SamplingConfig(temperature=1.0))
+  get = lambda settings: cache.get(graphdef, state_def, leaves, *args, settings=settings)[1]
+  assert get(greedy) > 0 and get(greedy) == 0.0 and len(cache) == 1
+  assert get(sampled) > 0 and len(cache) == 1
+  assert get(greedy) > 0  # dropped when ``sampled`` came in
+  with pytest.raises(ValueError, match="max_size must be an int >= 1"):
+    programs.ProgramCache(max_size=0)
+
+
 def test_checked_generate_raises_where_unchecked_is_silent(fresh_programs, monkeypatch):
   """``checks=True`` gives the same tokens when nothing is wrong; with scoring broken (every
   top-k slot -1, the vLLM #52512 symptom) it raises, where the unchecked run goes on."""
@@ -125,10 +135,20 @@ def test_checked_generate_raises_where_unchecked_is_silent(fresh_programs, monke
   monkeypatch.setattr(Indexer, "select",
                       lambda self, x_BTD, *args, **kwargs: jnp.full(x_BTD.shape[:2] + (TOPK,),
                                                                     -1, jnp.int32))
-  _clear_programs()
+  programs.cache.clear()
   with pytest.raises(checks.CheckError, match="query row 0 of sequence 0 has no valid top-k"):
     m.generate(model, prompt, 4, checks=True)
   assert len(m.generate(model, prompt, 4).tokens[0]) == 4
+
+
+def test_numpy_integers_are_ints():
+  """NumPy integer scalars (as from an array or a tokenizer) work wherever Python ints do."""
+  model, prompt = _models()["mqa-only"], [[5, 6, 7]]
+  ints = dict(seed=3, cache_capacity=16, steps_per_dispatch=1, eos_id=[9, 11])
+  given = m.generate(model, np.array(prompt, np.int64), np.int64(4),
+                     **{k: np.asarray(v, np.int64)[()] if k != "eos_id" else
+                        [np.int32(i) for i in v] for k, v in ints.items()})
+  assert given.tokens == m.generate(model, prompt, 4, **ints).tokens
 
 
 def test_eos_stops_one_sequence_while_the_other_continues():

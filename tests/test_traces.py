@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 import mla_jax as m
-from mla_jax import checks, generation
+from mla_jax import checks
 from mla_jax import testing as mt
 from mla_jax.models.config import tiny_lm
-from mla_jax.traces import summarize, traced_kernels, traced_scopes
+from mla_jax.generation import programs
+from mla_jax.traces import summarize, summarize_jaxpr, traced_kernels, traced_scopes
 from tests.conftest import module_backends
 from tests.helpers import XlaNoDenseBackend, fresh_cache, make_pair, tiny_no_indexer
 
@@ -198,15 +199,13 @@ def _generation_programs(model, prompt_len: int):
   graphdef, state = nnx.split(model)
   caches = model.init_cache(1, prompt_len + 4)
   ids, lens = jnp.ones((1, prompt_len), jnp.int32), jnp.array([prompt_len], jnp.int32)
-  seed, sampling = jnp.uint32(0), generation.SamplingConfig()
-  prefill = summarize(lambda state, caches, ids, lens, seed: generation._prefill(
-      graphdef, state, caches, ids, lens, seed, sampling=sampling, checked=False),
-                      state, caches, ids, lens, seed)
-  decode = summarize(lambda state, caches, tokens, done, seed, first, end: generation._decode(
-      graphdef, state, caches, tokens, done, seed, first, end, sampling=sampling, eos_id=None,
-      steps=2, kv_rows=prompt_len + 2, keep_logits=False, checked=False),
-                     state, caches, lens, jnp.zeros((1,), bool), seed, jnp.int32(1), jnp.int32(4))
-  return prefill, decode
+  seed = jnp.uint32(0)
+  prefill = programs.trace(graphdef, state, caches, ids, lens, seed,
+                           settings=programs.PrefillSettings())
+  decode = programs.trace(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
+                          jnp.int32(1), jnp.int32(4),
+                          settings=programs.DecodeSettings(steps=2, kv_rows=prompt_len + 2))
+  return summarize_jaxpr(prefill.jaxpr), summarize_jaxpr(decode.jaxpr)
 
 
 @pytest.mark.parametrize("backend_name", ["xla", "pallas"])
@@ -229,17 +228,17 @@ def test_generate_programs_follow_the_routes(backend_name, prompt_len):
                                       {"indexer_logits", "sparse_mqa_attention"})
 
 
-def _generation_programs_lowered(model, checked: bool):
-  """``generate``'s prefill and a decode dispatch, lowered."""
+def _generation_traces(model, checked: bool):
+  """``generate``'s prefill and a decode dispatch, traced."""
   graphdef, state = nnx.split(model)
   caches = model.init_cache(1, 8)
   ids, lens = jnp.ones((1, 3), jnp.int32), jnp.array([3], jnp.int32)
-  seed, sampling = jnp.uint32(0), generation.SamplingConfig()
-  prefill = generation._prefill.lower(graphdef, state, caches, ids, lens, seed,
-                                      sampling=sampling, checked=checked)
-  decode = generation._decode.lower(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
-                                    jnp.int32(1), jnp.int32(4), sampling=sampling, eos_id=None,
-                                    steps=2, kv_rows=8, keep_logits=False, checked=checked)
+  seed = jnp.uint32(0)
+  prefill = programs.trace(graphdef, state, caches, ids, lens, seed,
+                           settings=programs.PrefillSettings(checked=checked))
+  decode = programs.trace(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
+                          jnp.int32(1), jnp.int32(4),
+                          settings=programs.DecodeSettings(steps=2, kv_rows=8, checked=checked))
   return prefill, decode
 
 
@@ -253,21 +252,16 @@ def _instructions(lowered) -> list[str]:
 
 
 def test_run_time_checks_compile_to_nothing_unless_checked(monkeypatch):
-  """The default compiled programs hold the same instructions as with every ``debug_check``
-  removed (XLA drops the unused predicates); the checked ones differ (they carry the error
-  state out)."""
+  """The default programs carry no checks: no effects (an effect sends every call through
+  jax's Python dispatch path) and the same instructions as with every ``debug_check`` removed;
+  the checked ones differ (they carry the error state out)."""
   model = _lm("mqa-only", "xla")
-  jitted = (generation._prefill, generation._decode)
-  default = _generation_programs_lowered(model, checked=False)
-  checked = _generation_programs_lowered(model, checked=True)
+  traces = _generation_traces(model, checked=False)
+  assert all(not traced.jaxpr.effects for traced in traces)
+  default = [traced.lower() for traced in traces]
+  checked = [traced.lower() for traced in _generation_traces(model, checked=True)]
   assert all(c.as_text() != d.as_text() for c, d in zip(checked, default))
   monkeypatch.setattr(checks.checkify, "debug_check", lambda *args, **kwargs: None)
-  for fn in jitted:
-    fn.clear_cache()
-  try:
-    stripped = _generation_programs_lowered(model, checked=False)
-  finally:
-    for fn in jitted:
-      fn.clear_cache()
+  stripped = [traced.lower() for traced in _generation_traces(model, checked=False)]
   for d, s in zip(default, stripped):
     assert _instructions(d) == _instructions(s)

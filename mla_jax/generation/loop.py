@@ -1,0 +1,196 @@
+"""``generate``: a checked request, its compiled programs, then the decode loop.
+
+The loop runs one prefill, then decode dispatches of ``steps_per_dispatch`` steps until
+every sequence has its tokens or has emitted an end-of-sequence id. Per dispatch the host
+only calls the compiled program on arrays it already holds (the state's leaves, split once
+per call; the caches, tokens and step counter the last dispatch returned) and reads back the
+emitted tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mla_jax import sharding
+from mla_jax.cache import bucket_rows
+from mla_jax.checks import throw
+from mla_jax.generation import programs
+from mla_jax.generation.programs import DecodeSettings, PrefillSettings
+from mla_jax.generation.requests import Request, check_request
+from mla_jax.progress import progress_bar
+from mla_jax.routing import PrefillRoute
+
+DEFAULT_STEPS_PER_DISPATCH = 8  # benchmarks/decode.py: beyond ~8 the per-token gain is small
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """Generated ids per sequence (ending at eos when it was produced) and measurements."""
+
+  tokens: list[list[int]]
+  prefill_routes: list[PrefillRoute]
+  compile_s: float  # 0 when every program was compiled by an earlier call
+  prefill_s: float
+  decode_s: float
+  prefill_tokens: int
+  decode_tokens: int
+  step_logits: np.ndarray | None = None  # [B, steps, vocab] when ``return_logits``
+  decode_buckets: tuple[int, ...] = ()  # the cache rows read by each decode program used
+
+  @property
+  def prefill_tokens_per_s(self) -> float:
+    return self.prefill_tokens / max(self.prefill_s, 1e-9)
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.decode_tokens / max(self.decode_s, 1e-9)
+
+
+def _place(array, mesh, spec=P(sharding.DATA)):
+  """A host array on the model's mesh (batch over ``data``), or on the default device."""
+  return jnp.asarray(array) if mesh is None else sharding.put(array, mesh, spec)
+
+
+class _Programs:
+  """One generation's compiled programs: a model structure's entries of ``programs.cache``,
+  with the seconds spent compiling them."""
+
+  def __init__(self, model, request: Request, steps: int, return_logits: bool):
+    graphdef, state = nnx.split(model)
+    self.state_leaves, state_def = jax.tree.flatten(state)  # split once per generate
+    self._get = lambda *args, settings: programs.cache.get(
+        graphdef, state_def, self.state_leaves, *args, settings=settings)
+    self.prefill_settings = PrefillSettings(request.sampling, request.checked)
+    self._decode_settings = dict(sampling=request.sampling, eos_id=request.eos_id, steps=steps,
+                                 keep_logits=return_logits, checked=request.checked)
+    self.decoders: dict = {}  # kv_rows -> compiled decode program
+    self.compile_s = 0.0
+
+  def prefill(self, *args):
+    program, seconds = self._get(*args, settings=self.prefill_settings)
+    self.compile_s += seconds
+    return program
+
+  def decoder(self, kv_rows: int, *args):
+    """The decode program reading ``kv_rows`` cache rows, compiled on its first use."""
+    if kv_rows not in self.decoders:
+      settings = DecodeSettings(kv_rows=kv_rows, **self._decode_settings)
+      self.decoders[kv_rows], seconds = self._get(*args, settings=settings)
+      self.compile_s += seconds
+    return self.decoders[kv_rows]
+
+
+def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | list[int] | None = None,
+             cache_capacity: int | None = None, cache_dtype=jnp.float32,
+             steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, progress: bool = False,
+             return_logits: bool = False, checks: bool = False) -> GenerationResult:
+  """Generates up to ``max_new_tokens`` after each prompt (a batch of ragged prompts).
+
+  Args:
+    model: a ``CausalLM``.
+    prompt_ids: a list of id lists (any lengths) or an int array [B, T] / [T].
+    max_new_tokens: tokens to generate per sequence (fewer when it emits ``eos_id``).
+    temperature, top_p: 0 is greedy; otherwise nucleus sampling.
+    seed: sampling seed (one key per step, folded from it).
+    eos_id: a sequence stops after emitting it (or any id of a list); the others go on.
+    cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
+    cache_dtype: the latent and indexer-key caches: ``"fp32" | "bf16"`` (or a float dtype),
+      or ``"fp8"``: e4m3 with float32 scales (656 + 132 bytes per token per layer at
+      DeepSeek-V3.2 sizes), quantized on write and dequantized where attention reads them.
+    steps_per_dispatch: decode steps run by one compiled program (one host round trip);
+      tokens and logits do not depend on it.
+    progress: draw a progress bar on stderr while decoding (advanced per dispatch).
+    return_logits: keep the logits of every generated token (for tests and notebooks).
+    checks: run the compiled programs checked (``mla_jax.checks``): a failed run-time check
+      (cache overflow, out-of-range lengths or ids, a query row without a top-k index)
+      raises ``checks.CheckError`` instead of giving wrong tokens. Slower to compile and run.
+
+  Integer arguments may be Python or NumPy ints. Each decode dispatch reads only the cache
+  rows the live context can reach by its end, rounded up to a bucket
+  (``mla_jax.cache.bucket_rows``), so the work per token follows the live context, not
+  ``cache_capacity``; one program is compiled per bucket used.
+  """
+  request = check_request(model, prompt_ids, max_new_tokens, temperature=temperature,
+                          top_p=top_p, seed=seed, eos_id=eos_id, cache_capacity=cache_capacity,
+                          cache_dtype=cache_dtype, steps_per_dispatch=steps_per_dispatch,
+                          checks=checks)
+  new_tokens = request.max_new_tokens
+  steps = min(request.steps_per_dispatch, max(new_tokens - 1, 1))
+  compiled = _Programs(model, request, steps, return_logits)
+  mesh = model.mesh
+  caches = model.init_cache(request.batch, request.capacity, request.cache_dtype)
+  ids_BT, lens_B = _place(request.ids_BT, mesh), _place(request.lens_B, mesh)
+  seed_arr = _place(np.uint32(request.seed), mesh, P())
+
+  prefill = compiled.prefill(caches, ids_BT, lens_B, seed_arr)
+  t0 = time.perf_counter()
+  err, (tokens_B, _, caches) = prefill(compiled.state_leaves, caches, ids_BT, lens_B, seed_arr)
+  throw(err)
+  tokens_B.block_until_ready()
+  prefill_s = time.perf_counter() - t0
+
+  decoded = _decode_loop(compiled, request, steps, caches, tokens_B, seed_arr, mesh,
+                         progress=progress, return_logits=return_logits)
+  tokens = [[int(t) for t in row if t >= 0] for row in decoded.rows]
+  return GenerationResult(
+      tokens=tokens, prefill_routes=model.prefill_routes(request.longest, 0),
+      compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=decoded.seconds,
+      prefill_tokens=int(request.lens_B.sum()),
+      decode_tokens=sum(len(t) for t in tokens) - request.batch,
+      step_logits=decoded.logits(model.config.vocab_size) if return_logits else None,
+      decode_buckets=tuple(sorted(compiled.decoders)))
+
+
+@dataclasses.dataclass
+class _Decoded:
+  rows: np.ndarray  # [B, max_new_tokens] ids, -1 after a sequence finished
+  seconds: float  # in decode dispatches, compilation excluded
+  step_logits: list  # [B, steps, V] per dispatch, when kept
+
+  def logits(self, vocab_size: int) -> np.ndarray:
+    """[B, max_new_tokens - 1, V]: the logits of every decode step."""
+    if not self.step_logits:
+      return np.zeros((self.rows.shape[0], 0, vocab_size), np.float32)
+    return np.concatenate(self.step_logits, axis=1)[:, :self.rows.shape[1] - 1]
+
+
+def _decode_loop(compiled: _Programs, request: Request, steps: int, caches, tokens_B,
+                 seed_arr, mesh, *, progress: bool, return_logits: bool) -> _Decoded:
+  """The decode dispatches after a prefill that sampled ``tokens_B`` (the first new token)."""
+  new_tokens, eos_id = request.max_new_tokens, request.eos_id
+  rows_by = lambda step: bucket_rows(request.longest + min(step + steps, new_tokens) - 1,
+                                     request.capacity)
+  out, logits = [sharding.fetch(tokens_B)[:, None]], []
+  done = np.isin(out[0][:, 0], eos_id) if eos_id is not None else np.zeros(request.batch, bool)
+  done_B = _place(done, mesh)
+  step_arr, end_arr = _place(np.int32(1), mesh, P()), _place(np.int32(new_tokens), mesh, P())
+  if new_tokens > 1:  # the first bucket's program is compiled before the timing starts
+    compiled.decoder(rows_by(1), caches, tokens_B, done_B, seed_arr, step_arr, end_arr)
+  bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
+  seconds, step = 0.0, 1
+  while step < new_tokens and not done.all():
+    # A new bucket compiles outside the timing.
+    program = compiled.decoder(rows_by(step), caches, tokens_B, done_B, seed_arr, step_arr,
+                               end_arr)
+    t0 = time.perf_counter()
+    err, (tokens_B, done_B, caches, step_arr, emitted_NB, logits_NBV) = program(
+        compiled.state_leaves, caches, tokens_B, done_B, seed_arr, step_arr, end_arr)
+    throw(err)
+    emitted = sharding.fetch(emitted_NB).T  # syncs: the dispatch has finished
+    seconds += time.perf_counter() - t0
+    out.append(emitted)
+    if return_logits:
+      logits.append(sharding.fetch(logits_NBV).swapaxes(0, 1))
+    done = sharding.fetch(done_B) if eos_id is not None else done
+    step += steps
+    bar.update(min(step, new_tokens) - bar.n)
+  bar.close()
+  return _Decoded(np.concatenate(out, axis=1)[:, :new_tokens], seconds, logits)

@@ -1,0 +1,169 @@
+"""The compiled programs of ``generate`` (a prefill, and a decode per cache bucket) and the
+bounded cache that keeps them.
+
+A program is a jitted closure over one model structure and one settings value, compiled ahead
+of time for its arguments' shapes, so that ``generate`` reports compile time apart from run
+time. Two things keep a call on jax's C++ dispatch path (tens of microseconds of host time;
+``benchmarks/decode.py --dispatch`` measures it): the model state goes in as a flat list of
+arrays (an ``nnx.State`` is flattened by Python callbacks on every call), and an unchecked
+program carries no effects (``checks.functionalize`` leaves its checks out of the trace).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mla_jax.cache import MIN_BUCKET
+from mla_jax.checks import functionalize, static_int
+from mla_jax.generation.sampling import SamplingConfig, sample
+
+trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSettings:
+  """A prefill program's static settings: one hashable value (the cache key's part)."""
+
+  sampling: SamplingConfig = SamplingConfig()
+  checked: bool = False  # run-time checks raise (``checks.CheckError``) instead of compiling out
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """A decode program's static settings: one hashable value (the cache key's part)."""
+
+  sampling: SamplingConfig = SamplingConfig()
+  eos_id: tuple[int, ...] | None = None
+  steps: int = 1  # decode steps per dispatch (a ``lax.scan``)
+  kv_rows: int = MIN_BUCKET  # cache rows read: the live context's bucket
+  keep_logits: bool = False
+  checked: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "steps", static_int(self.steps, "steps", minimum=1))
+    object.__setattr__(self, "kv_rows", static_int(self.kv_rows, "kv_rows", minimum=1))
+
+
+def _prefill(graphdef, state_def, settings: PrefillSettings):
+  """``run(state_leaves, caches, ids_BT, lens_B, seed) -> (err, (tokens, logits, caches))``;
+  ``err`` is None unless checked. The caches are donated: updated in place."""
+
+  def body(state_leaves, caches, ids_BT, lens_B, seed):
+    key = jax.random.fold_in(jax.random.key(seed), 0)
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+    logits_BTV, caches = model(ids_BT, caches, new_lens_B=lens_B, num_cached_tokens=0)
+    last_BV = jnp.take_along_axis(logits_BTV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
+    return sample(last_BV, key, settings.sampling), logits_BTV, caches
+
+  def run(*args):
+    trace_counts["prefill"] += 1
+    return functionalize(body, settings.checked)(*args)
+
+  return jax.jit(run, donate_argnums=1)
+
+
+def _decode(graphdef, state_def, settings: DecodeSettings):
+  """``run(state_leaves, caches, tokens_B, done_B, seed, step, end_step)``: ``settings.steps``
+  decode steps in one program (one dispatch), as a ``lax.scan``.
+
+  Step i (``step <= i < step + steps``) samples with key ``fold_in(seed, i)`` and runs only
+  for unfinished sequences while ``i < end_step``; the others keep their token and their
+  cache. The caches (and the token/done buffers) are donated: updated in place. Returns
+  ``(err, (tokens, done, caches, next_step, emitted, logits))``; ``next_step`` is the next
+  dispatch's ``step``, so the counter stays on the device; ``err`` is None unless checked.
+  """
+  eos_id = settings.eos_id
+
+  def body(state_leaves, caches, tokens_B, done_B, seed, first_step, end_step):
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+
+    def one_step(carry, i):
+      tokens_B, done_B, caches = carry
+      step = first_step + i
+      active_B = ~done_B & (step < end_step)
+      logits_B1V, caches = model(tokens_B[:, None], caches,
+                                 new_lens_B=active_B.astype(jnp.int32), kv_rows=settings.kv_rows)
+      key = jax.random.fold_in(jax.random.key(seed), step)
+      next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, settings.sampling), tokens_B)
+      if eos_id is not None:
+        done_B = done_B | (active_B & jnp.isin(next_B, jnp.asarray(eos_id, jnp.int32)))
+      emitted_B = jnp.where(active_B, next_B, -1)
+      return (next_B, done_B, caches), (emitted_B,
+                                        logits_B1V[:, 0] if settings.keep_logits else None)
+
+    (tokens_B, done_B, caches), (emitted_NB, logits_NBV) = jax.lax.scan(
+        one_step, (tokens_B, done_B, caches), jnp.arange(settings.steps, dtype=jnp.int32))
+    return tokens_B, done_B, caches, first_step + settings.steps, emitted_NB, logits_NBV
+
+  def run(*args):
+    trace_counts["decode"] += 1
+    return functionalize(body, settings.checked)(*args)
+
+  return jax.jit(run, donate_argnums=(1, 2, 3))
+
+
+_PROGRAMS = {PrefillSettings: _prefill, DecodeSettings: _decode}
+
+
+def jitted(graphdef, state_def, settings):
+  """A new jitted program for one model structure (``graphdef``, the state's treedef) and
+  ``settings`` (a ``PrefillSettings`` or ``DecodeSettings``); it takes the state's leaves."""
+  if type(settings) not in _PROGRAMS:
+    raise TypeError(f"settings must be a PrefillSettings or DecodeSettings, got "
+                    f"{type(settings).__name__}")
+  return _PROGRAMS[type(settings)](graphdef, state_def, settings)
+
+
+def trace(graphdef, state, *args, settings) -> jax.stages.Traced:
+  """The program ``generate`` runs for ``settings``, traced on ``state`` and ``args`` (arrays
+  or ``jax.ShapeDtypeStruct``s, as ``run`` above takes them after the state): nothing
+  compiles or runs. ``.lower()`` it, e.g. for another platform, or read its ``.jaxpr``."""
+  state_leaves, state_def = jax.tree.flatten(state)
+  return jitted(graphdef, state_def, settings).trace(state_leaves, *args)
+
+
+def _signature(tree):
+  """What a compiled program is specialised to: the tree and every leaf's type and place."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+
+
+class ProgramCache:
+  """The ``max_size`` most recently used compiled programs, keyed by the settings, the model
+  structure and the arguments' signature. A hit costs one hash of the key (once per
+  ``generate`` and bucket, never per dispatch); eviction frees the executable."""
+
+  def __init__(self, max_size: int = 32):
+    self.max_size = static_int(max_size, "max_size", minimum=1)
+    self._programs: collections.OrderedDict = collections.OrderedDict()
+
+  def get(self, graphdef, state_def, state_leaves, *args, settings
+          ) -> tuple[jax.stages.Compiled, float]:
+    """The compiled program for these arguments and the seconds spent compiling it (0 when
+    it was cached). Call it as ``program(state_leaves, *args)``."""
+    key = (settings, graphdef, state_def, _signature((state_leaves, args)))
+    if key in self._programs:
+      self._programs.move_to_end(key)
+      return self._programs[key], 0.0
+    t0 = time.perf_counter()
+    program = jitted(graphdef, state_def, settings).lower(state_leaves, *args).compile()
+    seconds = time.perf_counter() - t0
+    self._programs[key] = program
+    if len(self._programs) > self.max_size:
+      self._programs.popitem(last=False)
+    return program, seconds
+
+  def clear(self) -> None:
+    self._programs.clear()
+
+  def __len__(self) -> int:
+    return len(self._programs)
+
+
+cache = ProgramCache()  # generate's programs, shared by every call in the process

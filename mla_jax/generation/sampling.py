@@ -1,0 +1,42 @@
+"""Sampling settings and the sampler the compiled programs call for every new token."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  temperature: float = 0.0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    for name in ("temperature", "top_p"):  # NaN would sample id 0 for every token
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+      object.__setattr__(self, name, float(value))
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature must be a finite float >= 0, got {self.temperature!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+def sample(logits_BV, key, sampling: SamplingConfig):
+  """Greedy at temperature 0; otherwise nucleus sampling over ``logits / temperature``."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV / sampling.temperature
+  if sampling.top_p < 1:
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
+    keep_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < sampling.top_p
+    cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
+    logits_BV = jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
+  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
