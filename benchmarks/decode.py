@@ -116,7 +116,7 @@ class Runner:
   """One variant's model state, cache and compiled programs (one per bucket)."""
 
   def __init__(self, model, variant: Variant, capacity: int, batch: int):
-    self.variant, self.capacity, self.batch = variant, capacity, batch
+    self.model, self.variant, self.capacity, self.batch = model, variant, capacity, batch
     self.graphdef, state = nnx.split(model)
     self.state_leaves, self.state_def = jax.tree.flatten(state)
     self.caches = random_caches(model, batch, capacity, variant.cache_dtype)
@@ -135,7 +135,8 @@ class Runner:
   def compile(self, context: int) -> None:
     rows = self.rows(context)
     if rows not in self.programs:
-      settings = programs.DecodeSettings(steps=self.variant.steps, kv_rows=rows)
+      plan = self.model.step_plan(1, None, capacity=self.capacity, kv_rows=rows)
+      settings = programs.DecodeSettings(plan, steps=self.variant.steps)
       fn = programs.jitted(self.graphdef, self.state_def, settings)
       if not self.variant.donate:  # "before": the same computation, every cache copied
         fn = jax.jit(fn.__wrapped__)

@@ -193,7 +193,7 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
             jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
-    settings = programs.DecodeSettings(steps=1, kv_rows=context)
+    settings = programs.DecodeSettings(lm.step_plan(1, None, capacity=context), steps=1)
     text = programs.trace(graphdef, *args, settings=settings).lower(
         lowering_platforms=("cuda",)).as_text()
   counts = collections.Counter(re.findall(r"stablehlo\.(" + "|".join(_COLLECTIVES) + r")\b",

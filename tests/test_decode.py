@@ -38,8 +38,9 @@ def test_decode_program_updates_every_cache_in_place(cache_dtype):
   tokens, done = jnp.zeros((2,), jnp.int32), jnp.zeros((2,), bool)
   step = jnp.int32(1)
   compiled = programs.trace(graphdef, state, caches, tokens, done, jnp.uint32(0), step, step,
-                            settings=programs.DecodeSettings(eos_id=(EOS,), steps=4,
-                                                             kv_rows=256)).lower().compile()
+                            settings=programs.DecodeSettings(
+                                model.step_plan(1, None, capacity=512, kv_rows=256),
+                                eos_id=(EOS,), steps=4)).lower().compile()
   header = compiled.as_text().split("\n", 1)[0]
   aliased = {int(p) for p in re.findall(r"\(\s*(\d+), \{\}, (?:may|must)-alias\)", header)}
   num_state = len(jax.tree.leaves(state))
@@ -55,7 +56,8 @@ def test_prefill_program_updates_every_cache_in_place():
   caches = model.init_cache(2, 64)
   compiled = programs.trace(graphdef, state, caches, jnp.zeros((2, 8), jnp.int32),
                             jnp.full((2,), 8, jnp.int32), jnp.uint32(0),
-                            settings=programs.PrefillSettings()).lower().compile()
+                            settings=programs.PrefillSettings(
+                                model.step_plan(8, 0, capacity=64))).lower().compile()
   assert compiled.memory_analysis().alias_size_in_bytes == sum(
       x.nbytes for x in jax.tree.leaves(caches))
 

@@ -117,8 +117,9 @@ def test_program_cache_keeps_the_most_recently_used():
   args = (_models()["mqa-only"].init_cache(1, 4), jnp.ones((1, 2), jnp.int32),
           jnp.array([2], jnp.int32), jnp.uint32(0))
   cache = programs.ProgramCache(max_size=1)
-  greedy, sampled = programs.PrefillSettings(), programs.PrefillSettings(
-      generation.SamplingConfig(temperature=1.0))
+  plan = _models()["mqa-only"].step_plan(2, 0, capacity=4)
+  greedy = programs.PrefillSettings(plan)
+  sampled = programs.PrefillSettings(plan, generation.SamplingConfig(temperature=1.0))
   get = lambda settings: cache.get(graphdef, state_def, leaves, *args, settings=settings)[1]
   assert get(greedy) > 0 and get(greedy) == 0.0 and len(cache) == 1
   assert get(sampled) > 0 and len(cache) == 1

@@ -200,11 +200,14 @@ def _generation_programs(model, prompt_len: int):
   caches = model.init_cache(1, prompt_len + 4)
   ids, lens = jnp.ones((1, prompt_len), jnp.int32), jnp.array([prompt_len], jnp.int32)
   seed = jnp.uint32(0)
+  capacity = prompt_len + 4
   prefill = programs.trace(graphdef, state, caches, ids, lens, seed,
-                           settings=programs.PrefillSettings())
+                           settings=programs.PrefillSettings(
+                               model.step_plan(prompt_len, 0, capacity=capacity)))
+  decode_plan = model.step_plan(1, None, capacity=capacity, kv_rows=prompt_len + 2)
   decode = programs.trace(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
                           jnp.int32(1), jnp.int32(4),
-                          settings=programs.DecodeSettings(steps=2, kv_rows=prompt_len + 2))
+                          settings=programs.DecodeSettings(decode_plan, steps=2))
   return summarize_jaxpr(prefill.jaxpr), summarize_jaxpr(decode.jaxpr)
 
 
@@ -235,10 +238,12 @@ def _generation_traces(model, checked: bool):
   ids, lens = jnp.ones((1, 3), jnp.int32), jnp.array([3], jnp.int32)
   seed = jnp.uint32(0)
   prefill = programs.trace(graphdef, state, caches, ids, lens, seed,
-                           settings=programs.PrefillSettings(checked=checked))
+                           settings=programs.PrefillSettings(model.step_plan(3, 0, capacity=8),
+                                                             checked=checked))
   decode = programs.trace(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
                           jnp.int32(1), jnp.int32(4),
-                          settings=programs.DecodeSettings(steps=2, kv_rows=8, checked=checked))
+                          settings=programs.DecodeSettings(model.step_plan(1, None, capacity=8),
+                                                           steps=2, checked=checked))
   return prefill, decode
 
 

@@ -16,8 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
-
 from mla_jax import sharding
 from mla_jax.cache import bucket_rows
 from mla_jax.checks import throw
@@ -53,7 +51,7 @@ class GenerationResult:
     return self.decode_tokens / max(self.decode_s, 1e-9)
 
 
-def _place(array, mesh, spec=P(sharding.DATA)):
+def _place(array, mesh, spec=sharding.BATCH_SPEC):
   """A host array on the model's mesh (batch over ``data``), or on the default device."""
   return jnp.asarray(array) if mesh is None else sharding.put(array, mesh, spec)
 
@@ -63,11 +61,14 @@ class _Programs:
   with the seconds spent compiling them."""
 
   def __init__(self, model, request: Request, steps: int, return_logits: bool):
+    self.model, self.capacity = model, request.capacity
+    self.prefill_plan = model.step_plan(request.longest, 0, capacity=request.capacity)
     graphdef, state = nnx.split(model)
     self.state_leaves, state_def = jax.tree.flatten(state)  # split once per generate
     self._get = lambda *args, settings: programs.cache.get(
         graphdef, state_def, self.state_leaves, *args, settings=settings)
-    self.prefill_settings = PrefillSettings(request.sampling, request.checked)
+    self.prefill_settings = PrefillSettings(self.prefill_plan, request.sampling,
+                                            request.checked)
     self._decode_settings = dict(sampling=request.sampling, eos_id=request.eos_id, steps=steps,
                                  keep_logits=return_logits, checked=request.checked)
     self.decoders: dict = {}  # kv_rows -> compiled decode program
@@ -81,7 +82,8 @@ class _Programs:
   def decoder(self, kv_rows: int, *args):
     """The decode program reading ``kv_rows`` cache rows, compiled on its first use."""
     if kv_rows not in self.decoders:
-      settings = DecodeSettings(kv_rows=kv_rows, **self._decode_settings)
+      plan = self.model.step_plan(1, None, capacity=self.capacity, kv_rows=kv_rows)
+      settings = DecodeSettings(plan, **self._decode_settings)
       self.decoders[kv_rows], seconds = self._get(*args, settings=settings)
       self.compile_s += seconds
     return self.decoders[kv_rows]
@@ -128,7 +130,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   mesh = model.mesh
   caches = model.init_cache(request.batch, request.capacity, request.cache_dtype)
   ids_BT, lens_B = _place(request.ids_BT, mesh), _place(request.lens_B, mesh)
-  seed_arr = _place(np.uint32(request.seed), mesh, P())
+  seed_arr = _place(np.uint32(request.seed), mesh, sharding.REPLICATED)
 
   prefill = compiled.prefill(caches, ids_BT, lens_B, seed_arr)
   t0 = time.perf_counter()
@@ -141,7 +143,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
                          progress=progress, return_logits=return_logits)
   tokens = [[int(t) for t in row if t >= 0] for row in decoded.rows]
   return GenerationResult(
-      tokens=tokens, prefill_routes=model.prefill_routes(request.longest, 0),
+      tokens=tokens,
+      prefill_routes=[compiled.prefill_plan.route] * model.config.num_layers,
       compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=decoded.seconds,
       prefill_tokens=int(request.lens_B.sum()),
       decode_tokens=sum(len(t) for t in tokens) - request.batch,
@@ -171,7 +174,8 @@ def _decode_loop(compiled: _Programs, request: Request, steps: int, caches, toke
   out, logits = [sharding.fetch(tokens_B)[:, None]], []
   done = np.isin(out[0][:, 0], eos_id) if eos_id is not None else np.zeros(request.batch, bool)
   done_B = _place(done, mesh)
-  step_arr, end_arr = _place(np.int32(1), mesh, P()), _place(np.int32(new_tokens), mesh, P())
+  step_arr = _place(np.int32(1), mesh, sharding.REPLICATED)
+  end_arr = _place(np.int32(new_tokens), mesh, sharding.REPLICATED)
   if new_tokens > 1:  # the first bucket's program is compiled before the timing starts
     compiled.decoder(rows_by(1), caches, tokens_B, done_B, seed_arr, step_arr, end_arr)
   bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)

@@ -19,35 +19,49 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mla_jax.cache import MIN_BUCKET
 from mla_jax.checks import functionalize, static_int
 from mla_jax.generation.sampling import SamplingConfig, sample
+from mla_jax.step_plan import StepPlan
 
 trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
 
 
+def _check_plan(plan) -> None:
+  if not isinstance(plan, StepPlan):
+    raise TypeError(f"plan must be a StepPlan (model.step_plan), got {type(plan).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillSettings:
-  """A prefill program's static settings: one hashable value (the cache key's part)."""
+  """A prefill program's static settings: one hashable value (the cache key's part).
 
+  ``plan``: the model's ``StepPlan`` for the prompt (every layer reads it)."""
+
+  plan: StepPlan
   sampling: SamplingConfig = SamplingConfig()
   checked: bool = False  # run-time checks raise (``checks.CheckError``) instead of compiling out
+
+  def __post_init__(self):
+    _check_plan(self.plan)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-  """A decode program's static settings: one hashable value (the cache key's part)."""
+  """A decode program's static settings: one hashable value (the cache key's part).
 
+  ``plan``: the model's ``StepPlan`` for one token per sequence after an unknown cached
+  length, reading the rows of the live context's bucket (``plan.kv_rows``)."""
+
+  plan: StepPlan
   sampling: SamplingConfig = SamplingConfig()
   eos_id: tuple[int, ...] | None = None
   steps: int = 1  # decode steps per dispatch (a ``lax.scan``)
-  kv_rows: int = MIN_BUCKET  # cache rows read: the live context's bucket
   keep_logits: bool = False
   checked: bool = False
 
   def __post_init__(self):
+    _check_plan(self.plan)
     object.__setattr__(self, "steps", static_int(self.steps, "steps", minimum=1))
-    object.__setattr__(self, "kv_rows", static_int(self.kv_rows, "kv_rows", minimum=1))
 
 
 def _prefill(graphdef, state_def, settings: PrefillSettings):
@@ -57,7 +71,7 @@ def _prefill(graphdef, state_def, settings: PrefillSettings):
   def body(state_leaves, caches, ids_BT, lens_B, seed):
     key = jax.random.fold_in(jax.random.key(seed), 0)
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
-    logits_BTV, caches = model(ids_BT, caches, new_lens_B=lens_B, num_cached_tokens=0)
+    logits_BTV, caches = model(ids_BT, caches, new_lens_B=lens_B, plan=settings.plan)
     last_BV = jnp.take_along_axis(logits_BTV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
     return sample(last_BV, key, settings.sampling), logits_BTV, caches
 
@@ -88,7 +102,7 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
       step = first_step + i
       active_B = ~done_B & (step < end_step)
       logits_B1V, caches = model(tokens_B[:, None], caches,
-                                 new_lens_B=active_B.astype(jnp.int32), kv_rows=settings.kv_rows)
+                                 new_lens_B=active_B.astype(jnp.int32), plan=settings.plan)
       key = jax.random.fold_in(jax.random.key(seed), step)
       next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, settings.sampling), tokens_B)
       if eos_id is not None:
