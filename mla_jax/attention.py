@@ -218,7 +218,7 @@ class MLAAttentionBase(nnx.Module):
       raise ValueError(f"x must be [batch, tokens, {c.hidden_size}], got shape "
                        f"{getattr(x_BTD, 'shape', None)}")
     if x_BTD.shape[0] == 0:
-      raise ValueError("x must hold at least one sequence (the batch is empty)")
+      raise ValueError("the batch is empty (batch size 0): x must hold at least one sequence")
     if x_BTD.shape[1] == 0:
       raise ValueError("x must hold at least one token")
     if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
