@@ -128,6 +128,7 @@ def test_program_cache_keeps_the_most_recently_used():
     programs.ProgramCache(max_size=0)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_checked_generate_raises_where_unchecked_is_silent(fresh_programs, monkeypatch):
   """``checks=True`` gives the same tokens when nothing is wrong; with scoring broken (every
   top-k slot -1, the vLLM #52512 symptom) it raises, where the unchecked run goes on."""

@@ -47,8 +47,16 @@ def generate_with_logits(model):
   return result.tokens, result.step_logits
 
 
-@pytest.mark.parametrize("mesh_spec", MESHES)
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+def _mesh_cases():
+  """Every (preset, mesh); the small preset and the one-axis meshes of tiny_moe are slow
+  (over 30 s each on 2 cores), so the default run keeps tiny_moe on two mixed meshes."""
+  for preset in sorted(PRESETS):
+    for mesh_spec in MESHES:
+      slow = preset == "small" or mesh_spec in MESHES[2:]
+      yield pytest.param(preset, mesh_spec, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("preset, mesh_spec", list(_mesh_cases()))
 def test_sharded_generation_equals_unsharded(preset, mesh_spec):
   mesh = sharding.make_mesh(mesh_spec)
   model = CausalLM(PRESETS[preset](), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
@@ -61,6 +69,7 @@ def test_sharded_generation_equals_unsharded(preset, mesh_spec):
   assert mt.relative_error(logits, ref_logits) < 1e-5
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_fp8_cache_generation_sharded_equals_unsharded():
   """fp8 values, scales and RoPE are split over ``data`` like the arrays they replace, and the
   key scales travel through the sharded indexer."""
@@ -180,6 +189,7 @@ def test_scanned_sharded_mqa_only_model_never_compiles_dense_mha():
     assert summary.primitives["cond"] == 0 and summary.primitives["scan"] >= 1
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_two_processes_equal_one(tmp_path):
   """Two processes x 2 CPU devices (gloo) form one 4-device mesh; same logits and tokens."""
   mesh_spec, port = "data=1,tensor=2,expert=2", free_port()
@@ -220,6 +230,7 @@ def test_cli_multiprocess_flag_errors(argv, match, capsys):
   assert __import__("re").search(match, str(message)), message
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_cli_generate_on_a_mesh(capsys):
   assert cli.main(["generate", "--preset", "tiny-moe", "--mesh", "data=2,tensor=2,expert=2",
                    "--batch", "2", "--prompt", "mesh", "--max-new-tokens", "3", "--quiet",

@@ -123,6 +123,7 @@ def test_generation_defaults_follow_hf(tmp_path):
   assert cli._sampling(args) == (0.7, 0.5)  # a flag wins over generation_config.json
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_cli_fp8_on_a_mesh_with_the_checkpoints_tokenizer(checkpoint, capsys):
   assert cli.main(["generate", "--checkpoint", str(checkpoint), "--mesh",
                    "data=2,tensor=2,expert=2", "--dtype", "fp8", "--prompt", TEXT, "--batch", "2",

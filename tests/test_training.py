@@ -149,6 +149,7 @@ def _batches(task, n, batch_size=4, seed=0):
   return [task.batch(rng, batch_size) for _ in range(n)]
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_smoke_recipe_lowers_the_losses(tmp_path):
   """20 steps on the tiny preset: the LM loss falls in the LM stage, the dense KL falls in
   the indexer warm-up (main model frozen), the sparse stage runs; a checkpoint is written."""
@@ -172,6 +173,7 @@ def test_smoke_recipe_lowers_the_losses(tmp_path):
   assert len(history["steps"]) == 20
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_a_recipe_reproduces_its_weights_from_the_seed():
   """The shipped model's claim: same seed, same stack -> the same weights, bit for bit (the
   initialisation, the data and the optimiser; two steps of the smoke recipe's sparse stage,
@@ -190,6 +192,7 @@ def test_a_recipe_reproduces_its_weights_from_the_seed():
                              fresh["lm_head"]["weight"][...])  # the steps did train
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_dense_capable_class_trains_every_objective():
   """The smoke recipe trains the MQA-only class; this one takes the dense-MHA route."""
   model = CausalLM(tiny_lm("dense-capable", moe=False), rngs=nnx.Rngs(0), backend="xla")
@@ -224,6 +227,7 @@ def test_donated_train_step_updates_in_place():
   assert leaf.is_deleted()
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   model = CausalLM(tiny_lm(moe=False), rngs=nnx.Rngs(0), backend="xla")
   trainer = Trainer(model, out_dir=tmp_path, progress=False)
@@ -311,6 +315,7 @@ def test_recall_recipe_routes_densely_then_sparsely():
 
 # ---- the command ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_train_command_writes_a_checkpoint(tmp_path, monkeypatch, capsys):
   smoke = recipes.smoke()
   (stage, task) = smoke.stages[-1]  # one sparse step: the command, not the training, is tested
