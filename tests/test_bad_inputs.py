@@ -135,6 +135,13 @@ MODULE_BUILD_CASES = {
     "attention_shares_topk_without_indexer": (
         lambda: m.MLAAttention(dataclasses.replace(m.tiny(), indexer=None), rngs=nnx.Rngs(0),
                                backend="xla", shares_topk=True), ValueError, "shares_topk"),
+    "attention_rngs_none": (lambda: m.MLAAttention(m.tiny(), rngs=None, backend="xla"),
+                            TypeError, "rngs must be an nnx.Rngs"),
+    "model_rngs_int": (lambda: m.CausalLM(tiny_lm(), rngs=0, backend="xla"), TypeError,
+                       "rngs must be an nnx.Rngs"),
+    "model_grouped_matmul_name": (lambda: m.CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend="xla",
+                                                     grouped_matmul="cutlass"),
+                                  ValueError, "grouped_matmul must be one of"),
     "model_config_type": (lambda: m.CausalLM(m.tiny(), rngs=nnx.Rngs(0)), TypeError,
                           "config must be a ModelConfig"),
     "model_param_dtype_bool": (lambda: m.CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend="xla",
