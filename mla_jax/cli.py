@@ -28,6 +28,7 @@ DEFAULT_PRESET = "recall"  # the one whose answers mean something
 # The recall model's task (its MODEL_CARD.md): one-letter key-value pairs, '.' filler, then
 # '?k' asks for the value stored under k (here X).
 RECALL_PROMPT = "aQ ..kX zB ...mP rT ..wE cV ?k"
+DEFAULT_NEW_TOKENS = 32
 DEFAULT_PROMPT_LEN = 24
 
 
@@ -140,18 +141,21 @@ def _prompt_ids(args, tok: tokenizer.Tokenizer, vocab_size: int) -> list[int]:
   return rng.integers(0, min(vocab_size, 256), size=args.prompt_len).tolist()
 
 
-def _default_prompt(args) -> None:
-  """The recall preset answers a lookup when given neither --prompt nor --prompt-len; the
-  others draw --prompt-len random ids."""
+def _request_defaults(args) -> None:
+  """The recall preset answers a lookup (one token) when given neither --prompt nor
+  --prompt-len; the others draw --prompt-len random ids and generate 32 tokens."""
+  recall = args.preset == "recall" and not args.checkpoint
   if args.prompt is None and args.prompt_len is None:
-    if args.preset == "recall" and not args.checkpoint:
+    if recall:
       args.prompt = RECALL_PROMPT
     else:
       args.prompt_len = DEFAULT_PROMPT_LEN
+  if args.max_new_tokens is None:  # the recall model answers with one token; more is noise
+    args.max_new_tokens = 1 if recall else DEFAULT_NEW_TOKENS
 
 
 def cmd_generate(args) -> int:
-  _default_prompt(args)
+  _request_defaults(args)
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
@@ -300,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
   source.add_argument("--prompt-len", type=int_in(1),
                       help=f"random prompt of this many ids (default {DEFAULT_PROMPT_LEN}; "
                            "the recall preset's default is its example prompt)")
-  gen.add_argument("--max-new-tokens", type=int_in(1), default=32)
+  gen.add_argument("--max-new-tokens", type=int_in(1),
+                   help=f"tokens to generate (default {DEFAULT_NEW_TOKENS}; 1 for the recall "
+                        "preset, whose answers are one token)")
   gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
   gen.add_argument("--attention", choices=ATTENTION_KINDS, default="mqa-only")
   gen.add_argument("--seed", type=int_in(0, 2**32), default=0)
