@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mla_jax import checks, losses, sharding
+from mla_jax import checks, losses
 from mla_jax.backends import Backend, get_backend
 from mla_jax.backends.on_mesh import MeshOps
 from mla_jax.cache import CacheView, check_layout
@@ -33,8 +33,8 @@ from mla_jax.fp8_cache import Fp8LatentRows, dense_latent
 from mla_jax.indexer import Indexer, topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
-from mla_jax.routing import PrefillRoute, dense_mha_allowed, resolve_prefill_route, static_count
-from mla_jax.step_plan import INDEXER_LOSSES, StepPlan, plan_step
+from mla_jax.routing import PrefillRoute, dense_mha_allowed, resolve_prefill_route
+from mla_jax.step_plan import INDEXER_LOSSES, StepPlan, cached_bound, plan_step
 
 logger = logging.getLogger("mla_jax")
 _logged_mqa_only: set[tuple[str, str]] = set()
@@ -272,10 +272,8 @@ class MLAAttentionBase(nnx.Module):
     new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
     self._validate(x_BTD, cache, new_lens_B)
     if plan is None:
-      bound = static_count(num_cached_tokens, "num_cached_tokens")
-      if bound is None and not checks.is_traced(cache.lengths_B):
-        bound = int(sharding.fetch(cache.lengths_B).max())
-      plan = self.step_plan(t, bound, capacity=cache.capacity, kv_rows=kv_rows,
+      plan = self.step_plan(t, cached_bound(num_cached_tokens, cache.lengths_B),
+                            capacity=cache.capacity, kv_rows=kv_rows,
                             force_mqa=force_mqa, indexer_loss=indexer_loss)
     elif (num_cached_tokens, force_mqa, kv_rows, indexer_loss) != (None, False, None, None):
       raise ValueError("pass either a plan or the static settings it is built from "

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from mla_jax import checks
+from mla_jax import checks, sharding
+from mla_jax.cache import bucket_rows
 from mla_jax.routing import (PrefillRoute, dense_mha_allowed, resolve_prefill_route,
                              static_count)
 
@@ -89,6 +90,15 @@ def _names(classes) -> str:
   return ", ".join(cls.__name__ for cls in classes)
 
 
+def cached_bound(num_cached_tokens, lengths_B) -> int | None:
+  """The static cached-token bound of a call: ``num_cached_tokens`` when given, else the
+  longest of concrete ``lengths_B`` (an eager call), else None (traced: unknown until run)."""
+  bound = static_count(num_cached_tokens, "num_cached_tokens")
+  if bound is None and not checks.is_traced(lengths_B):
+    bound = int(sharding.fetch(lengths_B).max())
+  return bound
+
+
 def step_route(layers, backend, *, num_new_tokens: int, num_cached_tokens,
                force_mqa: bool = False) -> PrefillRoute:
   """The model-wide route of a step over ``layers``: dense only if every layer can go dense.
@@ -115,8 +125,6 @@ def plan_step(layers: Iterable, backend, *, num_new_tokens: int, num_cached_toke
   (``cache.bucket_rows``) when the cached bound is known, else ``capacity``.
   ``shares_topk``: the model has IndexShare layers that read a full layer's top-k.
   """
-  from mla_jax.cache import bucket_rows
-
   layers = tuple(layers)
   capacity = checks.static_int(capacity, "capacity", minimum=1)
   route = step_route(layers, backend, num_new_tokens=num_new_tokens,

@@ -16,7 +16,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from mla_jax import checks, sharding
@@ -28,8 +27,8 @@ from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE, resolve_grouped_matmul
-from mla_jax.routing import PrefillRoute, static_count
-from mla_jax.step_plan import StepPlan, plan_step, step_route
+from mla_jax.routing import PrefillRoute
+from mla_jax.step_plan import StepPlan, cached_bound, plan_step, step_route
 
 ATTENTION_CLASSES = {"mqa-only": DeepseekV32Attention, "dense-capable": MLAAttention}
 
@@ -349,11 +348,8 @@ class CausalLM(nnx.Module):
     self._check_ids(ids_BT, caches)
     new_lens_B = self._new_lens(ids_BT, caches, new_lens_B)
     if plan is None:
-      bound = static_count(num_cached_tokens, "num_cached_tokens")
-      if bound is None and not checks.is_traced(caches.lengths_B):
-        bound = int(sharding.fetch(caches.lengths_B).max())
-      plan = self.step_plan(ids_BT.shape[1], bound, capacity=caches.capacity, kv_rows=kv_rows,
-                            force_mqa=force_mqa)
+      plan = self.step_plan(ids_BT.shape[1], cached_bound(num_cached_tokens, caches.lengths_B),
+                            capacity=caches.capacity, kv_rows=kv_rows, force_mqa=force_mqa)
     elif (num_cached_tokens, force_mqa, kv_rows) != (None, False, None):
       raise ValueError("pass either a plan or the static settings it is built from "
                        "(num_cached_tokens, force_mqa, kv_rows), not both")
