@@ -177,8 +177,11 @@ class MLAAttentionBase(nnx.Module):
     q_lat_BTHA = jnp.moveaxis(q_lat_HBTA, 0, 2).astype(dtype)
     return jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
 
-  def forward_mqa(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK):
-    """Absorb W_UK into q, attend over the selected latent rows, apply W_UV: [B, T, H, V]."""
+  def forward_mqa(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK, *,
+                  batched_rows: bool = True):
+    """Absorb W_UK into q, attend over the selected latent rows, apply W_UV: [B, T, H, V].
+
+    ``batched_rows`` False: ``latent_BSL`` is rows [S, L] shared by the batch (a page pool)."""
     _, w_uv_HVA = self._kv_b_heads()
     dtype = q_nope_BTHN.dtype
     q_BTHL = self._absorbed_query(q_nope_BTHN, q_pe_BTHR)
@@ -186,7 +189,8 @@ class MLAAttentionBase(nnx.Module):
       latent_BSL = latent_BSL.astype(dtype)
     out_lat_BTHA, _ = self.ops.sparse_mqa(q_BTHL, latent_BSL, topk_BTK,
                                           sm_scale=self.config.softmax_scale,
-                                          d_v=self.config.kv_lora_rank)
+                                          d_v=self.config.kv_lora_rank,
+                                          batched_rows=batched_rows)
     return jnp.einsum("btha,hva->bthv", out_lat_BTHA, w_uv_HVA.astype(dtype),
                       preferred_element_type=jnp.float32).astype(dtype)
 
@@ -300,9 +304,11 @@ class MLAAttentionBase(nnx.Module):
       else:
         topk_BTK = causal_indices(step.positions_BT, plan.kv_rows)
       checks.rows_attend(topk_BTK, new_lens_B)
-      latent_BSL, _ = step.cache.rows(plan.kv_rows)
+      # Logical positions become cache rows here, at the gather (a paged cache's pool rows).
+      latent, rows_BTK, batched = step.cache.attention_rows(topk_BTK, plan.kv_rows)
       with jax.named_scope(plan.route.scope):
-        o_BTHV = self.forward_mqa(step.q_nope_BTHN, step.q_pe_BTHR, latent_BSL, topk_BTK)
+        o_BTHV = self.forward_mqa(step.q_nope_BTHN, step.q_pe_BTHR, latent, rows_BTK,
+                                  batched_rows=batched)
     c = self.config
     b, t, _ = x_BTD.shape
     out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))

@@ -99,6 +99,12 @@ class CacheView(abc.ABC):
     """The first ``num_rows`` rows of the latent and key caches (keys None without them), in
     the cache's layout (fp8 parts as ``fp8_cache.readable`` views)."""
 
+  def attention_rows(self, topk_BTK, num_rows: int):
+    """``(rows, indices, batched)`` for the absorbed-MQA gather of the logical ``topk_BTK``
+    over the first ``num_rows`` rows: here that sequence's rows [B, S, ...] and the indices as
+    they are; a paged view returns its whole pool (``batched`` False) and physical rows."""
+    return self.rows(num_rows)[0], topk_BTK, True
+
   @abc.abstractmethod
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> CacheView:
     """Appends ``new_lens_B[b]`` rows to sequence b (see ``write_rows``), quantized first in
@@ -141,6 +147,20 @@ class LayerCache(CacheView):
   @property
   def buffers(self) -> LayerCache:
     return self
+
+  @property
+  def pools(self):
+    """The row arrays: ``(latent, index keys or None)``."""
+    return self.latent_BSL, self.index_keys_BSI
+
+  @property
+  def lengths_shape(self) -> tuple[int, ...]:
+    """The shape ``lengths_B`` must have: the rows' leading axes but the capacity."""
+    return tuple(_row_array(self.latent_BSL).shape[:-2])
+
+  def layer_view(self, index) -> StackedLayerView:
+    """Layer ``index`` of this cache stacked over a group's layers."""
+    return StackedLayerView(self, index)
 
   @property
   def bytes_per_token(self) -> int:
@@ -268,10 +288,10 @@ def check_layout(cache, config: MLAConfig) -> None:
   the fp8 layouts hold their own bit patterns and are checked by shape only.
   """
   buffers = cache.buffers
-  latent, keys = buffers.latent_BSL, buffers.index_keys_BSI
+  latent, keys = buffers.pools
   if not isinstance(latent, Fp8LatentRows):
     checks.float_dtype(latent.dtype, "cache.latent_BSL dtype")
-  leading = tuple(_row_array(latent).shape[:-1])  # ([layers,] batch, capacity)
+  leading = tuple(_row_array(latent).shape[:-1])  # ([layers,] batch, capacity) or pool rows
   if keys is not None:
     if not isinstance(keys, fp8_cache.Fp8Keys):
       checks.float_dtype(keys.dtype, "cache.index_keys_BSI dtype")
@@ -279,9 +299,9 @@ def check_layout(cache, config: MLAConfig) -> None:
     if tuple(_row_array(keys).shape) != expected:
       raise ValueError(f"cache.index_keys_BSI must be {list(expected)} ([layers,] batch, "
                        f"capacity, indexer head_dim), got {list(_row_array(keys).shape)}")
-  lengths = buffers.lengths_B
-  if tuple(lengths.shape) != leading[:-1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise TypeError(f"cache.lengths_B must be int {list(leading[:-1])}, got "
+  lengths, expected = buffers.lengths_B, buffers.lengths_shape
+  if tuple(lengths.shape) != expected or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"cache.lengths_B must be int {list(expected)}, got "
                     f"{lengths.dtype} {list(lengths.shape)}")
 
 

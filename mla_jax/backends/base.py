@@ -48,13 +48,20 @@ class Backend(abc.ABC):
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     raise NotImplementedError(f"backend {self.name!r} has no dense MHA prefill kernel")
 
-  def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int):
+  def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int,
+                 batched_rows: bool = True):
     """Returns ``(out_BTHV, lse_BTH)`` with natural-log LSE; invalid indices are -1 or >= S.
 
     ``kv_BSL`` is an array or ``Fp8LatentRows`` (every part batched, sharded like an array).
+    ``batched_rows`` False: ``kv_BSL`` is rows [S, L] that every sequence indexes (a page
+    pool), read by each sequence's kernel as they are, never copied per sequence.
     """
-    _same_batch("sparse_mqa", q_BTHL=q_BTHL, kv_BSL=kv_BSL, topk_BTK=topk_BTK)
-    fn = jax.vmap(lambda q, kv, idx: self._sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v))
+    if batched_rows:
+      _same_batch("sparse_mqa", q_BTHL=q_BTHL, kv_BSL=kv_BSL, topk_BTK=topk_BTK)
+    else:
+      _same_batch("sparse_mqa", q_BTHL=q_BTHL, topk_BTK=topk_BTK)
+    fn = jax.vmap(lambda q, kv, idx: self._sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v),
+                  in_axes=(0, 0 if batched_rows else None, 0))
     return fn(q_BTHL, kv_BSL, topk_BTK)
 
   def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None):

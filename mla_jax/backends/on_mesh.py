@@ -33,10 +33,14 @@ class MeshOps:
     in_specs, out_specs = sharding.OP_SPECS[op]
     return sharding.shard_map(fn, self.mesh, in_specs[:num_args], out_specs)
 
-  def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int):
-    """``Backend.sparse_mqa`` on the mesh."""
-    fn = lambda q, kv, idx: self.backend.sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v)
-    return self._placed("sparse_mqa", fn, 3)(q_BTHL, kv_BSL, topk_BTK)
+  def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int,
+                 batched_rows: bool = True):
+    """``Backend.sparse_mqa`` on the mesh (a shared pool, ``batched_rows`` False, is
+    replicated: every data shard's sequences index it)."""
+    fn = lambda q, kv, idx: self.backend.sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v,
+                                                    batched_rows=batched_rows)
+    return self._placed("sparse_mqa" if batched_rows else "sparse_mqa_pool", fn, 3)(
+        q_BTHL, kv_BSL, topk_BTK)
 
   def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None):
     """``Backend.indexer_logits`` on the mesh; fp8 key scales are split like the keys."""

@@ -40,3 +40,19 @@ def sample(logits_BV, key, sampling: SamplingConfig):
     cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
     logits_BV = jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(logits_BV, seeds_B, counters_B, temperature_B, top_p_B):
+  """``sample`` with settings per row: row b draws with key ``fold_in(key(seeds_B[b]),
+  counters_B[b])`` (its own seed and token index), so a row's token depends on its logits and
+  settings alone, never on the other rows of the batch. Temperature 0 rows are greedy."""
+  greedy_B = temperature_B == 0
+  scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+  sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  keep_BV = (jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1)
+  cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
+  nucleus_BV = jnp.where(scaled_BV >= cutoff_B[:, None], scaled_BV, -jnp.inf)
+  keys_B = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_B, counters_B)
+  drawn_B = jax.vmap(jax.random.categorical)(keys_B, nucleus_BV)
+  return jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)

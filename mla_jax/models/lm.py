@@ -21,8 +21,7 @@ from flax import nnx
 from mla_jax import checks, sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
-from mla_jax.cache import (LayerCache, StackedLayerView, cache_shape, empty_layer_cache,
-                           resolve_cache_dtype)
+from mla_jax.cache import LayerCache, cache_shape, empty_layer_cache, resolve_cache_dtype
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
@@ -68,7 +67,7 @@ class ModelCache:
 
   @property
   def capacity(self) -> int:
-    return jax.tree.leaves(self.groups[0][0].latent_BSL)[0].shape[2]  # [reps, B, S, ...]
+    return self.groups[0][0].layer_view(0).capacity
 
   def layer(self, index: int) -> LayerCache:
     """Layer ``index``'s cache (a slice of its group's stacked cache)."""
@@ -165,7 +164,7 @@ class LayerStack(nnx.Module):
       unit = nnx.merge(graphdef, unit_state)
       new_caches = []
       for layer, cache in zip(unit.layers, unit_caches):
-        h_BTD, attn = layer.forward(h_BTD, StackedLayerView(cache, rep), plan,
+        h_BTD, attn = layer.forward(h_BTD, cache.layer_view(rep), plan,
                                     new_lens_B=new_lens_B, shared_topk_BTK=topk_BTK)
         if plan.carry_topk and not layer.self_attn.shares_topk:
           topk_BTK = attn.topk_BTK

@@ -1,0 +1,155 @@
+"""Paged caches: a layer group's latent rows and indexer keys in a shared pool of pages.
+
+The engine (``mla_jax.serving``) keeps, per layer group and unit position, one pool stacked over
+the group's repetitions like today's caches: rows ``[reps, num_pages * page_size, ...]`` in any
+cache format (fp32 / bf16 arrays, or the fp8 layouts of ``mla_jax.fp8_cache``). Each step hands
+the model a block table ``[B, N]`` (page ids, logical page n of sequence b at physical page
+``block_table[b, n]``) and the cached lengths; ``PagedLayerView`` is one layer of it, read and
+written through the same ``CacheView`` protocol as the contiguous caches.
+
+Where logical positions become physical rows (docs/design.md §7):
+
+* ``write`` scatters each new row to its physical slot: nothing else is touched.
+* the indexer scores a sequence's keys through its block table (``rows`` gathers the keys of
+  the pages it reaches, 132 B a token in fp8, all of which scoring reads anyway);
+* top-k indices stay logical until the sparse MQA gather: ``attention_rows`` translates them to
+  physical rows of the pool, and the op reads those rows straight from the pool (the latent
+  context is never copied into a contiguous buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mla_jax import fp8_cache
+from mla_jax.cache import CacheView, _readable, _row_array, _row_width, empty_layer_cache
+from mla_jax.config import MLAConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLayerCache:
+  """One unit position of a layer group over a page pool, stacked over the group's reps.
+
+  Attributes:
+    latent_RL: pool rows [reps, num_pages * page_size, A + R] (an array or fp8 parts).
+    index_keys_RI: the indexer keys' pool, or None for a layer without a key cache.
+    block_table_BN: int32 [B, N], shared by every layer: the physical page of each logical page.
+    lengths_B: int32 [reps, B] cached tokens per sequence (the same in every layer).
+    page_size: tokens per page (static).
+  """
+
+  latent_RL: jax.Array
+  index_keys_RI: jax.Array | None
+  block_table_BN: jax.Array
+  lengths_B: jax.Array
+  page_size: int = dataclasses.field(metadata=dict(static=True))
+
+  def layer_view(self, index) -> PagedLayerView:
+    return PagedLayerView(self, index)
+
+  @property
+  def pools(self):
+    """The pool arrays alone (what the engine keeps between steps)."""
+    return self.latent_RL, self.index_keys_RI
+
+  @property
+  def lengths_shape(self) -> tuple[int, ...]:
+    return (_row_array(self.latent_RL).shape[0], self.block_table_BN.shape[0])
+
+
+def _rows_per_layer(part) -> int:
+  return _row_array(part).shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayerView(CacheView):
+  """Layer ``index`` of a ``PagedLayerCache``: a ``CacheView`` of capacity ``N * page_size``."""
+
+  stacked: PagedLayerCache
+  index: jax.Array
+
+  @property
+  def lengths_B(self):
+    return self.stacked.lengths_B[self.index]
+
+  @property
+  def batch_size(self) -> int:
+    return self.stacked.block_table_BN.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.stacked.block_table_BN.shape[1] * self.stacked.page_size
+
+  @property
+  def latent_dim(self) -> int:
+    return _row_width(self.stacked.latent_RL)
+
+  @property
+  def has_index_keys(self) -> bool:
+    return self.stacked.index_keys_RI is not None
+
+  @property
+  def buffers(self) -> PagedLayerCache:
+    return self.stacked
+
+  def physical_rows(self, positions):
+    """Pool rows (within a layer) of logical ``positions`` [B, ...]; -1 stays -1."""
+    page = self.stacked.page_size
+    table = self.stacked.block_table_BN
+    safe = jnp.clip(positions, 0, self.capacity - 1)
+    pages = jnp.take_along_axis(table, (safe // page).reshape(table.shape[0], -1), axis=1)
+    rows = pages.reshape(positions.shape) * page + safe % page
+    return jnp.where(positions >= 0, rows, -1)
+
+  def _gather(self, part, rows_BS):
+    """Rows ``rows_BS`` of this layer of a pool part: [B, S, ...] (only those rows are read)."""
+    return jax.tree.map(lambda a: a[self.index, rows_BS], part)
+
+  def rows(self, num_rows: int):
+    positions_BS = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32),
+                                    (self.batch_size, num_rows))
+    rows_BS = self.physical_rows(positions_BS)
+    keys = self.stacked.index_keys_RI
+    return _readable((self._gather(self.stacked.latent_RL, rows_BS),
+                      None if keys is None else self._gather(keys, rows_BS)))
+
+  def attention_rows(self, topk_BTK, num_rows: int):
+    """The whole pool, layers flattened into rows (a free reshape), and the physical rows of
+    ``topk_BTK``: the op gathers the selected rows from the pool itself."""
+    per_layer = _rows_per_layer(self.stacked.latent_RL)
+    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self.stacked.latent_RL)
+    rows_BTK = self.physical_rows(topk_BTK)
+    rows_BTK = jnp.where(rows_BTK >= 0, rows_BTK + self.index * per_layer, -1)
+    return fp8_cache.readable(flat), rows_BTK, False
+
+  def write(self, latent_BTL, keys_BTI, new_lens_B) -> PagedLayerView:
+    lengths_B = self.lengths_B
+    t_T = jnp.arange(latent_BTL.shape[1], dtype=jnp.int32)
+    positions_BT = lengths_B[:, None] + t_T[None, :]
+    real_BT = (t_T[None, :] < new_lens_B[:, None]) & (positions_BT < self.capacity)
+    dest_BT = jnp.where(real_BT, self.physical_rows(positions_BT),
+                        _rows_per_layer(self.stacked.latent_RL))  # past the pool: dropped
+
+    def write_part(stored, new):
+      encoded = fp8_cache.encode_like(stored, new)
+      return jax.tree.map(lambda buf, rows: buf.at[self.index, dest_BT].set(
+          rows.astype(buf.dtype), mode="drop"), stored, encoded)
+
+    keys = self.stacked.index_keys_RI
+    stacked = dataclasses.replace(
+        self.stacked, latent_RL=write_part(self.stacked.latent_RL, latent_BTL),
+        index_keys_RI=None if keys is None else write_part(keys, keys_BTI),
+        lengths_B=self.stacked.lengths_B.at[self.index].set(lengths_B + new_lens_B))
+    return PagedLayerView(stacked, self.index)
+
+
+def empty_pools(config: MLAConfig, reps: int, num_rows: int, dtype, *, index_keys: bool):
+  """``(latent, keys or None)`` pools of ``num_rows`` zero rows per layer for ``reps`` layers,
+  in the resolved cache format ``dtype`` (``cache.resolve_cache_dtype``): the contiguous
+  cache's layouts, with the group's layers where its batch would be."""
+  layer = empty_layer_cache(config, reps, num_rows, dtype, index_keys=index_keys)
+  return layer.latent_BSL, layer.index_keys_BSI

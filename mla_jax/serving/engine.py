@@ -1,0 +1,396 @@
+"""``Engine``: continuous batching over paged latent + indexer-key caches.
+
+Each ``step`` asks the scheduler for this step's work (decodes and prefill chunks), turns it
+into arrays padded to a few shape buckets, and runs at most two compiled step programs over the
+page pools: one for the decodes (one token each) and one for the prefill chunks. A program is
+compiled once per (kind, batch bucket, token bucket, cached-token bound, kv pages bucket) and
+resolves its ``StepPlan`` from those static values alone: the engine adds no routing of its
+own. A prefill program may take the dense-MHA route only when the model class and backend both
+can and the plan says so (every chunk fresh, all its keys within the top-k); an MQA-only model
+never compiles one. ``programs`` records what every compiled program contains (its traced
+scopes), so tests walk them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mla_jax import checks
+from mla_jax.cache import MIN_BUCKET, resolve_cache_dtype
+from mla_jax.checks import functionalize
+from mla_jax.generation.sampling import sample_rows
+from mla_jax.models.lm import CausalLM, ModelCache
+from mla_jax.paged_cache import PagedLayerCache, empty_pools
+from mla_jax.serving.pages import PageTable
+from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams, Sequence,
+                                      Status)
+from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch, pages_for
+from mla_jax.step_plan import StepPlan
+from mla_jax.traces import ProgramSummary, summarize_jaxpr
+
+logger = logging.getLogger("mla_jax")
+
+
+# Compiled step programs of every engine in the process, keyed by shape, model and pools
+# (bounded by the few buckets a configuration has).
+_COMPILED: dict = {}
+
+
+def _signature(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((x.shape, x.dtype) for x in leaves)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """``n`` rounded up to a power of two (at least ``minimum``): few distinct shapes."""
+  return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """A step program's static shape: what it is compiled for."""
+
+  kind: str            # "decode" or "prefill"
+  batch: int           # sequence rows
+  tokens: int          # tokens per row
+  cached_bound: int | None  # None in decode (unknown until run time)
+  kv_pages: int        # block-table width
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+  shape: StepShape
+  plan: StepPlan
+  summary: ProgramSummary  # what the traced program contains (scopes, primitives, kernels)
+  compile_s: float
+
+
+@dataclasses.dataclass
+class EngineStats:
+  steps: int = 0
+  computed_tokens: int = 0     # rows written (prompts, recomputes and decodes)
+  output_tokens: int = 0
+  compile_s: float = 0.0
+  run_s: float = 0.0
+  host_s: float = 0.0          # scheduling and step-input building, per step summed
+
+
+class Engine:
+  """Continuous batching for a ``CausalLM`` over ``num_pages`` pages of ``page_size`` tokens.
+
+  Offline: ``engine.generate(prompts, max_tokens=..., temperature=...)`` (or one
+  ``SamplingParams`` per prompt) returns a ``RequestOutput`` per prompt, in prompt order.
+  Incremental: ``add_request`` / ``step`` / ``abort`` / ``has_unfinished``, and ``stream`` to
+  iterate over new tokens as steps produce them.
+
+  Args:
+    model: the ``CausalLM`` (its backend and layer classes fix what routes can exist).
+    num_pages, page_size: the page pool (every layer has one, of the same page ids).
+    max_num_seqs: sequences running at once (seats).
+    max_step_tokens: tokens computed per step (decodes count one each; prefills fill the rest,
+      so a long prompt is prefilled over several steps).
+    max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).
+    cache_dtype: ``"fp32" | "bf16" | "fp8"`` (or a float dtype), as ``generate``'s caches.
+    tokenizer: for string prompts, ``text`` outputs and ``stop`` strings (``encode``/``decode``).
+    eos_token_ids: ids that end every request (beside each request's ``stop_token_ids``).
+    prefix_caching: reuse the cached pages of a shared prompt prefix.
+    log_interval: seconds between stats lines on the ``mla_jax`` logger (None: never).
+    seed: draws the seed of requests that give none.
+  """
+
+  def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
+               max_num_seqs: int = 32, max_step_tokens: int = 512,
+               max_model_len: int | None = None, cache_dtype="fp32", tokenizer=None,
+               eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
+               log_interval: float | None = 10.0, seed: int = 0):
+    if not isinstance(model, CausalLM):
+      raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
+    if model.mesh is not None:
+      raise NotImplementedError("the engine runs on one device for now (model.mesh must be "
+                                "None)")
+    mla = model.config.mla
+    self.page_size = checks.static_int(page_size, "page_size", minimum=1)
+    self.num_pages = checks.static_int(num_pages, "num_pages", minimum=1)
+    self.max_num_seqs = checks.static_int(max_num_seqs, "max_num_seqs", minimum=1)
+    self.max_step_tokens = checks.static_int(max_step_tokens, "max_step_tokens", minimum=1)
+    limit = mla.max_position_embeddings
+    self.max_model_len = checks.static_int(limit if max_model_len is None else max_model_len,
+                                           "max_model_len", minimum=2, maximum=limit)
+    self.cache_dtype = resolve_cache_dtype(cache_dtype, "cache_dtype")
+    self.eos_token_ids = tuple(checks.static_int(t, "eos_token_ids entry", minimum=0)
+                               for t in eos_token_ids)
+    self.tokenizer = tokenizer
+    self.log_interval = log_interval
+    self.model = model
+    self._graphdef, state = nnx.split(model)
+    self._state_leaves, self._state_def = jax.tree.flatten(state)
+    self._pools = self._empty_pools()
+    self.pages = PageTable(self.num_pages, self.page_size,
+                           salt=("mla_jax", str(self.cache_dtype), self.page_size))
+    self.scheduler = Scheduler(self.pages, max_num_seqs=self.max_num_seqs,
+                               max_step_tokens=self.max_step_tokens,
+                               prefix_caching=prefix_caching)
+    self._seqs: dict[str, Sequence] = {}
+    self._ids = itertools.count()
+    self._seed_rng = np.random.default_rng(seed)
+    self._programs: dict[StepShape, tuple[jax.stages.Compiled, CompiledStep]] = {}
+    self.stats = EngineStats()
+    self._last_log = time.perf_counter()
+    self._log_tokens = 0
+
+  def _empty_pools(self):
+    config, rows = self.model.config, self.num_pages * self.page_size
+    return tuple(
+        tuple(empty_pools(config.mla, group.reps, rows, self.cache_dtype,
+                          index_keys=not config.shares_topk(group.layer(0, u)))
+              for u in range(group.unit_len))
+        for group in self.model.layer_groups)
+
+  # ---- requests -------------------------------------------------------------------------
+
+  def add_request(self, prompt, params: SamplingParams | None = None, *,
+                  request_id: str | None = None) -> str:
+    """Queues a request (token ids, or a string with a tokenizer) and returns its id.
+
+    Refused before anything is queued, naming the problem: an empty prompt, ids outside the
+    vocabulary, a prompt plus ``max_tokens`` beyond ``max_model_len``, one needing more pages
+    than the whole pool, ``stop`` strings without a tokenizer, or a duplicate id.
+    """
+    params = SamplingParams() if params is None else params
+    tokens = self._checked_prompt(prompt, params)
+    if request_id is None:
+      request_id = f"req-{next(self._ids)}"
+    elif not isinstance(request_id, str) or not request_id:
+      raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+    if request_id in self._seqs:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    seed = params.seed if params.seed is not None else int(self._seed_rng.integers(MAX_SEED))
+    seq = Sequence(request_id, tokens, len(tokens), params, seed)
+    self._seqs[request_id] = seq
+    self.scheduler.add(seq)
+    return request_id
+
+  def _checked_prompt(self, prompt, params) -> list[int]:
+    """The prompt's token ids, once the request is known to fit (see ``add_request``)."""
+    if not isinstance(params, SamplingParams):
+      raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise TypeError("a string prompt needs the engine's tokenizer (Engine(..., tokenizer=))")
+      prompt = self.tokenizer.encode(prompt)
+    if isinstance(prompt, np.ndarray):
+      prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or not all(checks.is_int(t) for t in prompt):
+      raise TypeError(f"a prompt must be a list of token ids or a string, got "
+                      f"{type(prompt).__name__}")
+    if not prompt:
+      raise ValueError("the prompt is empty: give at least one token")
+    vocab = self.model.config.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    total = len(prompt) + params.max_tokens
+    if total > self.max_model_len:
+      raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = "
+                       f"{total} exceeds max_model_len {self.max_model_len}")
+    if pages_for(total, self.page_size) > self.num_pages:
+      raise ValueError(f"the request needs {pages_for(total, self.page_size)} pages of "
+                       f"{self.page_size} tokens, the whole pool has {self.num_pages}")
+    if params.stop and self.tokenizer is None:
+      raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=))")
+    return [int(t) for t in prompt]
+
+  def abort(self, request_id: str) -> None:
+    """Stops a request (waiting or running) and frees its pages; ``KeyError`` if unknown."""
+    seq = self._seqs.get(request_id)
+    if seq is None:
+      raise KeyError(f"no request with id {request_id!r}")
+    if seq.status is not Status.FINISHED:
+      self.scheduler.abort(seq)
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished()
+
+  def output(self, request_id: str) -> RequestOutput:
+    return RequestOutput.of(self._seqs[request_id])
+
+  def release(self, request_id: str) -> RequestOutput:
+    """A finished request's output, forgetting the request (its id may be used again)."""
+    seq = self._seqs[request_id]
+    if seq.status is not Status.FINISHED:
+      raise ValueError(f"request {request_id!r} has not finished")
+    return RequestOutput.of(self._seqs.pop(request_id))
+
+  # ---- steps ----------------------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Runs one step; returns the requests that got a token or finished in it."""
+    t0 = time.perf_counter()
+    batch = self.scheduler.schedule()
+    sampled, run_s = {}, 0.0
+    for chunks, kind in ((batch.prefills, "prefill"), (batch.decodes, "decode")):
+      if chunks:
+        tokens, seconds = self._run(chunks, kind)
+        sampled.update(zip((id(c) for c in chunks), tokens))
+        run_s += seconds
+    grown = self.scheduler.commit(batch, sampled, self._stop_reason)
+    self.stats.steps += 1
+    self.stats.run_s += run_s
+    self.stats.computed_tokens += batch.num_tokens
+    self.stats.output_tokens += len(grown)
+    self.stats.host_s += time.perf_counter() - t0 - run_s
+    self._maybe_log(len(grown))
+    return [RequestOutput.of(seq, seq.tokens[-1:]) for seq in grown]
+
+  def _stop_reason(self, seq: Sequence) -> str | None:
+    token = seq.tokens[-1]
+    if token in seq.params.stop_token_ids or token in self.eos_token_ids:
+      return "stop"
+    if seq.params.stop:
+      seq.text = self.tokenizer.decode(seq.output)
+      if any(s in seq.text for s in seq.params.stop):
+        return "stop"
+    if len(seq.output) >= seq.params.max_tokens:
+      return "length"
+    return None
+
+  def _run(self, chunks: list[Chunk], kind: str):
+    """Runs one compiled step program over ``chunks``: their sampled tokens (one per chunk;
+    meaningless for chunks that do not sample) and the seconds it ran."""
+    size = self.page_size
+    starts = [c.start for c in chunks]
+    tokens = 1 if kind == "decode" else bucket(max(c.num_tokens for c in chunks), 16)
+    # The rows a step reads: its longest reach, in buckets of at least MIN_BUCKET rows.
+    kv_pages = bucket(pages_for(max(starts) + tokens, size), pages_for(MIN_BUCKET, size))
+    # A prefill's cached bound: 0 when every chunk is fresh (the dense route may then apply),
+    # else every row before this step's tokens (a true bound that adds no more programs).
+    cached = None if kind == "decode" else 0 if max(starts) == 0 else kv_pages * size - tokens
+    shape = StepShape(kind, bucket(len(chunks)), tokens, cached, kv_pages)
+    ids = np.zeros((shape.batch, tokens), np.int32)
+    new_lens, lengths = (np.zeros(shape.batch, np.int32) for _ in range(2))
+    table = np.zeros((shape.batch, kv_pages), np.int32)
+    seeds, counters = (np.zeros(shape.batch, np.int32) for _ in range(2))
+    temps, top_ps = np.zeros(shape.batch, np.float32), np.ones(shape.batch, np.float32)
+    for b, c in enumerate(chunks):
+      seq = c.seq
+      ids[b, :c.num_tokens] = c.token_ids
+      new_lens[b], lengths[b] = c.num_tokens, c.start
+      table[b, :len(seq.pages)] = seq.pages
+      seeds[b], counters[b] = seq.seed, len(seq.output)
+      temps[b], top_ps[b] = seq.params.temperature, seq.params.top_p
+    program = self._program(shape)
+    t0 = time.perf_counter()
+    sampled, self._pools = program(self._state_leaves, self._pools, ids, new_lens, lengths,
+                                   table, seeds, counters, temps, top_ps)
+    sampled = np.asarray(sampled)
+    return sampled[:len(chunks)].tolist(), time.perf_counter() - t0
+
+  # ---- programs -------------------------------------------------------------------------
+
+  @property
+  def programs(self) -> list[CompiledStep]:
+    """Every step program compiled so far, with its plan and what its trace contains."""
+    return [entry for _, entry in self._programs.values()]
+
+  def _plan(self, shape: StepShape) -> StepPlan:
+    rows = shape.kv_pages * self.page_size
+    return self.model.step_plan(shape.tokens, shape.cached_bound, capacity=rows, kv_rows=rows)
+
+  def _program(self, shape: StepShape):
+    if shape in self._programs:
+      return self._programs[shape][0]
+    key = (shape, self.page_size, self._graphdef, self._state_def,
+           _signature((self._state_leaves, self._pools)))
+    if key not in _COMPILED:  # engines over the same model and pool shapes share programs
+      _COMPILED[key] = self._compile(shape)
+      self.stats.compile_s += _COMPILED[key][1].compile_s
+    self._programs[shape] = _COMPILED[key]
+    return _COMPILED[key][0]
+
+  def _compile(self, shape: StepShape):
+    t0 = time.perf_counter()
+    plan = self._plan(shape)
+    jitted = jax.jit(functionalize(self._step_fn(plan), False), donate_argnums=1)
+    b, t, n = shape.batch, shape.tokens, shape.kv_pages
+    ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+    floats = jax.ShapeDtypeStruct((b,), jnp.float32)
+    traced = jitted.trace(self._state_leaves, self._pools, ints(b, t), ints(b), ints(b),
+                          ints(b, n), ints(b), ints(b), floats, floats)
+    compiled = traced.lower().compile()
+    seconds = time.perf_counter() - t0
+    logger.debug("compiled %s step %s (route %s) in %.1f s", shape.kind, shape,
+                 plan.route.name, seconds)
+    run = lambda *args: compiled(*args)[1]  # (check error: always None unchecked, outputs)
+    return run, CompiledStep(shape, plan, summarize_jaxpr(traced.jaxpr), seconds)
+
+  def _step_fn(self, plan: StepPlan):
+    graphdef, state_def, layout = self._graphdef, self._state_def, self.model.layer_groups
+    page_size = self.page_size
+
+    def step(state_leaves, pools, ids_BT, new_lens_B, lengths_B, table_BN, seeds_B,
+             counters_B, temps_B, top_ps_B):
+      model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+      caches = ModelCache(tuple(
+          tuple(PagedLayerCache(latent, keys, table_BN,
+                                jnp.broadcast_to(lengths_B, (group.reps, *lengths_B.shape)),
+                                page_size)
+                for latent, keys in unit)
+          for group, unit in zip(layout, pools)), layout)
+      logits_BTV, caches = model(ids_BT, caches, new_lens_B=new_lens_B, plan=plan)
+      last_BV = jnp.take_along_axis(logits_BTV, jnp.maximum(new_lens_B - 1, 0)[:, None, None],
+                                    axis=1)[:, 0]
+      tokens_B = sample_rows(last_BV, seeds_B, counters_B, temps_B, top_ps_B)
+      return tokens_B, tuple(tuple(c.pools for c in unit) for unit in caches.groups)
+
+    return step
+
+  # ---- offline and streaming ------------------------------------------------------------
+
+  def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+               **sampling) -> list[RequestOutput]:
+    """Runs ``prompts`` to completion; one output per prompt, in prompt order.
+
+    ``params``: one ``SamplingParams`` for all, or one per prompt; or give its fields as
+    keyword arguments (``max_tokens=``, ``temperature=``, ...). Every prompt is checked before
+    any is queued.
+    """
+    prompts = list(prompts)
+    if params is not None and sampling:
+      raise ValueError("pass either params or sampling keyword arguments, not both")
+    if params is None:
+      params = SamplingParams(**sampling)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+      raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+    for prompt, p in zip(prompts, per_prompt):  # refuse bad input before queueing any
+      self._checked_prompt(prompt, p)
+    ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+    while any(self._seqs[i].status is not Status.FINISHED for i in ids):
+      self.step()
+    return [self.release(i) for i in ids]
+
+  def stream(self) -> Iterator[RequestOutput]:
+    """Steps until no request is left, yielding each request's update as it comes."""
+    while self.has_unfinished():
+      yield from self.step()
+
+  def _maybe_log(self, new_tokens: int) -> None:
+    self._log_tokens += new_tokens
+    now = time.perf_counter()
+    if self.log_interval is None or now - self._last_log < self.log_interval:
+      return
+    logger.info("engine: %d running, %d waiting, %d/%d pages in use (%d cached), "
+                "%.1f tokens/s, %d programs", len(self.scheduler.running),
+                len(self.scheduler.waiting), self.pages.num_in_use, self.num_pages,
+                self.pages.num_cached, self._log_tokens / (now - self._last_log),
+                len(self._programs))
+    self._last_log, self._log_tokens = now, 0

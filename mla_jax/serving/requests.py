@@ -1,0 +1,115 @@
+"""A request's settings (``SamplingParams``), its running state (``Sequence``) and what the engine
+reports of it (``RequestOutput``). Plain Python: the scheduler and the server use them too."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from mla_jax import checks
+from mla_jax.generation.sampling import SamplingConfig
+
+MAX_SEED = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request samples and when it stops.
+
+  ``temperature`` 0 is greedy; ``top_p`` keeps the smallest set of tokens reaching that mass;
+  ``seed`` fixes the request's random draws (None: the engine draws one), so its tokens do not
+  depend on what else shares its steps. It stops after ``max_tokens`` new tokens (``"length"``),
+  or at a token of ``stop_token_ids`` or a string of ``stop`` in the decoded text
+  (``"stop"``; strings need the engine's tokenizer). The stopping token stays in the output.
+  """
+
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_token_ids: tuple[int, ...] = ()
+  stop: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    checks.static_int(self.max_tokens, "max_tokens", minimum=1, wrong_type=TypeError)
+    SamplingConfig(self.temperature, self.top_p)  # the same checks as generate's
+    if self.seed is not None:
+      checks.static_int(self.seed, "seed", minimum=0, maximum=MAX_SEED)
+    stop_ids = tuple(self.stop_token_ids)
+    for token in stop_ids:
+      checks.static_int(token, "stop_token_ids entry", minimum=0)
+    stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+      raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+    object.__setattr__(self, "stop", stop)
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_p", float(self.top_p))
+
+
+class Status(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)  # compared by identity: the scheduler's queues hold them
+class Sequence:
+  """A request inside the engine. ``tokens`` is prompt + output so far; the cache holds the
+  rows of ``tokens[:num_computed]`` in ``pages`` (logical page i at physical ``pages[i]``)."""
+
+  request_id: str
+  tokens: list[int]
+  num_prompt: int
+  params: SamplingParams
+  seed: int
+  arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+  status: Status = Status.WAITING
+  pages: list[int] = dataclasses.field(default_factory=list)
+  page_keys: list = dataclasses.field(default_factory=list)  # chain keys of registered pages
+  num_computed: int = 0
+  num_cached_prompt: int = 0      # prompt tokens a prefix-cache hit spared on admission
+  num_preemptions: int = 0
+  finish_reason: str | None = None
+  first_token_time: float | None = None
+  finish_time: float | None = None
+  text: str = ""
+
+  @property
+  def output(self) -> list[int]:
+    return self.tokens[self.num_prompt:]
+
+  @property
+  def num_uncomputed(self) -> int:
+    return len(self.tokens) - self.num_computed
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """One request as the engine reports it: after a step (``new_tokens`` of that step) or at the
+  end. Times are ``time.perf_counter`` seconds; ``ttft`` is time to first token."""
+
+  request_id: str
+  prompt_tokens: tuple[int, ...]
+  tokens: tuple[int, ...]
+  new_tokens: tuple[int, ...]
+  finished: bool
+  finish_reason: str | None
+  text: str
+  arrival_time: float
+  first_token_time: float | None
+  finish_time: float | None
+  num_cached_prompt_tokens: int
+  num_preemptions: int
+
+  @property
+  def ttft(self) -> float | None:
+    return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+  @classmethod
+  def of(cls, seq: Sequence, new_tokens=()) -> RequestOutput:
+    return cls(seq.request_id, tuple(seq.tokens[:seq.num_prompt]), tuple(seq.output),
+               tuple(new_tokens), seq.status is Status.FINISHED, seq.finish_reason, seq.text,
+               seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_prompt,
+               seq.num_preemptions)

@@ -1,0 +1,199 @@
+"""Which tokens of which requests the next step computes: plain Python over integers, no jax.
+
+Every running sequence has uncomputed tokens ``tokens[num_computed:]``: exactly one when it
+decodes (its last sampled token), more while its prompt (or, after a preemption, its prompt and
+output) is prefilled. A step takes, oldest admission first, one token of each decode and then
+chunks of prefills, under ``max_step_tokens``; waiting requests are admitted first come first
+served while seats, budget and pages allow. A chunk that computes a sequence's last token
+samples its next one.
+
+When a sequence needs a page and none is free, the most recently admitted running sequence is
+preempted: its pages are released (full ones stay in the prefix cache) and it waits again at
+the head of the queue, to be recomputed from its tokens. No request is ever lost or corrupted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from mla_jax.serving.pages import PageTable, page_keys
+from mla_jax.serving.requests import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """``num_tokens`` tokens of ``seq`` from position ``start``; ``samples``: it reaches the last
+  token, so the step samples the sequence's next token."""
+
+  seq: Sequence
+  start: int
+  num_tokens: int
+
+  @property
+  def samples(self) -> bool:
+    return self.start + self.num_tokens == len(self.seq.tokens)
+
+  @property
+  def token_ids(self) -> list[int]:
+    return self.seq.tokens[self.start:self.start + self.num_tokens]
+
+
+@dataclasses.dataclass
+class StepBatch:
+  decodes: list[Chunk] = dataclasses.field(default_factory=list)   # one token each
+  prefills: list[Chunk] = dataclasses.field(default_factory=list)  # several tokens each
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+  def __bool__(self) -> bool:
+    return bool(self.decodes or self.prefills)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+  return -(-num_tokens // page_size)
+
+
+class Scheduler:
+  def __init__(self, pages: PageTable, *, max_num_seqs: int, max_step_tokens: int,
+               prefix_caching: bool = True):
+    self.pages = pages
+    self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
+    self.prefix_caching = prefix_caching
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.running: list[Sequence] = []  # in admission order
+    self.num_preemptions = 0
+
+  def add(self, seq: Sequence) -> None:
+    self.waiting.append(seq)
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def abort(self, seq: Sequence) -> None:
+    """Removes ``seq`` wherever it is and frees its pages."""
+    if seq in self.running:
+      self.running.remove(seq)
+    elif seq in self.waiting:
+      self.waiting.remove(seq)
+    self._release(seq)
+    self._finish(seq, "abort")
+
+  # ---- scheduling -----------------------------------------------------------------------
+
+  def schedule(self) -> StepBatch:
+    batch, budget = StepBatch(), self.max_step_tokens
+    for seq in list(self.running):
+      if budget == 0:
+        break
+      if seq not in self.running:  # preempted by an older sequence of this step
+        continue
+      count = 1 if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget)
+      if not self._reserve(seq, count, batch):
+        continue
+      (batch.decodes if count == 1 else batch.prefills).append(
+          Chunk(seq, seq.num_computed, count))
+      budget -= count
+    while self.waiting and budget and len(self.running) < self.max_num_seqs:
+      seq = self.waiting[0]
+      if not self._admit(seq):
+        break
+      self.waiting.popleft()
+      self.running.append(seq)
+      seq.status = Status.RUNNING
+      count = min(seq.num_uncomputed, budget)
+      self._reserve(seq, count, batch)  # admission checked that the whole prompt fits
+      (batch.decodes if count == 1 else batch.prefills).append(
+          Chunk(seq, seq.num_computed, count))
+      budget -= count
+    return batch
+
+  def _admit(self, seq: Sequence) -> bool:
+    """Takes the longest cached prefix (leaving one token to compute, whose logits sample the
+    next token) if the rest of the sequence's tokens fit the free pages; else nothing."""
+    size = self.pages.page_size
+    hits = []
+    if self.prefix_caching:
+      keys = page_keys(seq.tokens[:len(seq.tokens) - 1], size, self.pages.salt)
+      hits = self.pages.match(keys)
+      seq.page_keys = keys[:len(hits)]
+    if pages_for(len(seq.tokens), size) - len(hits) > self.pages.num_free:
+      self.pages.release(hits)
+      seq.page_keys = []
+      return False
+    seq.pages = hits
+    seq.num_computed = len(hits) * size
+    if seq.num_preemptions == 0:
+      seq.num_cached_prompt = seq.num_computed
+    return True
+
+  def _reserve(self, seq: Sequence, count: int, batch: StepBatch) -> bool:
+    """Pages for ``count`` more tokens of ``seq``, preempting newer sequences if need be;
+    False when ``seq`` itself had to be preempted."""
+    need = pages_for(seq.num_computed + count, self.pages.page_size) - len(seq.pages)
+    while need > self.pages.num_free:
+      victim = self.running[-1]
+      self._preempt(victim, batch)
+      if victim is seq:
+        return False
+    seq.pages.extend(self.pages.allocate(max(need, 0)))
+    return True
+
+  def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
+    self.running.remove(seq)
+    for chunks in (batch.decodes, batch.prefills):
+      chunks[:] = [c for c in chunks if c.seq is not seq]
+    self._release(seq)
+    seq.status = Status.WAITING
+    seq.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(seq)
+
+  def _release(self, seq: Sequence) -> None:
+    self.pages.release(seq.pages)
+    seq.pages, seq.page_keys, seq.num_computed = [], [], 0
+
+  # ---- after the step -------------------------------------------------------------------
+
+  def commit(self, batch: StepBatch, sampled: dict[int, int], stops) -> list[Sequence]:
+    """Records a step: computed tokens, newly full pages into the prefix cache, the sampled
+    tokens (``sampled[id(chunk)]``); ``stops(seq)`` is the finish reason after a new token, or
+    None. Returns the sequences that got a token."""
+    grown = []
+    for chunk in (*batch.decodes, *batch.prefills):
+      seq = chunk.seq
+      seq.num_computed += chunk.num_tokens
+      self._register_full_pages(seq)
+      if not chunk.samples:
+        continue
+      seq.tokens.append(sampled[id(chunk)])
+      if seq.first_token_time is None:
+        seq.first_token_time = time.perf_counter()
+      grown.append(seq)
+      reason = stops(seq)
+      if reason is not None:
+        self.running.remove(seq)
+        self._release(seq)
+        self._finish(seq, reason)
+    return grown
+
+  def _register_full_pages(self, seq: Sequence) -> None:
+    if not self.prefix_caching:
+      return
+    size, done = self.pages.page_size, len(seq.page_keys)
+    full = seq.num_computed // size
+    if full <= done:
+      return
+    keys = page_keys(seq.tokens[:full * size], size, self.pages.salt, start=done,
+                     parent=seq.page_keys[-1] if done else None)
+    for page, key in zip(seq.pages[done:full], keys):
+      self.pages.register(page, key)
+    seq.page_keys.extend(keys)
+
+  @staticmethod
+  def _finish(seq: Sequence, reason: str) -> None:
+    seq.status, seq.finish_reason = Status.FINISHED, reason
+    seq.finish_time = time.perf_counter()
