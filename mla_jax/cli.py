@@ -248,6 +248,11 @@ def cmd_plan(args) -> int:
   print(plan.format_plans(plans))
   print(f"fits: parameters + caches <= {plan.FIT_FRACTION:.0%} of the GPU's memory "
         "(the rest is left for activations and XLA's workspace)")
+  print(f"\npaged KV cache (page size {args.page_size}, {args.cache_dtype}: "
+        f"{plans[0].token_bytes:,} B per token over all layers): pages per data shard left "
+        f"after the weights in {plan.FIT_FRACTION:.0%} of each GPU (every device of a data "
+        "shard holds its whole pool), and the tokens and sequences they hold on the mesh:")
+  print(plan.format_pages(plans, args.page_size))
   print("\npartition rules:")
   print(plan.format_rules())
   if args.lower:
@@ -352,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16")
   plan.add_argument("--batch", type=int_in(1), default=1)
   plan.add_argument("--context", type=int_in(1), default=131072, help="tokens per sequence")
+  plan.add_argument("--page-size", type=int_in(1), default=64,
+                    help="tokens per page of the paged-cache table (default 64)")
   plan.add_argument("--lower", action="store_true",
                     help="also lower one decode step for CUDA on the abstract mesh")
   plan.set_defaults(func=cmd_plan)

@@ -1,4 +1,5 @@
-"""Full-size deployment plans without the hardware: bytes per device, fit, lowered collectives.
+"""Full-size deployment plans without the hardware: bytes per device, fit, paged-cache capacity,
+lowered collectives.
 
 Everything here works on abstract values (``nnx.eval_shape``, ``AbstractMesh``): a 671B
 model is described, split by the partition rules and lowered for CUDA on a laptop, and
@@ -47,15 +48,25 @@ class Plan:
   batch: int
   context: int
   param_bytes: int     # per device
-  cache_bytes: int     # per device
+  token_bytes: int     # one cached token over all layers, on every device of its data shard
+  data_shards: int     # the mesh's 'data' size: each shard caches its own sequences
   total_param_bytes: int
+
+  @property
+  def cache_bytes(self) -> int:  # per device
+    return self.context * self.token_bytes * -(-self.batch // self.data_shards)
 
   @property
   def device_bytes(self) -> int:
     return self.param_bytes + self.cache_bytes
 
   def fits(self, gpu: str) -> bool:
-    return self.device_bytes <= FIT_FRACTION * GPUS[gpu]
+    return self.device_bytes <= budget(gpu)
+
+
+def budget(gpu: str) -> float:
+  """Bytes of one GPU that parameters and caches may take."""
+  return FIT_FRACTION * GPUS[gpu]
 
 
 def abstract_model(config: ModelConfig, dtype: str = "bf16") -> CausalLM:
@@ -91,13 +102,13 @@ def param_bytes(state, mesh) -> tuple[int, int]:
   return per_device, total
 
 
-def cache_bytes(config: ModelConfig, mesh, batch: int, context: int, cache_dtype: str) -> int:
-  """Per-device bytes of every layer's latent and indexer-key caches (batch over ``data``)."""
+def token_bytes(config: ModelConfig, cache_dtype: str) -> int:
+  """Bytes of one cached token over all layers: a latent row in every layer, an indexer key
+  in every layer that scores its own keys (IndexShare's shared layers reuse a top-k)."""
   latent, key = CACHE_BYTES[cache_dtype]
   indexed = 0 if config.mla.indexer is None else sum(
       not config.shares_topk(i) for i in range(config.num_layers))
-  per_sequence = context * (config.num_layers * latent + indexed * key)
-  return per_sequence * -(-batch // mesh.shape[sharding.DATA])
+  return config.num_layers * latent + indexed * key
 
 
 def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
@@ -125,7 +136,7 @@ def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
   state = nnx.state(abstract_model(config, dtype))
   per_device, total = param_bytes(state, mesh)
   return Plan(model, mesh_spec, dtype, batch, context, per_device,
-              cache_bytes(config, mesh, batch, context, cache_dtype), total)
+              token_bytes(config, cache_dtype), mesh.shape[sharding.DATA], total)
 
 
 def format_plans(plans: list[Plan]) -> str:
@@ -139,6 +150,60 @@ def format_plans(plans: list[Plan]) -> str:
     lines.append(f"| {p.model} | {p.mesh} | {p.dtype} | {p.batch} x {p.context} | "
                  f"{gib(p.param_bytes)} | {gib(p.cache_bytes)} | {gib(p.device_bytes)} | "
                  f"{fits} |")
+  return "\n".join(lines)
+
+
+# Context lengths at which the paged-cache table counts sequences.
+PAGED_CONTEXTS = (4096, 32768, 131072)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageCapacity:
+  """A paged KV cache in what one GPU kind has left after the weights.
+
+  Caches are split by batch over ``data`` and replicated over ``tensor`` / ``expert``
+  (``sharding.cache_spec``): each data shard has one page pool, which every device of the
+  shard holds whole, and a sequence's pages all live in its shard's pool.
+  """
+
+  gpu: str
+  page_size: int
+  page_bytes: int   # per device: page_size tokens over all layers
+  pages: int        # per data shard
+  data_shards: int
+
+  @property
+  def tokens(self) -> int:
+    """Cached tokens that fit on the whole mesh."""
+    return self.pages * self.page_size * self.data_shards
+
+  def sequences(self, context: int) -> int:
+    """Sequences of ``context`` tokens (in whole pages) that fit on the whole mesh."""
+    return self.data_shards * (self.pages // -(-context // self.page_size))
+
+
+def page_capacity(p: Plan, gpu: str, page_size: int = 64) -> PageCapacity:
+  """The pages of ``page_size`` tokens that fit next to ``p``'s weights on ``gpu`` (none
+  when the weights alone do not fit)."""
+  if gpu not in GPUS:
+    raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {gpu!r}")
+  if not checks.is_int(page_size) or page_size < 1:
+    raise ValueError(f"page size must be a positive int, got {page_size!r}")
+  page_bytes = int(page_size) * p.token_bytes
+  pages = max(0, int((budget(gpu) - p.param_bytes) // page_bytes))
+  return PageCapacity(gpu, int(page_size), page_bytes, pages, p.data_shards)
+
+
+def format_pages(plans: list[Plan], page_size: int) -> str:
+  """A markdown table, one row per plan and GPU kind."""
+  contexts = " | ".join(f"sequences x {c // 1024}K" for c in PAGED_CONTEXTS)
+  lines = [f"| mesh | GPU | pages/data shard | tokens | {contexts} |",
+           "|---" * (4 + len(PAGED_CONTEXTS)) + "|"]
+  for p in plans:
+    for gpu in GPUS:
+      cap = page_capacity(p, gpu, page_size)
+      counts = " | ".join(f"{cap.sequences(c):,}" for c in PAGED_CONTEXTS)
+      lines.append(f"| {p.mesh} | {gpu} | {cap.pages:,} | {cap.tokens:,} | {counts} |")
   return "\n".join(lines)
 
 

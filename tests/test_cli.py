@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import mla_jax as m
-from mla_jax import checkpoints, cli
+from mla_jax import checkpoints, cli, plan
 from mla_jax.checkpoints import save_pretrained
 from mla_jax.models.config import tiny_lm
 from tests.checkpoint_models import fp8_config, random_model, write_fp8_checkpoint
@@ -51,7 +51,8 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
                                   ["generate", "--dtype", "fp8"],
                                   ["generate", "--compute-dtype", "float32"],
                                   ["generate", "--compute-dtype", "fp8"],
-                                  ["generate", "--cache-dtype", "fp4"]])
+                                  ["generate", "--cache-dtype", "fp4"],
+                                  ["plan", "--mesh", "tensor=8", "--page-size", "0"]])
 def test_bad_arguments_exit(argv):
   with pytest.raises(SystemExit):
     cli.main(argv)
@@ -70,6 +71,37 @@ def test_plan_with_fp8_weights(capsys):
                    "--dtype", "fp8"]) == 0
   out = capsys.readouterr().out
   assert "| deepseek_v32 | data=1,tensor=2,expert=8 | fp8 |" in out
+
+
+def test_plan_prints_the_pages_left_after_the_weights(capsys):
+  """DeepSeek-V3.2, fp8 weights and caches on 8 GPUs: a token takes 61 layers x (656 B latent
+  row + 132 B indexer key), a 64-token page 64 x that on every device (tensor=8 replicates
+  the cache), and the pages fill 90% of the GPU less the weights, never more."""
+  p = plan.make_plan("deepseek_v32", "tensor=8", "fp8", cache_dtype="fp8")
+  page_bytes = 64 * 61 * (656 + 132)
+  left = 0.9 * 143771 * 2**20 - p.param_bytes
+  cap = plan.page_capacity(p, "H200 141GB", 64)
+  assert cap.page_bytes == page_bytes
+  assert cap.pages * page_bytes <= left < (cap.pages + 1) * page_bytes
+  assert cap.pages == 16054 and cap.tokens == 16054 * 64
+  # 4K, 32K and 128K tokens are 64, 512 and 2048 pages a sequence.
+  row = "| tensor=8 | H200 141GB | 16,054 | 1,027,456 | 250 | 31 | 7 |"
+  assert cli.main(["plan", "--mesh", "tensor=8", "--dtype", "fp8", "--cache-dtype", "fp8",
+                   "--page-size", "64"]) == 0
+  out = capsys.readouterr().out
+  assert "paged KV cache (page size 64, fp8: 48,068 B per token" in out and row in out
+  assert "| tensor=8 | H100 80GB | 0 | 0 | 0 | 0 | 0 |" in out  # the weights alone do not fit
+  with pytest.raises(ValueError, match="page size"):
+    plan.page_capacity(p, "H200 141GB", 0)
+
+
+def test_page_pools_are_per_data_shard():
+  """Each data shard has its own pool: a sequence's pages never span two shards, and a
+  context that is not a whole number of pages still takes whole pages."""
+  cap = plan.PageCapacity("H200 141GB", page_size=64, page_bytes=1, pages=3072, data_shards=2)
+  assert cap.tokens == 2 * 3072 * 64
+  assert cap.sequences(131072) == 2  # one per shard, not 6144 // 2048 = 3
+  assert cap.sequences(65) == 2 * (3072 // 2)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "recall"])
