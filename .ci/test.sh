@@ -14,4 +14,4 @@ VENV="${VENV:-.venv}"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS:-test}]" ${JAX_PIN:+"$JAX_PIN"}
 "$VENV/bin/python" -c "import jax, flax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
-exec "$VENV/bin/python" -m pytest -q -n 2 "$@"
+exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadgroup "$@"

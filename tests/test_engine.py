@@ -1,0 +1,237 @@
+"""The engine: greedy tokens equal ``generate`` per request under chunked prefill, preemption,
+prefix hits and aborts; no page leaks; bad requests refused without disturbing others; and every
+step program it compiled keeps the routing contract (walked on the traced programs)."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax import testing as mt
+from mla_jax.generation.loop import generate
+from mla_jax.models.config import tiny_lm
+from mla_jax.models.lm import CausalLM
+from mla_jax.serving.engine import Engine
+from mla_jax.serving.requests import SamplingParams
+
+pytestmark = pytest.mark.xdist_group("engine")  # one worker: its compiled programs are shared
+
+PAGE = 8
+NEW = 6
+SETTINGS = dict(page_size=PAGE, max_num_seqs=4, max_step_tokens=32, log_interval=None)
+PROMPT_LENS = (5, 40, 17, 70, 3)
+
+
+def _model(attention):
+  model = CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend="xla")
+  mt.randomize_params(model, 1)
+  return model
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model("mqa-only")
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+  rng = np.random.default_rng(0)
+  return [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in PROMPT_LENS]
+
+
+def _reference(model, prompts, new=NEW, **kwargs):
+  """Greedy ``generate`` tokens per prompt (a ragged batch equals each prompt alone:
+  test_generation.py::test_ragged_batch_matches_each_prompt_alone)."""
+  return generate(model, prompts, new, **kwargs).tokens
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+  return _reference(model, prompts)
+
+
+def _engine(model, **overrides):
+  return Engine(model, **{**SETTINGS, "num_pages": 12, **overrides})
+
+
+def _run_all(engine, request_ids):
+  while engine.has_unfinished():
+    engine.step()
+  return {i: list(engine.release(i).tokens) for i in request_ids}
+
+
+def _no_leaks(engine):
+  """Every page free, refcounts at 0, and (MQA-only) the contract in every compiled program."""
+  engine.pages.check()
+  assert engine.pages.num_free == engine.num_pages
+  assert all(engine.pages.refcount(p) == 0 for p in range(engine.num_pages))
+  if engine.model.config.attention == "mqa-only":
+    _mqa_only_contract(engine.programs)
+
+
+def _mqa_only_contract(programs):
+  assert programs
+  for c in programs:
+    assert "mla_dense_mha" not in c.summary.scopes, c.shape
+    assert "indexer_score" in c.summary.scopes, c.shape
+    assert c.plan.route.name == "SPARSE_MQA"
+
+
+def test_tokens_equal_generate_with_chunks_and_random_arrivals(model, prompts, reference):
+  engine = _engine(model)
+  rng = np.random.default_rng(1)
+  order = rng.permutation(len(prompts))
+  ids = {}
+  for i in order:  # arrivals between steps, in a random order
+    ids[i] = engine.add_request(prompts[i], SamplingParams(max_tokens=NEW))
+    for _ in range(rng.integers(0, 3)):
+      engine.step()
+  got = _run_all(engine, ids.values())
+  assert [got[ids[i]] for i in range(len(prompts))] == reference
+  assert any(c.shape.kind == "prefill" and c.shape.cached_bound for c in engine.programs)
+  _no_leaks(engine)
+
+
+def test_preempted_requests_are_recomputed_to_the_same_tokens(model):
+  """Each request grows to five pages and three are admitted into the 12-page pool: a decode
+  that needs a page preempts the newest sequence, which later recomputes its prompt and output
+  so far."""
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, model.config.vocab_size, size=3 * PAGE).tolist() for _ in range(4)]
+  engine = _engine(model)
+  outputs = engine.generate(prompts, max_tokens=2 * NEW)
+  assert [list(o.tokens) for o in outputs] == _reference(model, prompts, 2 * NEW)
+  assert engine.scheduler.num_preemptions > 0
+  assert any(o.num_preemptions for o in outputs)
+  _no_leaks(engine)
+
+
+@pytest.mark.slow
+def test_offline_generate_reports_in_prompt_order(model, prompts, reference):
+  engine = _engine(model, num_pages=32, max_step_tokens=512, prefix_caching=False)
+  outputs = engine.generate(prompts, max_tokens=NEW)
+  assert [list(o.tokens) for o in outputs] == reference
+  assert all(o.finished and o.finish_reason == "length" and o.ttft > 0 for o in outputs)
+  assert [list(o.prompt_tokens) for o in outputs] == prompts
+  again = len(engine.programs)
+  engine.generate(prompts, max_tokens=NEW)
+  assert len(engine.programs) == again  # one program per shape bucket, compiled once
+  _no_leaks(engine)
+
+
+@pytest.mark.slow
+def test_prefix_hits_change_no_token(model, prompts):
+  shared = prompts[3][:3 * PAGE]  # three full pages
+  family = [shared + p[:n] for p, n in zip(prompts, (4, 9, 1, 12, 2))]
+  expected = _reference(model, family)
+  engine = _engine(model, num_pages=32)
+  first = engine.generate(family[:1], max_tokens=NEW)
+  rest = engine.generate(family[1:], max_tokens=NEW)
+  assert [list(o.tokens) for o in first + rest] == expected
+  assert all(o.num_cached_prompt_tokens == 3 * PAGE for o in rest)
+  uncached = _engine(model, num_pages=32, prefix_caching=False).generate(family,
+                                                                        max_tokens=NEW)
+  assert [list(o.tokens) for o in uncached] == expected
+  assert all(o.num_cached_prompt_tokens == 0 for o in uncached)
+  _no_leaks(engine)
+
+
+def test_aborts_in_flight_free_their_pages_and_spare_the_others(model, prompts, reference):
+  engine = _engine(model)
+  ids = [engine.add_request(p, SamplingParams(max_tokens=NEW)) for p in prompts]
+  engine.step()
+  engine.step()
+  running = [s.request_id for s in engine.scheduler.running]
+  waiting = [s.request_id for s in engine.scheduler.waiting]
+  aborted = {running[0], waiting[-1]}
+  for request_id in aborted:
+    engine.abort(request_id)
+  assert engine.output(running[0]).finish_reason == "abort"
+  with pytest.raises(KeyError, match="no request with id 'nope'"):
+    engine.abort("nope")
+  got = _run_all(engine, [i for i in ids if i not in aborted])
+  for i, request_id in enumerate(ids):
+    if request_id not in aborted:
+      assert got[request_id] == reference[i]
+  _no_leaks(engine)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts):
+  params = SamplingParams(max_tokens=NEW, temperature=0.9, top_p=0.8, seed=7)
+  engine = _engine(model)
+  alone = engine.generate([prompts[1]], [params])[0].tokens
+  mixed = engine.generate(prompts[:3], [SamplingParams(max_tokens=NEW, seed=1,
+                                                       temperature=1.0), params,
+                                        SamplingParams(max_tokens=NEW)])
+  assert mixed[1].tokens == alone
+  assert mixed[0].tokens != alone
+
+
+@pytest.mark.slow
+def test_fp8_pages_match_the_fp8_contiguous_cache(model, prompts):
+  subset = prompts[:3]
+  expected = _reference(model, subset, cache_dtype="fp8")
+  engine = _engine(model, cache_dtype="fp8", num_pages=32)
+  assert [list(o.tokens) for o in engine.generate(subset, max_tokens=NEW)] == expected
+  _no_leaks(engine)
+
+
+def test_stop_tokens_and_eos_finish_a_request(model, prompts, reference):
+  engine = _engine(model)
+  stop = reference[1][2]
+  out = engine.generate([prompts[1]], [SamplingParams(max_tokens=NEW,
+                                                      stop_token_ids=(stop,))])[0]
+  assert list(out.tokens) == reference[1][:reference[1].index(stop) + 1]
+  assert out.finish_reason == "stop"
+  eos_engine = _engine(model, eos_token_ids=[stop])
+  assert eos_engine.generate([prompts[1]], max_tokens=NEW)[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt, params, error, match", [
+    ([1] * 200, SamplingParams(max_tokens=8), ValueError, "exceeds max_model_len 128"),
+    ([1] * 100, SamplingParams(max_tokens=8), ValueError, "pages of 8 tokens, the whole pool"),
+    ([], SamplingParams(), ValueError, "prompt is empty"),
+    ([1, 999], SamplingParams(), ValueError, "token id 999 is outside the vocabulary"),
+    ("text", SamplingParams(), TypeError, "needs the engine's tokenizer"),
+    ([1, 2], "greedy", TypeError, "params must be a SamplingParams"),
+    ([1, 2], SamplingParams(stop=("x",)), ValueError, "stop strings need"),
+])
+def test_bad_requests_are_refused_and_leave_the_others_untouched(model, prompts, reference,
+                                                                 prompt, params, error, match):
+  engine = _engine(model, max_model_len=128)
+  good = engine.add_request(prompts[0], SamplingParams(max_tokens=NEW))
+  engine.step()
+  with pytest.raises(error, match=match):
+    engine.add_request(prompt, params)
+  with pytest.raises(ValueError, match="already in use"):
+    engine.add_request(prompts[0], request_id=good)
+  assert _run_all(engine, [good])[good] == reference[0]
+  _no_leaks(engine)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"),
+])
+def test_bad_sampling_settings_name_the_field(kwargs, match):
+  with pytest.raises((TypeError, ValueError), match=match):
+    SamplingParams(**kwargs)
+
+
+def test_dense_capable_engine_goes_dense_only_for_fresh_short_prefills():
+  model = _model("dense-capable")
+  rng = np.random.default_rng(2)
+  topk = model.config.mla.indexer.topk
+  prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist()
+             for n in (topk - 4, topk, 3 * topk)]
+  engine = _engine(model, num_pages=32)
+  outputs = engine.generate(prompts, max_tokens=NEW)
+  assert [list(o.tokens) for o in outputs] == _reference(model, prompts)
+  routes = {c.shape: c for c in engine.programs}
+  dense = [c for c in routes.values() if "mla_dense_mha" in c.summary.scopes]
+  assert dense, "a step of fresh prefills within the top-k may take the dense route"
+  for c in routes.values():
+    reach = (c.shape.cached_bound or 0) + c.shape.tokens
+    is_dense = "mla_dense_mha" in c.summary.scopes
+    assert is_dense == (c.shape.kind == "prefill" and c.shape.cached_bound == 0 and
+                        reach <= topk)
+    assert ("indexer_score" in c.summary.scopes) == (not is_dense)
