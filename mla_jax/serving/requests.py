@@ -36,16 +36,25 @@ class SamplingParams:
     SamplingConfig(self.temperature, self.top_p)  # the same checks as generate's
     if self.seed is not None:
       checks.static_int(self.seed, "seed", minimum=0, maximum=MAX_SEED)
-    stop_ids = tuple(self.stop_token_ids)
+    stop_ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
     for token in stop_ids:
       checks.static_int(token, "stop_token_ids entry", minimum=0)
-    stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+    stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
     if any(not isinstance(s, str) or not s for s in stop):
       raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
     object.__setattr__(self, "stop", stop)
     object.__setattr__(self, "temperature", float(self.temperature))
     object.__setattr__(self, "top_p", float(self.top_p))
+
+
+def _as_tuple(values, name: str) -> tuple:
+  """``values`` (any iterable) as a tuple; a single value or None is a ``TypeError`` naming
+  ``name`` rather than Python's anonymous "object is not iterable"."""
+  try:
+    return tuple(values)
+  except TypeError:
+    raise TypeError(f"{name} must be a sequence, got {type(values).__name__} {values!r}") from None
 
 
 class Status(enum.Enum):

@@ -1,0 +1,295 @@
+"""The scheduler, driven by a fake engine: every step's chunks are checked against a model of the
+page pool (which rows each physical page holds), so a step that reads a wrong cached row, writes
+into a shared page, loses or repeats a token, or overruns the budget fails the test."""
+
+import random
+
+import pytest
+
+from mla_jax.serving.pages import PageTable
+from mla_jax.serving.requests import SamplingParams, Sequence, Status
+from mla_jax.serving.scheduler import Scheduler, pages_for
+
+SIZE = 4
+
+
+def _token(seq):
+  """The fake model's next token: a function of the request and the position only, so the
+  expected output is known and a recompute after preemption must give the same tokens."""
+  return _token_at(seq.request_id, len(seq.tokens))
+
+
+def _token_at(request_id, position):
+  return (position * 31 + int(request_id)) % 97
+
+
+def _expected(seq):
+  return [_token_at(seq.request_id, seq.num_prompt + i) for i in range(seq.params.max_tokens)]
+
+
+def _stops(seq):
+  return "length" if len(seq.output) >= seq.params.max_tokens else None
+
+
+class Loop:
+  """The engine loop without a model: schedule, check the chunks against the pool, write their
+  rows (a row is the token prefix it depends on), sample ``_token`` and commit."""
+
+  def __init__(self, num_pages, *, max_num_seqs=8, max_step_tokens=16, prefix_caching=True):
+    self.pages = PageTable(num_pages, SIZE, salt="test")
+    self.scheduler = Scheduler(self.pages, max_num_seqs=max_num_seqs,
+                               max_step_tokens=max_step_tokens, prefix_caching=prefix_caching)
+    self.rows = {}  # (page, offset) -> tuple of the tokens that row depends on
+    self.seqs = []
+    self.streamed = {}  # request id -> the tokens commit reported, in order
+    self.cached_at_admission = {}  # request id -> the first chunk's start
+
+  def add(self, prompt, max_tokens=4):
+    seq = Sequence(str(len(self.seqs)), list(prompt), len(prompt),
+                   SamplingParams(max_tokens=max_tokens), seed=0)
+    self.seqs.append(seq)
+    self.scheduler.add(seq)
+    return seq
+
+  def step(self):
+    scheduler = self.scheduler
+    batch = scheduler.schedule()
+    chunks = [*batch.decodes, *batch.prefills]
+    assert batch.num_tokens <= scheduler.max_step_tokens
+    assert all(c.num_tokens == 1 for c in batch.decodes)
+    assert all(c.num_tokens > 1 for c in batch.prefills)
+    assert len({id(c.seq) for c in chunks}) == len(chunks) <= scheduler.max_num_seqs
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+    for chunk in chunks:
+      self.cached_at_admission.setdefault(chunk.seq.request_id, chunk.start)
+      self._compute(chunk)
+    sampling = [c for c in chunks if c.samples]
+    grown = scheduler.commit(batch, {id(c): _token(c.seq) for c in sampling}, _stops)
+    assert grown == [c.seq for c in sampling]
+    for seq in grown:
+      self.streamed.setdefault(seq.request_id, []).append(seq.tokens[-1])
+    self.pages.check()
+    return batch
+
+  def _compute(self, chunk):
+    seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+    assert seq.status is Status.RUNNING and seq in self.scheduler.running
+    assert start == seq.num_computed and 0 < chunk.num_tokens and end <= len(seq.tokens)
+    assert len(seq.pages) >= pages_for(end, SIZE)
+    for pos in range(start):  # the rows the chunk attends to, cached or computed before
+      assert self.rows[self._row(seq, pos)] == tuple(seq.tokens[:pos + 1])
+    for pos in range(start, end):  # written only into pages no other sequence reads
+      assert self.pages.refcount(seq.pages[pos // SIZE]) == 1
+      self.rows[self._row(seq, pos)] = tuple(seq.tokens[:pos + 1])
+
+  @staticmethod
+  def _row(seq, pos):
+    return seq.pages[pos // SIZE], pos % SIZE
+
+  def run(self, max_steps=500):
+    steps = 0
+    while self.scheduler.has_unfinished():
+      assert self.step(), "a step with unfinished requests scheduled nothing"
+      steps += 1
+      assert steps < max_steps
+    return steps
+
+  def assert_all_done(self):
+    for seq in self.seqs:
+      assert seq.status is Status.FINISHED and not seq.pages
+      assert seq.output == self.streamed.get(seq.request_id, [])  # nothing lost or repeated
+      assert seq.num_cached_prompt == self.cached_at_admission.get(seq.request_id, 0)
+      if seq.finish_reason == "length":
+        assert seq.output == _expected(seq)
+      else:
+        assert seq.finish_reason == "abort" and seq.output == _expected(seq)[:len(seq.output)]
+    assert self.pages.num_free == self.pages.num_pages
+    self.pages.check()
+
+
+def _prompt(n, first=0):
+  return list(range(first, first + n))
+
+
+# ---- budget, chunks, seats, pages ----------------------------------------------------------------
+
+
+def test_a_long_prompt_is_chunked_under_the_budget_then_decodes():
+  loop = Loop(16, max_step_tokens=8)
+  seq = loop.add(_prompt(20), max_tokens=3)
+  for start, count, num_output in [(0, 8, 0), (8, 8, 0), (16, 4, 1)]:
+    chunk, = loop.step().prefills
+    assert (chunk.start, chunk.num_tokens, len(seq.output)) == (start, count, num_output)
+  for start in (20, 21):
+    chunk, = loop.step().decodes
+    assert chunk.start == start
+  loop.run()
+  loop.assert_all_done()
+
+
+def test_decodes_come_first_and_prefills_fill_the_budget():
+  loop = Loop(16, max_step_tokens=6)
+  a = loop.add(_prompt(3), max_tokens=5)
+  loop.step()
+  b = loop.add(_prompt(10, first=50))
+  batch = loop.step()
+  assert [(c.seq, c.start) for c in batch.decodes] == [(a, 3)]
+  assert [(c.seq, c.start, c.num_tokens) for c in batch.prefills] == [(b, 0, 5)]
+  loop.run()
+  loop.assert_all_done()
+
+
+def test_max_num_seqs_bounds_the_running_set():
+  loop = Loop(64, max_num_seqs=2, max_step_tokens=32)
+  seqs = [loop.add(_prompt(5, first=10 * i), max_tokens=3) for i in range(5)]
+  loop.step()
+  assert loop.scheduler.running == seqs[:2] and list(loop.scheduler.waiting) == seqs[2:]
+  loop.run()  # Loop.step checks the bound at every step
+  loop.assert_all_done()
+
+
+def test_admission_waits_for_pages():
+  loop = Loop(4, max_step_tokens=32)
+  a = loop.add(_prompt(12), max_tokens=2)  # 3 of the 4 pages
+  b = loop.add(_prompt(8, first=50), max_tokens=2)  # 2 pages: does not fit beside a
+  loop.step()
+  assert loop.scheduler.running == [a] and b.status is Status.WAITING and not b.pages
+  while a.status is not Status.FINISHED:
+    assert b.status is Status.WAITING
+    loop.step()
+  loop.run()
+  assert loop.scheduler.num_preemptions == 0
+  loop.assert_all_done()
+
+
+def test_preemption_when_the_pool_is_too_small_for_all():
+  loop = Loop(6, max_step_tokens=16)
+  for i in range(4):
+    loop.add(_prompt(6, first=20 * i), max_tokens=10)  # 4 pages each at the end
+  loop.run()
+  assert loop.scheduler.num_preemptions > 0
+  assert sum(seq.num_preemptions for seq in loop.seqs) == loop.scheduler.num_preemptions
+  loop.assert_all_done()
+
+
+def test_the_newest_sequence_is_preempted_and_waits_at_the_head_of_the_queue():
+  loop = Loop(4, max_num_seqs=2)
+  a, b, c = (loop.add(_prompt(4, first=10 * i), max_tokens=8) for i in range(3))
+  while not loop.scheduler.num_preemptions:
+    loop.step()
+  assert loop.scheduler.running == [a] and list(loop.scheduler.waiting) == [b, c]
+  assert (b.status, b.pages, b.num_computed, b.num_preemptions) == (Status.WAITING, [], 0, 1)
+  loop.run()
+  loop.assert_all_done()
+
+
+# ---- the prefix cache ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared, extra, hits", [
+    (8, 3, 2),   # two full pages shared, then different tokens
+    (9, 0, 2),   # the same 9 tokens: both full pages hit, the last token is computed
+    (8, 0, 1),   # the same 8 tokens: one page hits so that one token is left to compute
+    (3, 6, 0),   # less than a page shared: nothing
+])
+def test_a_shared_full_page_prefix_is_not_recomputed(shared, extra, hits):
+  loop = Loop(16, max_step_tokens=32)
+  loop.add(_prompt(shared), max_tokens=1)
+  loop.run()
+  seq = loop.add(_prompt(shared) + _prompt(extra, first=60), max_tokens=2)
+  batch = loop.step()
+  chunk, = batch.decodes + batch.prefills
+  assert chunk.start == seq.num_cached_prompt == hits * SIZE
+  assert chunk.num_tokens == seq.num_prompt - hits * SIZE >= 1
+  loop.run()
+  loop.assert_all_done()
+
+
+def test_a_running_sequence_shares_its_registered_pages():
+  loop = Loop(16, max_step_tokens=32)
+  a = loop.add(_prompt(10), max_tokens=6)
+  loop.step()
+  b = loop.add(_prompt(10), max_tokens=6)
+  loop.step()
+  assert b.pages[:2] == a.pages[:2] and b.num_cached_prompt == 8
+  assert [loop.pages.refcount(p) for p in a.pages[:2]] == [2, 2]
+  loop.run()
+  loop.assert_all_done()
+
+
+def test_without_prefix_caching_nothing_is_shared():
+  loop = Loop(16, max_step_tokens=32, prefix_caching=False)
+  loop.add(_prompt(10), max_tokens=1)
+  loop.run()
+  seq = loop.add(_prompt(10), max_tokens=1)
+  assert loop.step().prefills[0].start == 0 and seq.num_cached_prompt == 0
+  assert loop.pages.num_cached == 0
+  loop.assert_all_done()
+
+
+# ---- aborts -------------------------------------------------------------------------------
+
+
+def test_abort_of_a_waiting_sequence():
+  loop = Loop(4, max_num_seqs=1)
+  a, b = loop.add(_prompt(5)), loop.add(_prompt(5, first=30))
+  loop.step()
+  loop.scheduler.abort(b)
+  assert b.finish_reason == "abort" and b not in loop.scheduler.waiting
+  loop.run()
+  loop.assert_all_done()
+  assert a.finish_reason == "length" and b.output == []
+
+
+def test_abort_of_a_running_sequence_frees_its_pages():
+  loop = Loop(8, max_step_tokens=4)
+  seq = loop.add(_prompt(14), max_tokens=4)
+  loop.step()
+  assert seq.pages and loop.pages.num_in_use == 1
+  loop.step()
+  loop.scheduler.abort(seq)
+  assert not loop.scheduler.has_unfinished() and seq.status is Status.FINISHED
+  assert loop.pages.num_in_use == 0 and loop.pages.num_cached == 2  # its full pages stay cached
+  loop.assert_all_done()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_requests_and_aborts_leave_every_page_free(seed):
+  rng = random.Random(seed)
+  loop = Loop(rng.randint(6, 9), max_num_seqs=rng.randint(2, 6),
+              max_step_tokens=rng.randint(1, 16))
+  prefixes = [_prompt(rng.randint(0, 9), first=10 * i) for i in range(3)]
+  for _ in range(60):
+    if rng.random() < 0.5:
+      prompt = rng.choice(prefixes) + _prompt(rng.randint(1, 6), first=rng.randrange(90))
+      loop.add(prompt, max_tokens=rng.randint(1, 8))  # fits the pool alone: 6 pages or less
+    live = [s for s in loop.seqs if s.status is not Status.FINISHED]
+    if live and rng.random() < 0.05:
+      loop.scheduler.abort(rng.choice(live))
+    if loop.scheduler.has_unfinished():
+      assert loop.step()
+  loop.run()
+  loop.assert_all_done()
+
+
+# ---- SamplingParams -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", True),
+    ("temperature", -0.5), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", "hot"),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
+    ("seed", -1), ("seed", 2**31), ("seed", 1.5),
+    ("stop_token_ids", (3, -1)), ("stop_token_ids", ("a",)), ("stop_token_ids", 7),
+    ("stop", ("",)), ("stop", ("ok", 5)), ("stop", ""), ("stop", None),
+])
+def test_sampling_params_name_the_bad_field(field, value):
+  with pytest.raises((TypeError, ValueError), match=field):
+    SamplingParams(**{field: value})
+
+
+def test_sampling_params_normalize_their_values():
+  params = SamplingParams(temperature=1, top_p=1, stop_token_ids=[2, 3], stop="end", seed=0)
+  assert (params.temperature, params.top_p) == (1.0, 1.0)
+  assert params.stop_token_ids == (2, 3) and params.stop == ("end",)
