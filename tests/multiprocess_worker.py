@@ -1,8 +1,10 @@
 """One process of a multi-process run on this host (started by tests/test_sharding.py).
 
-Usage: python tests/multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MESH OUT.npz
-Each process has 2 CPU devices; together they form one mesh. Process 0 writes the prefill
-logits and the greedy tokens of the tiny MoE preset to OUT.npz.
+Usage: python tests/multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MESH OUT.npz [JOB]
+Each process has 2 CPU devices; together they form one mesh. JOB ``generate`` (the default):
+process 0 writes the prefill logits and the greedy tokens of the tiny MoE preset to OUT.npz.
+JOB ``engine``: process 0 schedules an ``Engine`` over PROMPTS and writes its tokens; the
+others follow its steps.
 """
 
 import os
@@ -14,7 +16,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-port, num_processes, process_id, mesh_spec, out = sys.argv[1:]
+port, num_processes, process_id, mesh_spec, out = sys.argv[1:6]
+job = sys.argv[6] if len(sys.argv) > 6 else "generate"
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                            num_processes=int(num_processes), process_id=int(process_id))
 
@@ -28,8 +31,23 @@ from mla_jax.models.lm import CausalLM  # noqa: E402
 
 IDS = np.random.default_rng(0).integers(0, 256, (2, 12)).astype(np.int32)
 
+PROMPTS = [np.random.default_rng(1).integers(0, 256, n).tolist() for n in (5, 30, 12)]
+
 mesh = sharding.make_mesh(mesh_spec)
 model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+if job == "engine":
+  from mla_jax.serving import Engine  # noqa: E402
+
+  engine = Engine(model, num_pages=16, page_size=8, max_num_seqs=4, max_step_tokens=16,
+                  log_interval=None)
+  if jax.process_index() == 0:
+    tokens = [list(o.tokens) for o in engine.generate(PROMPTS, max_tokens=5)]
+    engine.shutdown()
+    np.savez(out, tokens=np.asarray(tokens), devices=jax.device_count(),
+             prompt_ids=np.concatenate(PROMPTS), prompt_lens=[len(p) for p in PROMPTS])
+  else:
+    engine.follow()
+  sys.exit(0)
 logits, _ = nnx.jit(lambda m, ids, c: m(ids, c, num_cached_tokens=0))(
     model, sharding.put(IDS, mesh, sharding.TOKENS_SPEC), model.init_cache(2, 24))
 logits = sharding.fetch(logits)  # a collective: every process takes part

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax import checks
-from mla_jax.cache import MIN_BUCKET, resolve_cache_dtype
+from mla_jax import checks, sharding
+from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import functionalize
 from mla_jax.generation.sampling import sample_rows
 from mla_jax.models.lm import CausalLM, ModelCache
@@ -33,7 +33,9 @@ from mla_jax.paged_cache import PagedLayerCache, empty_pools
 from mla_jax.serving.pages import PageTable
 from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams, Sequence,
                                       Status)
-from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch, pages_for
+from mla_jax.serving import step_inputs
+from mla_jax.serving.scheduler import Chunk, Scheduler, pages_for
+from mla_jax.serving.step_inputs import StepInputs, StepShape
 from mla_jax.step_plan import StepPlan
 from mla_jax.traces import ProgramSummary, summarize_jaxpr
 
@@ -48,22 +50,6 @@ _COMPILED: dict = {}
 def _signature(tree):
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple((x.shape, x.dtype) for x in leaves)
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-  """``n`` rounded up to a power of two (at least ``minimum``): few distinct shapes."""
-  return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-  """A step program's static shape: what it is compiled for."""
-
-  kind: str            # "decode" or "prefill"
-  batch: int           # sequence rows
-  tokens: int          # tokens per row
-  cached_bound: int | None  # None in decode (unknown until run time)
-  kv_pages: int        # block-table width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +100,6 @@ class Engine:
                log_interval: float | None = 10.0, seed: int = 0):
     if not isinstance(model, CausalLM):
       raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
-    if model.mesh is not None:
-      raise NotImplementedError("the engine runs on one device for now (model.mesh must be "
-                                "None)")
     mla = model.config.mla
     self.page_size = checks.static_int(page_size, "page_size", minimum=1)
     self.num_pages = checks.static_int(num_pages, "num_pages", minimum=1)
@@ -133,7 +116,11 @@ class Engine:
     self.model = model
     self._graphdef, state = nnx.split(model)
     self._state_leaves, self._state_def = jax.tree.flatten(state)
-    self._pools = self._empty_pools()
+    self._multiprocess = jax.process_count() > 1
+    mesh = model.mesh
+    self._data_shards = 1 if mesh is None else sharding.axis_size(mesh, sharding.DATA)
+    self._pools = self._empty_pools() if mesh is None else jax.jit(
+        self._empty_pools, out_shardings=jax.sharding.NamedSharding(mesh, sharding.REPLICATED))()
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
     self.scheduler = Scheduler(self.pages, max_num_seqs=self.max_num_seqs,
@@ -165,6 +152,7 @@ class Engine:
     vocabulary, a prompt plus ``max_tokens`` beyond ``max_model_len``, one needing more pages
     than the whole pool, ``stop`` strings without a tokenizer, or a duplicate id.
     """
+    self._only_on_process_0("add_request")
     params = SamplingParams() if params is None else params
     tokens = self._checked_prompt(prompt, params)
     if request_id is None:
@@ -233,7 +221,8 @@ class Engine:
   # ---- steps ----------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one step; returns the requests that got a token or finished in it."""
+    """Runs one step; returns the requests that got a token in it."""
+    self._only_on_process_0("step")
     t0 = time.perf_counter()
     batch = self.scheduler.schedule()
     sampled, run_s = {}, 0.0
@@ -264,35 +253,45 @@ class Engine:
     return None
 
   def _run(self, chunks: list[Chunk], kind: str):
-    """Runs one compiled step program over ``chunks``: their sampled tokens (one per chunk;
-    meaningless for chunks that do not sample) and the seconds it ran."""
-    size = self.page_size
-    starts = [c.start for c in chunks]
-    tokens = 1 if kind == "decode" else bucket(max(c.num_tokens for c in chunks), 16)
-    # The rows a step reads: its longest reach, in buckets of at least MIN_BUCKET rows.
-    kv_pages = bucket(pages_for(max(starts) + tokens, size), pages_for(MIN_BUCKET, size))
-    # A prefill's cached bound: 0 when every chunk is fresh (the dense route may then apply),
-    # else every row before this step's tokens (a true bound that adds no more programs).
-    cached = None if kind == "decode" else 0 if max(starts) == 0 else kv_pages * size - tokens
-    shape = StepShape(kind, bucket(len(chunks)), tokens, cached, kv_pages)
-    ids = np.zeros((shape.batch, tokens), np.int32)
-    new_lens, lengths = (np.zeros(shape.batch, np.int32) for _ in range(2))
-    table = np.zeros((shape.batch, kv_pages), np.int32)
-    seeds, counters = (np.zeros(shape.batch, np.int32) for _ in range(2))
-    temps, top_ps = np.zeros(shape.batch, np.float32), np.ones(shape.batch, np.float32)
-    for b, c in enumerate(chunks):
-      seq = c.seq
-      ids[b, :c.num_tokens] = c.token_ids
-      new_lens[b], lengths[b] = c.num_tokens, c.start
-      table[b, :len(seq.pages)] = seq.pages
-      seeds[b], counters[b] = seq.seed, len(seq.output)
-      temps[b], top_ps[b] = seq.params.temperature, seq.params.top_p
+    """Runs one compiled step program over ``chunks`` (on every process): their sampled tokens
+    (one per chunk; meaningless for chunks that do not sample) and the seconds it ran."""
+    shape = step_inputs.step_shape(chunks, kind, self.page_size, self._data_shards)
+    inputs = step_inputs.build(chunks, shape)
+    if self._multiprocess:
+      step_inputs.broadcast(shape.header(), inputs)
+    sampled, seconds = self._execute(shape, inputs)
+    return sampled[:len(chunks)].tolist(), seconds
+
+  def _execute(self, shape: StepShape, inputs: StepInputs):
     program = self._program(shape)
+    mesh = self.model.mesh
+    arrays = inputs.arrays() if mesh is None else \
+        [sharding.put(a, mesh, sharding.BATCH_SPEC) for a in inputs.arrays()]
     t0 = time.perf_counter()
-    sampled, self._pools = program(self._state_leaves, self._pools, ids, new_lens, lengths,
-                                   table, seeds, counters, temps, top_ps)
-    sampled = np.asarray(sampled)
-    return sampled[:len(chunks)].tolist(), time.perf_counter() - t0
+    sampled, self._pools = program(self._state_leaves, self._pools, *arrays)
+    sampled = sharding.fetch(sampled)  # a collective with several processes
+    return sampled, time.perf_counter() - t0
+
+  # ---- several processes ------------------------------------------------------------------
+
+  def follow(self) -> None:
+    """On every process but 0: runs the steps process 0 schedules, until it calls
+    ``shutdown``. Each process builds the same ``Engine`` (same model and settings)."""
+    if not self._multiprocess or jax.process_index() == 0:
+      raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
+    while (received := step_inputs.receive()) is not None:
+      self._execute(*received)
+
+  def shutdown(self) -> None:
+    """On process 0 of a multi-process run: releases the followers from ``follow``."""
+    if self._multiprocess:
+      self._only_on_process_0("shutdown")
+      step_inputs.broadcast(step_inputs.STOP_HEADER, None)
+
+  def _only_on_process_0(self, what: str) -> None:
+    if jax.process_index() != 0:
+      raise RuntimeError(f"{what}: process 0 schedules a multi-process engine; the others "
+                         "call follow()")
 
   # ---- programs -------------------------------------------------------------------------
 
@@ -320,11 +319,11 @@ class Engine:
     t0 = time.perf_counter()
     plan = self._plan(shape)
     jitted = jax.jit(functionalize(self._step_fn(plan), False), donate_argnums=1)
-    b, t, n = shape.batch, shape.tokens, shape.kv_pages
-    ints = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
-    floats = jax.ShapeDtypeStruct((b,), jnp.float32)
-    traced = jitted.trace(self._state_leaves, self._pools, ints(b, t), ints(b), ints(b),
-                          ints(b, n), ints(b), ints(b), floats, floats)
+    mesh = self.model.mesh
+    placed = None if mesh is None else jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)
+            for a in StepInputs.zeros(shape).arrays()]
+    traced = jitted.trace(self._state_leaves, self._pools, *args)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - t0
     logger.debug("compiled %s step %s (route %s) in %.1f s", shape.kind, shape,

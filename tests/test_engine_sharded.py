@@ -1,0 +1,50 @@
+"""The engine on a mesh and over two processes gives the tokens of ``generate`` unsharded."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax import sharding
+from mla_jax.generation.loop import generate
+from mla_jax.models.config import tiny_moe_lm
+from mla_jax.models.lm import CausalLM
+from mla_jax.serving import Engine
+from tests.helpers import free_port
+
+PROMPTS = [np.random.default_rng(1).integers(0, 256, n).tolist() for n in (5, 30, 12)]
+SETTINGS = dict(num_pages=16, page_size=8, max_num_seqs=4, max_step_tokens=16,
+                log_interval=None)
+
+
+def _reference(prompts=PROMPTS):
+  return generate(CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla"), prompts, 5).tokens
+
+
+@pytest.mark.slow  # over 30 s on 2 cores
+def test_engine_on_a_mesh_equals_generate_unsharded():
+  mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
+  model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  engine = Engine(model, **SETTINGS)
+  assert [list(o.tokens) for o in engine.generate(PROMPTS, max_tokens=5)] == _reference()
+  assert all(c.shape.batch % 2 == 0 for c in engine.programs)  # rows split over 'data'
+  engine.pages.check()
+
+
+@pytest.mark.slow  # over 30 s on 2 cores
+def test_two_process_engine_equals_one_process(tmp_path):
+  """Process 0 schedules and broadcasts each step's inputs; process 1 follows (gloo)."""
+  port, out = free_port(), tmp_path / "out.npz"
+  worker = Path(__file__).with_name("multiprocess_worker.py")
+  procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i),
+                             "data=1,tensor=2,expert=2", str(out), "engine"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+  logs = [p.communicate(timeout=400)[0].decode() for p in procs]
+  assert all(p.returncode == 0 for p in procs), logs
+  got = np.load(out)
+  assert int(got["devices"]) == 4
+  prompts = [p.tolist() for p in np.split(got["prompt_ids"], np.cumsum(got["prompt_lens"])[:-1])]
+  assert got["tokens"].tolist() == _reference(prompts)
