@@ -25,7 +25,7 @@ from pallas_kernels import _checks, _compat
 from pallas_kernels.block_config import DenseMHAKernelConfig, pow2_chunks
 
 
-def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len):
+def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len, topk_TK=None):
   """The one argument check of :func:`dense_mha` and :func:`dense_mha_reference`.
 
   Returns ``(sm_scale, q_offset, kv_len)``: a Python float and two int32 scalars.
@@ -48,7 +48,25 @@ def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len):
   # as silent zero rows with LSE +inf.
   q_offset = _checks.int32_scalar(op, "q_offset", q_offset, minimum=0)
   kv_len = _checks.int32_scalar(op, "kv_len", kv_len)
+  if topk_TK is not None:
+    _checks.array(op, "topk_TK", topk_TK, "TK")
+    if topk_TK.shape[0] != T:
+      raise ValueError(f"{op}: topk_TK has {topk_TK.shape[0]} rows for the {T} tokens of q_THQ")
+    _checks.int32_array(op, "topk_TK", topk_TK)
   return sm_scale, q_offset, kv_len
+
+
+def selected_keys(topk_TK, num_keys: int):
+  """The keys each query selected as a bool mask [T, S]: -1 and indices >= S select nothing.
+
+  A scatter of T*K entries (never a [T, K, S] one-hot). A repeated index selects its key once,
+  where sparse MQA would count it twice; the indexer's top-k has no repeats.
+  """
+  valid_TK = (topk_TK >= 0) & (topk_TK < num_keys)
+  cols_TK = jnp.where(valid_TK, topk_TK, num_keys)  # invalid slots land in a spare column
+  rows_TK = jnp.broadcast_to(jnp.arange(topk_TK.shape[0])[:, None], topk_TK.shape)
+  mask_TS = jnp.zeros((topk_TK.shape[0], num_keys + 1), jnp.bool_).at[rows_TK, cols_TK].set(True)
+  return mask_TS[:, :num_keys]
 
 
 def _nothing_to_attend(q_THQ, k_SHQ, v_SHV):
@@ -71,8 +89,9 @@ def _sanitize_values(values):
   return jnp.where(finite, values, 0), bad_rows
 
 
-def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len):
-  """Causal attention where query t sits at position ``q_offset + t``.
+def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len,
+                        topk_TK=None):
+  """Causal attention where query t sits at position ``q_offset + t``, optionally masked.
 
   Args:
     q_THQ, k_SHQ: per-head queries and keys [nope | rope], Q = N + R wide.
@@ -81,11 +100,15 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
     q_offset: integer scalar >= 0 (int32 range, may be traced: then unchecked), the position
       of query row 0 (the cached-context length).
     kv_len: integer scalar (may be traced); keys at rows >= kv_len are ignored.
+    topk_TK: None, or int32 key rows per query (the MASKED_MHA route): query t then sees only
+      the causal keys in ``topk_TK[t]``; -1 and indices >= S are ignored. With the indexer's
+      top-k this equals sparse MQA over the same rows (``sparse_mqa_reference``), up to
+      rounding.
 
   Returns:
     ``(out_THV, lse_TH)``; out in the dtype of ``q_THQ``, natural-log LSE in float32.
-    A query row that sees no key gives out 0 and LSE +inf; so do all rows when S = 0.
-    T = 0 gives empty outputs.
+    A query row that sees no key (with ``topk_TK``: none selected) gives out 0 and LSE +inf;
+    so do all rows when S = 0. T = 0 gives empty outputs.
 
   NaN or inf in a key or value row that a query does not see (a future token, a row at or past
   ``kv_len``) never reaches that query's output or LSE. A non-finite value in a row that a
@@ -95,7 +118,8 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
   Raises:
     ValueError, TypeError: from :func:`validate_dense_mha`, naming the argument.
   """
-  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len)
+  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset,
+                                                  kv_len, topk_TK)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
   logits_HTS = jnp.einsum(
@@ -104,6 +128,8 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
   rows_T = q_offset + jnp.arange(q_THQ.shape[0], dtype=jnp.int32)
   cols_S = jnp.arange(k_SHQ.shape[0], dtype=jnp.int32)
   visible_TS = (cols_S[None, :] <= rows_T[:, None]) & (cols_S[None, :] < kv_len)
+  if topk_TK is not None:
+    visible_TS &= selected_keys(topk_TK, k_SHQ.shape[0])
   v_SHV, bad_SH = _sanitize_values(v_SHV)
   logits_HTS = jnp.where(bad_SH.T[:, None, :], jnp.nan, logits_HTS)  # the NaN weight
   logits_HTS = jnp.where(visible_TS[None], logits_HTS, -jnp.inf)
@@ -198,11 +224,19 @@ def _dense_mha_kernel(
 
 
 def dense_mha(
-    q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len,
+    q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len, topk_TK=None,
     config: DenseMHAKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton causal flash attention with the contract and checks of the reference."""
-  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len)
+  """Pallas-Triton causal flash attention with the contract and checks of the reference.
+
+  ``topk_TK`` (the masked route) is not in the kernel yet: a ``NotImplementedError``, and
+  ``PallasTritonBackend`` does not declare ``supports_masked_mha_prefill``.
+  """
+  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len,
+                                                  topk_TK)
+  if topk_TK is not None:
+    raise NotImplementedError("dense_mha: the masked (topk_TK) Pallas kernel is still to come; "
+                              "use dense_mha_reference")
   _checks.kernel_config("dense_mha", config, DenseMHAKernelConfig)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty

@@ -47,7 +47,17 @@ class PallasTritonBackend(Backend):
 
   name: ClassVar[str] = "pallas_triton"
   supports_dense_mha_prefill: ClassVar[bool] = True
+  # The masked dense-MHA kernel (the top-k as a per-query mask, key blocks that no query of a
+  # block selected skipped) is still to come: until it lands this backend stays off the
+  # MASKED_MHA route, and masked_mha_max_tokens below is unused.
+  supports_masked_mha_prefill: ClassVar[bool] = False
 
+  # From the kernels' cost estimates, to be tuned on a GPU: the masked kernel walks every causal
+  # pair at 2H(Q+V) FLOPs (dense_mha's estimate), sparse MQA walks K slots per query at
+  # 2H(L+A), so a fresh prefill of S tokens crosses over at S + 1 = 2K(L+A)/(Q+V): 13,926 at
+  # DeepSeek-V3.2 dims, 8,704 at GLM-5's (K = 2048). 8192 sits below both; vLLM's measured
+  # FlashMLA tables (SPEC.md §9.6) switch back to MQA earlier (4K at TP1).
+  masked_mha_max_tokens: int = 8192
   interpret: bool = False
 
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
