@@ -306,8 +306,7 @@ def latency(model: CausalLM, sizes: Sizes, rng: np.random.Generator, sustained: 
 
 def host_time(model: CausalLM, sizes: Sizes, rng: np.random.Generator) -> dict:
   """Host and device seconds of each of ``host_steps`` decode steps with HOST_SEQS sequences
-  running, once every sequence has its first token. ``EngineStats.host_s`` counts compilation
-  too: it is taken off."""
+  running, once every sequence has its first token."""
   engine = make_engine(model, sizes, max_num_seqs=HOST_SEQS)
   for prompt in rng.integers(0, 256, (HOST_SEQS, sizes.host_prompt)).tolist():
     engine.add_request(prompt, SamplingParams(max_tokens=2 * sizes.host_steps))
@@ -319,7 +318,7 @@ def host_time(model: CausalLM, sizes: Sizes, rng: np.random.Generator) -> dict:
   for _ in range(sizes.host_steps):
     before = dataclasses.replace(stats)
     engine.step()
-    host.append(stats.host_s - before.host_s - (stats.compile_s - before.compile_s))
+    host.append(stats.host_s - before.host_s)
     run.append(stats.run_s - before.run_s)
   assert len(running) == HOST_SEQS, "a sequence finished before the end"
   return {"steps": len(host), "host_mean": np.mean(host), "host_p50": np.median(host),

@@ -67,7 +67,7 @@ class EngineStats:
   output_tokens: int = 0
   compile_s: float = 0.0
   run_s: float = 0.0
-  host_s: float = 0.0          # scheduling and step-input building, per step summed
+  host_s: float = 0.0          # scheduling and step-input building (compiles excluded)
 
 
 class Engine:
@@ -223,7 +223,7 @@ class Engine:
   def step(self) -> list[RequestOutput]:
     """Runs one step; returns the requests that got a token in it."""
     self._only_on_process_0("step")
-    t0 = time.perf_counter()
+    t0, compile_before = time.perf_counter(), self.stats.compile_s
     batch = self.scheduler.schedule()
     sampled, run_s = {}, 0.0
     for chunks, kind in ((batch.prefills, "prefill"), (batch.decodes, "decode")):
@@ -236,7 +236,8 @@ class Engine:
     self.stats.run_s += run_s
     self.stats.computed_tokens += batch.num_tokens
     self.stats.output_tokens += len(grown)
-    self.stats.host_s += time.perf_counter() - t0 - run_s
+    compiled = self.stats.compile_s - compile_before
+    self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
     self._maybe_log(len(grown))
     return [RequestOutput.of(seq, seq.tokens[-1:]) for seq in grown]
 
