@@ -175,6 +175,18 @@ def test_fp8_pages_match_the_fp8_contiguous_cache(model, prompts):
   _no_leaks(engine)
 
 
+def test_stream_of_one_request_yields_its_tokens_as_they_come(model, prompts, reference):
+  engine = _engine(model)
+  other = engine.add_request(prompts[0], SamplingParams(max_tokens=NEW))
+  mine = engine.add_request(prompts[2], SamplingParams(max_tokens=NEW))
+  updates = list(engine.stream(mine))
+  assert [t for u in updates for t in u.new_tokens] == reference[2]
+  assert {u.request_id for u in updates} == {mine} and updates[-1].finished
+  assert list(engine.output(other).tokens) == reference[0][:len(engine.output(other).tokens)]
+  with pytest.raises(KeyError, match="no request with id 'nope'"):
+    next(engine.stream("nope"))
+
+
 def test_stop_tokens_and_eos_finish_a_request(model, prompts, reference):
   engine = _engine(model)
   stop = reference[1][2]

@@ -378,10 +378,17 @@ class Engine:
       self.step()
     return [self.release(i) for i in ids]
 
-  def stream(self) -> Iterator[RequestOutput]:
-    """Steps until no request is left, yielding each request's update as it comes."""
+  def stream(self, request_id: str | None = None) -> Iterator[RequestOutput]:
+    """Steps until no request is left (or, given ``request_id``, until that one finishes),
+    yielding each update as it comes (only that request's, when given)."""
+    if request_id is not None and request_id not in self._seqs:
+      raise KeyError(f"no request with id {request_id!r}")
     while self.has_unfinished():
-      yield from self.step()
+      if request_id is not None and self._seqs[request_id].status is Status.FINISHED:
+        return
+      for update in self.step():
+        if request_id is None or update.request_id == request_id:
+          yield update
 
   def _maybe_log(self, new_tokens: int) -> None:
     self._log_tokens += new_tokens
