@@ -82,12 +82,12 @@ class CacheView(abc.ABC):
   def capacity(self) -> int: ...
 
   @property
-  @abc.abstractmethod
-  def latent_dim(self) -> int: ...
+  def latent_dim(self) -> int:
+    return _row_width(self.buffers.pools[0])
 
   @property
-  @abc.abstractmethod
-  def has_index_keys(self) -> bool: ...
+  def has_index_keys(self) -> bool:
+    return self.buffers.pools[1] is not None
 
   @property
   @abc.abstractmethod
@@ -135,14 +135,6 @@ class LayerCache(CacheView):
   @property
   def capacity(self) -> int:
     return _row_array(self.latent_BSL).shape[1]
-
-  @property
-  def latent_dim(self) -> int:
-    return _row_width(self.latent_BSL)
-
-  @property
-  def has_index_keys(self) -> bool:
-    return self.index_keys_BSI is not None
 
   @property
   def buffers(self) -> LayerCache:
@@ -205,14 +197,6 @@ class StackedLayerView(CacheView):
   @property
   def capacity(self) -> int:
     return _row_array(self.stacked.latent_BSL).shape[2]
-
-  @property
-  def latent_dim(self) -> int:
-    return _row_width(self.stacked.latent_BSL)
-
-  @property
-  def has_index_keys(self) -> bool:
-    return self.stacked.index_keys_BSI is not None
 
   @property
   def buffers(self) -> LayerCache:

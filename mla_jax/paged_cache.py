@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax import fp8_cache
-from mla_jax.cache import CacheView, _readable, _row_array, _row_width, empty_layer_cache
+from mla_jax.cache import CacheView, _readable, _row_array, empty_layer_cache
 from mla_jax.config import MLAConfig
 
 
@@ -83,14 +83,6 @@ class PagedLayerView(CacheView):
   @property
   def capacity(self) -> int:
     return self.stacked.block_table_BN.shape[1] * self.stacked.page_size
-
-  @property
-  def latent_dim(self) -> int:
-    return _row_width(self.stacked.latent_RL)
-
-  @property
-  def has_index_keys(self) -> bool:
-    return self.stacked.index_keys_RI is not None
 
   @property
   def buffers(self) -> PagedLayerCache:
