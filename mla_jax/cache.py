@@ -299,14 +299,28 @@ def bucket_rows(needed: int, capacity: int) -> int:
   needed, capacity = int(needed), int(capacity)  # NumPy integers have no bit_length
   if needed > capacity:
     raise ValueError(f"{needed} cache rows are needed but the capacity is {capacity}")
-  return min(capacity, max(MIN_BUCKET, 1 << max(needed - 1, 0).bit_length()))
+  return min(capacity, power_of_two_bucket(needed, MIN_BUCKET))
+
+
+def power_of_two_bucket(n: int, minimum: int = 1) -> int:
+  """``n`` rounded up to a power of two, at least ``minimum``: few distinct static shapes."""
+  return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def scatter_part(stored, new_rows_BTX, index):
+  """Every array of the cache part ``stored`` with ``new_rows_BTX`` (encoded in its layout) set
+  at ``index``; rows whose index is out of range are dropped, never clamped onto valid rows."""
+  encoded = fp8_cache.encode_like(stored, new_rows_BTX)
+  return jax.tree.map(lambda buffer, rows: buffer.at[index].set(rows.astype(buffer.dtype),
+                                                                mode="drop"), stored, encoded)
 
 
 def _write_part(stored, new_rows_BTX, start_B, new_lens_B, *, layer=None):
   """``write_rows`` for every array of a cache part, the new rows encoded in its layout."""
-  encoded = fp8_cache.encode_like(stored, new_rows_BTX)
-  return jax.tree.map(lambda buffer, rows: write_rows(buffer, rows, start_B, new_lens_B,
-                                                      layer=layer), stored, encoded)
+  leading = _row_array(stored).shape[(0 if layer is None else 1):]
+  index = _write_index(leading[0], leading[1], new_rows_BTX.shape[1], start_B, new_lens_B,
+                       layer)
+  return scatter_part(stored, new_rows_BTX, index)
 
 
 def write_rows(buffer, rows_BTX, start_B, new_lens_B, *, layer=None):
@@ -317,10 +331,15 @@ def write_rows(buffer, rows_BTX, start_B, new_lens_B, *, layer=None):
   ``dynamic_update_slice`` would do).
   """
   batch_axis = 0 if layer is None else 1
-  num_seqs, capacity = buffer.shape[batch_axis], buffer.shape[batch_axis + 1]
-  t_T = jnp.arange(rows_BTX.shape[1], dtype=jnp.int32)
+  index = _write_index(buffer.shape[batch_axis], buffer.shape[batch_axis + 1],
+                       rows_BTX.shape[1], start_B, new_lens_B, layer)
+  return buffer.at[index].set(rows_BTX.astype(buffer.dtype), mode="drop")
+
+
+def _write_index(num_seqs: int, capacity: int, num_tokens: int, start_B, new_lens_B, layer):
+  """Where ``write_rows`` puts row t of sequence b; padding rows point past the capacity."""
+  t_T = jnp.arange(num_tokens, dtype=jnp.int32)
   dest_BT = start_B[:, None] + t_T[None, :]
   dest_BT = jnp.where(t_T[None, :] < new_lens_B[:, None], dest_BT, capacity)
   batch_BT = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], dest_BT.shape)
-  index = (batch_BT, dest_BT) if layer is None else (layer, batch_BT, dest_BT)
-  return buffer.at[index].set(rows_BTX.astype(buffer.dtype), mode="drop")
+  return (batch_BT, dest_BT) if layer is None else (layer, batch_BT, dest_BT)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax import fp8_cache
-from mla_jax.cache import CacheView, _readable, _row_array, empty_layer_cache
+from mla_jax.cache import CacheView, _readable, _row_array, empty_layer_cache, scatter_part
 from mla_jax.config import MLAConfig
 
 
@@ -125,12 +125,7 @@ class PagedLayerView(CacheView):
     real_BT = (t_T[None, :] < new_lens_B[:, None]) & (positions_BT < self.capacity)
     dest_BT = jnp.where(real_BT, self.physical_rows(positions_BT),
                         _rows_per_layer(self.stacked.latent_RL))  # past the pool: dropped
-
-    def write_part(stored, new):
-      encoded = fp8_cache.encode_like(stored, new)
-      return jax.tree.map(lambda buf, rows: buf.at[self.index, dest_BT].set(
-          rows.astype(buf.dtype), mode="drop"), stored, encoded)
-
+    write_part = lambda stored, new: scatter_part(stored, new, (self.index, dest_BT))
     keys = self.stacked.index_keys_RI
     stacked = dataclasses.replace(
         self.stacked, latent_RL=write_part(self.stacked.latent_RL, latent_BTL),

@@ -27,6 +27,7 @@ from flax import nnx
 from mla_jax import checks, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import functionalize
+from mla_jax.generation.programs import signature
 from mla_jax.generation.sampling import sample_rows
 from mla_jax.models.lm import CausalLM, ModelCache
 from mla_jax.paged_cache import PagedLayerCache, empty_pools
@@ -45,11 +46,6 @@ logger = logging.getLogger("mla_jax")
 # Compiled step programs of every engine in the process, keyed by shape, model and pools
 # (bounded by the few buckets a configuration has).
 _COMPILED: dict = {}
-
-
-def _signature(tree):
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((x.shape, x.dtype) for x in leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +305,7 @@ class Engine:
     if shape in self._programs:
       return self._programs[shape][0]
     key = (shape, self.page_size, self._graphdef, self._state_def,
-           _signature((self._state_leaves, self._pools)))
+           signature((self._state_leaves, self._pools)))
     if key not in _COMPILED:  # engines over the same model and pool shapes share programs
       _COMPILED[key] = self._compile(shape)
       self.stats.compile_s += _COMPILED[key][1].compile_s
@@ -371,9 +367,9 @@ class Engine:
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
       raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-    for prompt, p in zip(prompts, per_prompt):  # refuse bad input before queueing any
-      self._checked_prompt(prompt, p)
-    ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+    # Refuse bad input before queueing any (strings are tokenized once, here).
+    token_ids = [self._checked_prompt(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+    ids = [self.add_request(tokens, p) for tokens, p in zip(token_ids, per_prompt)]
     while any(self._seqs[i].status is not Status.FINISHED for i in ids):
       self.step()
     return [self.release(i) for i in ids]
