@@ -32,8 +32,8 @@ from mla_jax.generation.sampling import sample_rows
 from mla_jax.models.lm import CausalLM, ModelCache
 from mla_jax.paged_cache import PagedLayerCache, empty_pools
 from mla_jax.serving.pages import PageTable
-from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams, Sequence,
-                                      Status)
+from mla_jax.serving.requests import (MAX_LOGPROBS, MAX_SEED, RequestOutput, SamplingParams,
+                                      Sequence, Status, TokenLogprobs)
 from mla_jax.serving import step_inputs
 from mla_jax.serving.scheduler import Chunk, Scheduler, pages_for
 from mla_jax.serving.step_inputs import StepInputs, StepShape
@@ -224,8 +224,11 @@ class Engine:
     sampled, run_s = {}, 0.0
     for chunks, kind in ((batch.prefills, "prefill"), (batch.decodes, "decode")):
       if chunks:
-        tokens, seconds = self._run(chunks, kind)
-        sampled.update(zip((id(c) for c in chunks), tokens))
+        outputs, seconds = self._run(chunks, kind)
+        for b, chunk in enumerate(chunks):
+          sampled[id(chunk)] = int(outputs[0][b])
+          if chunk.samples and chunk.seq.params.logprobs is not None:
+            chunk.seq.logprobs.append(_token_logprobs(outputs, b, chunk.seq.params.logprobs))
         run_s += seconds
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)
     self.stats.steps += 1
@@ -250,14 +253,15 @@ class Engine:
     return None
 
   def _run(self, chunks: list[Chunk], kind: str):
-    """Runs one compiled step program over ``chunks`` (on every process): their sampled tokens
-    (one per chunk; meaningless for chunks that do not sample) and the seconds it ran."""
+    """Runs one compiled step program over ``chunks`` (on every process): its outputs (row b
+    for chunk b; meaningless for chunks that do not sample) and the seconds it ran. The
+    outputs are host arrays: sampled tokens [B], their log-probabilities [B], and the most
+    likely tokens' ids and log-probabilities [B, K]."""
     shape = step_inputs.step_shape(chunks, kind, self.page_size, self._data_shards)
     inputs = step_inputs.build(chunks, shape)
     if self._multiprocess:
       step_inputs.broadcast(shape.header(), inputs)
-    sampled, seconds = self._execute(shape, inputs)
-    return sampled[:len(chunks)].tolist(), seconds
+    return self._execute(shape, inputs)
 
   def _execute(self, shape: StepShape, inputs: StepInputs):
     program = self._program(shape)
@@ -266,7 +270,7 @@ class Engine:
         [sharding.put(a, mesh, sharding.BATCH_SPEC) for a in inputs.arrays()]
     t0 = time.perf_counter()
     sampled, self._pools = program(self._state_leaves, self._pools, *arrays)
-    sampled = sharding.fetch(sampled)  # a collective with several processes
+    sampled = [sharding.fetch(a) for a in sampled]  # collectives with several processes
     return sampled, time.perf_counter() - t0
 
   # ---- several processes ------------------------------------------------------------------
@@ -345,7 +349,14 @@ class Engine:
       last_BV = jnp.take_along_axis(logits_BTV, jnp.maximum(new_lens_B - 1, 0)[:, None, None],
                                     axis=1)[:, 0]
       tokens_B = sample_rows(last_BV, seeds_B, counters_B, temps_B, top_ps_B)
-      return tokens_B, tuple(tuple(c.pools for c in unit) for unit in caches.groups)
+      # Log-probabilities of the model's distribution (before temperature and top_p), computed
+      # for every row: a top-k over the vocabulary is small beside the step.
+      logprobs_BV = jax.nn.log_softmax(last_BV.astype(jnp.float32), axis=-1)
+      chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=1)[:, 0]
+      top_logprobs_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, min(MAX_LOGPROBS,
+                                                                   logprobs_BV.shape[-1]))
+      return ((tokens_B, chosen_B, top_ids_BK, top_logprobs_BK),
+              tuple(tuple(c.pools for c in unit) for unit in caches.groups))
 
     return step
 
@@ -397,3 +408,10 @@ class Engine:
                 self.pages.num_cached, self._log_tokens / (now - self._last_log),
                 len(self._programs))
     self._last_log, self._log_tokens = now, 0
+
+
+def _token_logprobs(outputs, b: int, n: int) -> TokenLogprobs:
+  """Row ``b`` of a step program's outputs as a ``TokenLogprobs`` with the ``n`` most likely."""
+  tokens_B, logprob_B, top_ids_BK, top_logprobs_BK = outputs
+  return TokenLogprobs(int(tokens_B[b]), float(logprob_B[b]),
+                       tuple(zip(top_ids_BK[b, :n].tolist(), top_logprobs_BK[b, :n].tolist())))
