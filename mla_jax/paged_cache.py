@@ -10,11 +10,15 @@ written through the same ``CacheView`` protocol as the contiguous caches.
 Where logical positions become physical rows (docs/design.md §7):
 
 * ``write`` scatters each new row to its physical slot: nothing else is touched.
-* the indexer scores a sequence's keys through its block table (``rows`` gathers the keys of
-  the pages it reaches, 132 B a token in fp8, all of which scoring reads anyway);
+* the indexer scores a sequence's keys in place: ``index_keys`` gives the whole key pool and
+  the physical row of every position, and the op reads each sequence's rows straight from the
+  pool (``Backend.indexer_logits(..., key_rows_BS=...)``);
 * top-k indices stay logical until the sparse MQA gather: ``attention_rows`` translates them to
-  physical rows of the pool, and the op reads those rows straight from the pool (the latent
-  context is never copied into a contiguous buffer).
+  physical rows of the pool, and the op reads those rows straight from the pool.
+
+Neither the keys nor the latent context is copied into a contiguous buffer on the sparse
+route; only ``rows`` gathers a sequence's rows, for the dense-MHA route (which decompresses
+every row anyway) and the training loss.
 """
 
 from __future__ import annotations
