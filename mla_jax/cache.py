@@ -105,6 +105,13 @@ class CacheView(abc.ABC):
     they are; a paged view returns its whole pool (``batched`` False) and physical rows."""
     return self.rows(num_rows)[0], topk_BTK, True
 
+  def index_keys(self, num_rows: int):
+    """``(keys, key_rows_BS)`` the indexer scores the first ``num_rows`` positions with: here
+    that sequence's keys [B, S, I] (``Fp8Keys`` parts in an fp8 cache) and None; a paged view
+    returns its whole key pool [rows, I] and each position's physical row in it (the pool
+    mode of ``Backend.indexer_logits``). Keys are None for a layer without a key cache."""
+    return self.rows(num_rows)[1], None
+
   @abc.abstractmethod
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> CacheView:
     """Appends ``new_lens_B[b]`` rows to sequence b (see ``write_rows``), quantized first in
