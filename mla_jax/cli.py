@@ -249,7 +249,8 @@ def cmd_serve(args) -> int:
       GenerationDefaults(temperature=1.0)  # OpenAI's default without a checkpoint's own
   settings = ServerSettings(
       model_name=name, tokenizer=tok, chat_template=template,
-      max_model_len=engine.max_model_len, vocab_size=config.vocab_size, api_key=api_key,
+      max_model_len=engine.max_model_len, vocab_size=config.vocab_size,
+      pool_tokens=engine.num_pages * engine.page_size, api_key=api_key,
       max_body_bytes=args.max_body_bytes, max_pending=args.max_pending,
       temperature=defaults.temperature, top_p=defaults.top_p)
   metrics = ServerMetrics(engine.num_pages)

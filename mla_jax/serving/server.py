@@ -50,6 +50,7 @@ class ServerSettings:
   chat_template: ChatTemplate
   max_model_len: int
   vocab_size: int
+  pool_tokens: int  # tokens the whole page pool holds: one request's ceiling
   api_key: str | None = None
   max_body_bytes: int = 8 * 2**20
   max_pending: int = 256
@@ -220,8 +221,9 @@ class _Handlers:
     ids = self.settings.tokenizer.encode(text, add_special_tokens=template.is_plain)
     prompt = self._prompt_ids(ids, "messages")
     max_tokens = body.token_limit
-    if max_tokens is None:  # as vLLM: whatever the context leaves
-      max_tokens = max(1, self.settings.max_model_len - len(prompt))
+    if max_tokens is None:  # as vLLM: whatever the context (and the page pool) leaves
+      room = min(self.settings.max_model_len, self.settings.pool_tokens)
+      max_tokens = max(1, room - len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await self._serve(request, body, [prompt], max_tokens, logprobs, chat=True)
 
