@@ -3,12 +3,14 @@
     python benchmarks/serve_load.py                    # recall preset, 32 clients x 8, 3 repeats
     python benchmarks/serve_load.py --clients 4 --requests 2 --repeats 2   # a quick look
 
-It starts the server as a subprocess on a free loopback port, runs the same load ``--repeats``
-times, and stops the server with SIGTERM. Each request streams a completion (official ``openai``
+It starts the server as a subprocess on a free loopback port, runs the load ``--warmup`` times
+unreported (the step programs of most shape buckets compile then), then ``--repeats`` times, and
+stops the server with SIGTERM. Each request streams a completion (official ``openai``
 client, temperature 0, ``--max-tokens`` tokens, prompts of 16-256 bytes). Per repeat it reports
 output tokens/s over the wall time, time to first token and whole-request latency at p50/p99,
-errors (goal 0), pages still in use once every request is done (goal 0: from ``/metrics``), and
-the server's RSS before and after (goal: no growth from one repeat to the next once warm). Every
+errors (goal 0), pages still in use once every request is done (goal 0: from ``/metrics``), the
+step programs compiled so far (a new shape bucket compiles one, which costs time and memory),
+and the server's RSS before and after (goal: no growth from one repeat to the next once warm). Every
 request has a timeout, the run stops by itself, and nothing leaves the machine.
 """
 
@@ -112,6 +114,7 @@ def main(argv=None) -> None:
   parser.add_argument("--clients", type=int, default=32)
   parser.add_argument("--requests", type=int, default=8, help="per client")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--warmup", type=int, default=1, help="unreported runs of the load first")
   parser.add_argument("--max-tokens", type=int, default=32)
   parser.add_argument("--num-pages", type=int, default=512)
   parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -123,6 +126,8 @@ def main(argv=None) -> None:
   proc, url = start_server(args)
   rows = []
   try:
+    for _ in range(args.warmup):
+      asyncio.run(one_repeat(url, args, texts))
     for repeat in range(args.repeats):
       before = rss_mb(proc.pid)
       results, wall = asyncio.run(one_repeat(url, args, texts))
@@ -135,18 +140,19 @@ def main(argv=None) -> None:
       rows.append([repeat + 1, len(results), f"{tokens / wall:.0f}",
                    *(f"{1e3 * v:.0f}" for v in np.percentile(ttft or [np.nan], [50, 99])),
                    *(f"{1e3 * v:.0f}" for v in np.percentile(latency or [np.nan], [50, 99])),
-                   len(errors), f"{leaked:.0f}", f"{before:.0f}", f"{rss_mb(proc.pid):.0f}"])
+                   len(errors), f"{leaked:.0f}", f"{metric(url, 'mla_jax_step_programs'):.0f}",
+                   f"{before:.0f}", f"{rss_mb(proc.pid):.0f}"])
       if errors:
         print(f"repeat {repeat + 1}: first error: {errors[0]!r}", file=sys.stderr)
   finally:
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
   header = ["repeat", "requests", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
-            "latency p50 ms", "latency p99 ms", "errors", "pages leaked", "RSS before MB",
-            "RSS after MB"]
+            "latency p50 ms", "latency p99 ms", "errors", "pages leaked", "programs",
+            "RSS before MB", "RSS after MB"]
   print(f"mla-jax serve --preset {args.preset}: {args.clients} concurrent streaming clients x "
-        f"{args.requests} requests, {args.max_tokens} tokens each, greedy; server exit code "
-        f"{code} after SIGTERM")
+        f"{args.requests} requests, {args.max_tokens} tokens each, greedy, after {args.warmup} "
+        f"warm-up run(s); server exit code {code} after SIGTERM")
   print("| " + " | ".join(header) + " |")
   print("|" + "---|" * len(header))
   for row in rows:

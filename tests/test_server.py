@@ -188,7 +188,7 @@ def test_models_health_and_metrics(server):
   text = httpx.get(f"{server.url}/metrics").text
   for name in ("mla_jax_requests_total", "mla_jax_prompt_tokens_total",
                "mla_jax_generation_tokens_total", "mla_jax_requests_running",
-               "mla_jax_requests_waiting", "mla_jax_pages_in_use",
+               "mla_jax_requests_waiting", "mla_jax_pages_in_use", "mla_jax_step_programs",
                "mla_jax_time_to_first_token_seconds_bucket",
                "mla_jax_inter_token_latency_seconds_bucket"):
     assert name in text, name
@@ -379,3 +379,43 @@ def test_api_key_overload_and_sigterm(checkpoint):
   finally:
     if s.proc.poll() is None:
       s.proc.kill()
+
+
+@pytest.mark.slow  # two processes compiling the tiny MoE model: over a minute on 2 cores
+def test_two_process_server_equals_generate_on_one():
+  """Process 0 serves HTTP and schedules; process 1 follows its steps (gloo on 127.0.0.1)."""
+  from flax import nnx
+
+  from mla_jax.models.config import tiny_moe_lm
+  from mla_jax.models.lm import CausalLM
+
+  coordinator, port = free_port(), free_port()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "mla_jax", "serve", "--preset", "tiny-moe", "--port", str(port),
+       "--mesh", "data=1,tensor=2,expert=2", "--coordinator", f"127.0.0.1:{coordinator}",
+       "--num-processes", "2", "--process-id", str(i), *SERVE_FLAGS],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+      cwd=Path(__file__).parents[1]) for i in range(2)]
+  try:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+      assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+      with contextlib.suppress(httpx.HTTPError):
+        if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+          break
+      time.sleep(0.5)
+    prompt = list(range(40, 60))
+    out = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300
+                        ).completions.create(model="tiny-moe", prompt=prompt, max_tokens=6,
+                                             temperature=0, logprobs=0)
+    model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla")
+    want = generate(model, [prompt], 6).tokens[0]
+    assert out.choices[0].text == ByteTokenizer().decode(want)
+    assert out.usage.completion_tokens == 6
+  finally:
+    procs[0].send_signal(signal.SIGTERM)
+    results = [p.communicate(timeout=120) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], results

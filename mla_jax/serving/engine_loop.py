@@ -167,3 +167,4 @@ class EngineLoop:
     self.metrics.waiting.set(len(scheduler.waiting))
     self.metrics.pages_in_use.set(pages.num_in_use)
     self.metrics.pages_cached.set(pages.num_cached)
+    self.metrics.programs.set(len(self.engine.programs))

@@ -11,7 +11,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 class ServerMetrics:
   """Requests by endpoint and status, tokens in and out, the engine's load (running, waiting,
-  pages in use), and time to first token and inter-token latency histograms."""
+  pages in use, step programs compiled), and time to first token and inter-token latency
+  histograms."""
 
   def __init__(self, num_pages: int):
     self.registry = prom.CollectorRegistry()
@@ -31,6 +32,8 @@ class ServerMetrics:
     self.pages_cached = prom.Gauge("mla_jax_pages_cached",
                                    "free cache pages that still hold a cached prefix", registry=r)
     prom.Gauge("mla_jax_pages_total", "cache pages in the pool", registry=r).set(num_pages)
+    self.programs = prom.Gauge("mla_jax_step_programs", "step programs compiled so far",
+                               registry=r)
     self.ttft = prom.Histogram("mla_jax_time_to_first_token_seconds",
                                "arrival to first generated token", buckets=_LATENCY_BUCKETS,
                                registry=r)
