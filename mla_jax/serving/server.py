@@ -286,9 +286,11 @@ class _Handlers:
       await anext(events)  # started: its cleanup now runs however the response ends
       return StreamingResponse(events, media_type="text/event-stream")
     try:
-      await self._until_finished(request, choices, updates)
+      finished = await self._until_finished(request, choices, updates)
     finally:
       self._release(choices)
+    if not finished:  # the client went away: nobody reads an answer
+      return Response(status_code=499)
     return _full_response(response_id, self.settings, choices, chat)
 
   async def _submit(self, choices: list[_Choice], params, updates: asyncio.Queue) -> None:
@@ -323,13 +325,15 @@ class _Handlers:
     choices[index].last = update
     return choices[index]
 
-  async def _until_finished(self, request: Request, choices, updates) -> None:
+  async def _until_finished(self, request: Request, choices, updates) -> bool:
+    """Waits for every choice to finish: True, or False once the client has disconnected."""
     while not all(c.last is not None and c.last.finished for c in choices):
       try:
         await asyncio.wait_for(self._next(choices, updates), timeout=1.0)
       except TimeoutError:
         if await request.is_disconnected():
-          return  # _release aborts what is left
+          return False  # _release aborts what is left
+    return True
 
   async def _stream(self, choices, updates, response_id: str, body, chat: bool
                     ) -> AsyncIterator[str]:
