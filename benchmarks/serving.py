@@ -3,6 +3,7 @@
     python benchmarks/serving.py                   # tiny and small presets (~45 minutes)
     python benchmarks/serving.py --quick           # tiny sizes, tiny preset (~2 minutes)
     python benchmarks/serving.py --preset small --requests 64 --seed 1
+    python benchmarks/serving.py --preset tiny --hf-python /path/to/venv/bin/python  # + HF
 
 Every figure comes from one run (XLA:CPU, random weights from ``randomize_params``, greedy
 sampling, no end-of-sequence id, so every request produces exactly its ``max_tokens``); this
@@ -11,7 +12,9 @@ machine is shared and noisy, so compare the ratios within a table, not tables of
 1. Throughput: ``--requests`` requests (prompt lengths log-uniform, output lengths uniform), all
    arriving at once. Output tokens/s of the Engine against ``generate`` over static batches of
    ``max_num_seqs`` requests in arrival order, each batch running to its longest ``max_tokens``
-   (only each request's own tokens count as output).
+   (only each request's own tokens count as output). With ``--hf-python`` (an interpreter with
+   torch and transformers), also HF transformers ``generate`` over the same static batches
+   (``hf_static_batches.py``: left-padded, eager, tiny preset only).
 2. Shared prefix: requests sharing a long prefix plus a short distinct suffix, all at once: time
    to first token with prefix caching and without (``Engine(prefix_caching=False)``).
 3. Latency: Poisson arrivals at fractions of the request rate the Engine sustained in (1);
@@ -59,9 +62,7 @@ from mla_jax.testing import randomize_params  # noqa: E402
 PAGE_SIZE = 64
 HOST_GOAL_S = 1e-3
 HOST_SEQS = 32  # running sequences of the host-time measurement
-HF_NOTE = ("HF transformers static batches: not measured. benchmarks/decode.py's side venv "
-           "(--hf-python, hf_eager_decode.py) times equal-length batches of the tiny preset "
-           "only; ragged static batches would need left padding there.")
+HF_PRESET = "tiny"  # the one preset hf_eager_decode.py builds in transformers' classes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +260,27 @@ def static_batches(model: CausalLM, requests: list[Request], batch: int) -> Stat
   return out
 
 
-def throughput(model: CausalLM, sizes: Sizes, rng: np.random.Generator) -> dict:
+def hf_static_batches(hf_python: str, requests: list[Request], batch: int) -> dict:
+  """HF transformers over the same static batches, in the side interpreter ``hf_python``."""
+  import json
+  import subprocess
+  import tempfile
+
+  with tempfile.TemporaryDirectory() as tmp:
+    work = os.path.join(tmp, "requests.json")
+    with open(work, "w") as f:
+      json.dump({"prompts": [r.prompt for r in requests],
+                 "max_tokens": [r.max_tokens for r in requests]}, f)
+    done = subprocess.run([hf_python, os.path.join(HERE, "hf_static_batches.py"), work,
+                           os.path.join(tmp, "ckpt"), "--batch", str(batch)],
+                          capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise SystemExit(f"--hf-python {hf_python} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def throughput(model: CausalLM, sizes: Sizes, rng: np.random.Generator,
+               hf_python: str | None = None) -> dict:
   requests = random_requests(rng, sizes.requests, sizes.prompt_lens, sizes.output_lens)
   warm, runs = measured({
       "engine": lambda: drive(make_engine(model, sizes), requests),
@@ -271,7 +292,9 @@ def throughput(model: CausalLM, sizes: Sizes, rng: np.random.Generator) -> dict:
           "engine_compile_s": warm["engine"].compile_s,
           "static_compile_s": warm["static"].compile_s,
           "request_rate": len(requests) / trace.elapsed, "steps": trace.steps,
-          "preemptions": trace.preemptions, "same": same}
+          "preemptions": trace.preemptions, "same": same,
+          "hf": None if hf_python is None else hf_static_batches(hf_python, requests,
+                                                                 sizes.max_num_seqs)}
 
 
 # ---- 2. shared prefix --------------------------------------------------------------------
@@ -346,15 +369,30 @@ def report_throughput(results: dict[str, dict], sizes: Sizes) -> None:
         f"{sizes.max_step_tokens}, pages of {PAGE_SIZE}. Output tokens/s of the measured run "
         f"(after a warm-up run that compiled for the seconds shown). Static useful: the share "
         f"of the static batches' decoded tokens that are requests' own.\n")
+  def hf(t, column):
+    if t["hf"] is None:
+      return "-"
+    tps = t["hf"]["useful"] / t["hf"]["seconds"]
+    return f"{tps:.0f}" if column == "tps" else f"{t['engine_tps'] / tps:.1f}x"
+
   table(["preset", "requests", "engine tok/s", "static tok/s", "engine / static",
-         "static useful", "warm-up compile s, engine / static", "engine steps", "preemptions",
+         "HF static tok/s", "engine / HF", "static useful",
+         "warm-up compile s, engine / static", "engine steps", "preemptions",
          "same greedy tokens"],
         [[p, t["requests"], f"{t['engine_tps']:.0f}", f"{t['static_tps']:.0f}",
-          f"{t['engine_tps'] / t['static_tps']:.2f}x", f"{t['useful']:.0%}",
-          f"{t['engine_compile_s']:.0f} / {t['static_compile_s']:.0f}", t["steps"],
-          t["preemptions"], f"{t['same']}/{t['requests']}"]
+          f"{t['engine_tps'] / t['static_tps']:.2f}x", hf(t, "tps"), hf(t, "ratio"),
+          f"{t['useful']:.0%}", f"{t['engine_compile_s']:.0f} / {t['static_compile_s']:.0f}",
+          t["steps"], t["preemptions"], f"{t['same']}/{t['requests']}"]
          for p, t in ((p, r["throughput"]) for p, r in results.items())])
-  print(HF_NOTE + "\n")
+  versions = [r["throughput"]["hf"] for r in results.values() if r["throughput"]["hf"]]
+  if versions:
+    v = versions[0]
+    print(f"HF: transformers {v['transformers']}, torch {v['torch']} ({v['threads']} threads), "
+          f"eager attention with the KV cache, left-padded static batches, the {HF_PRESET} "
+          "preset's dimensions with its own random weights.")
+  else:
+    print(f"HF: not measured (give --hf-python; {HF_PRESET} preset only).")
+  print()
 
 
 def report_prefix(results: dict[str, dict], sizes: Sizes) -> None:
@@ -393,10 +431,11 @@ def report_host(results: dict[str, dict]) -> None:
          for p, h in ((p, r["host"]) for p, r in results.items())])
 
 
-def run_preset(preset: str, sizes: Sizes, seed: int) -> dict:
+def run_preset(preset: str, sizes: Sizes, seed: int, hf_python: str | None = None) -> dict:
   model = build_model(preset, seed)
   rng = lambda tag: np.random.default_rng((seed, tag))
-  out = {"throughput": throughput(model, sizes, rng(1))}
+  out = {"throughput": throughput(model, sizes, rng(1),
+                                  hf_python if preset == HF_PRESET else None)}
   out["prefix"] = shared_prefix(model, sizes, rng(2))
   out["latency"] = latency(model, sizes, rng(3), out["throughput"]["request_rate"])
   out["host"] = host_time(model, sizes, rng(4))
@@ -410,6 +449,9 @@ def main(argv=None) -> None:
   parser.add_argument("--requests", type=int, help="throughput requests (default 256; quick 8)")
   parser.add_argument("--quick", action="store_true", help="tiny sizes, tiny preset (~2 minutes)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--hf-python", metavar="PYTHON",
+                      help="an interpreter with torch and transformers: adds HF static batches "
+                           f"to the throughput table ({HF_PRESET} preset)")
   args = parser.parse_args(argv)
   sizes = QUICK if args.quick else FULL
   if args.requests is not None:
@@ -420,7 +462,7 @@ def main(argv=None) -> None:
   t0 = time.perf_counter()
   results = {}
   for preset in presets:
-    results[preset] = run_preset(preset, sizes, args.seed)
+    results[preset] = run_preset(preset, sizes, args.seed, args.hf_python)
     print(f"[{preset} measured, {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
   print(f"# Serving benchmark (XLA on {jax.devices()[0].platform}, seed {args.seed})\n")
   report_throughput(results, sizes)
