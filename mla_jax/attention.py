@@ -364,8 +364,9 @@ class MLAAttentionBase(nnx.Module):
     new_cache = cache.write(latent_BTL, keys_BTI, new_lens_B)
     index_logits_BTS = None
     if plan.indexer_loss is not None and self.indexer is not None:
-      index_logits_BTS = self.indexer.logits(index_x_BTD, index_q_BTC, positions_BT,
-                                             new_cache.rows(plan.kv_rows)[1], self.ops)
+      keys, key_rows_BS = new_cache.index_keys(plan.kv_rows)
+      index_logits_BTS = self.indexer.logits(index_x_BTD, index_q_BTC, positions_BT, keys,
+                                             self.ops, key_rows_BS=key_rows_BS)
     return PreparedStep(x_BTD, positions_BT, q_resid_BTC, q_nope_BTHN, q_pe_BTHR,
                         cache.lengths_B, new_lens_B, new_cache, index_logits_BTS)
 
@@ -378,10 +379,12 @@ class MLAAttentionBase(nnx.Module):
       return shared_topk_BTK
     if step.index_logits_BTS is not None:
       return topk_indices(step.index_logits_BTS, self.config.indexer.topk)  # scored once
-    _, keys_BSI = step.cache.rows(plan.kv_rows)
+    # A paged cache's keys are read in place: its pool and each position's physical row.
+    keys, key_rows_BS = step.cache.index_keys(plan.kv_rows)
     with jax.named_scope("indexer_score"):
-      return self.indexer.select(step.x_BTD, step.q_resid_BTC, step.positions_BT, keys_BSI,
-                                 self.ops, chunk_size=self.index_chunk_size)
+      return self.indexer.select(step.x_BTD, step.q_resid_BTC, step.positions_BT, keys,
+                                 self.ops, chunk_size=self.index_chunk_size,
+                                 key_rows_BS=key_rows_BS)
 
   def _indexer_kl(self, step: PreparedStep, plan: StepPlan, selected_BTK):
     """Mean over real tokens of KL(head-summed main attention || softmax(indexer scores))."""

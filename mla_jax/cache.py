@@ -82,12 +82,12 @@ class CacheView(abc.ABC):
   def capacity(self) -> int: ...
 
   @property
-  @abc.abstractmethod
-  def latent_dim(self) -> int: ...
+  def latent_dim(self) -> int:
+    return _row_width(self.buffers.pools[0])
 
   @property
-  @abc.abstractmethod
-  def has_index_keys(self) -> bool: ...
+  def has_index_keys(self) -> bool:
+    return self.buffers.pools[1] is not None
 
   @property
   @abc.abstractmethod
@@ -104,6 +104,13 @@ class CacheView(abc.ABC):
     over the first ``num_rows`` rows: here that sequence's rows [B, S, ...] and the indices as
     they are; a paged view returns its whole pool (``batched`` False) and physical rows."""
     return self.rows(num_rows)[0], topk_BTK, True
+
+  def index_keys(self, num_rows: int):
+    """``(keys, key_rows_BS)`` the indexer scores the first ``num_rows`` positions with: here
+    that sequence's keys [B, S, I] (``Fp8Keys`` parts in an fp8 cache) and None; a paged view
+    returns its whole key pool [rows, I] and each position's physical row in it (the pool
+    mode of ``Backend.indexer_logits``). Keys are None for a layer without a key cache."""
+    return self.rows(num_rows)[1], None
 
   @abc.abstractmethod
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> CacheView:
@@ -135,14 +142,6 @@ class LayerCache(CacheView):
   @property
   def capacity(self) -> int:
     return _row_array(self.latent_BSL).shape[1]
-
-  @property
-  def latent_dim(self) -> int:
-    return _row_width(self.latent_BSL)
-
-  @property
-  def has_index_keys(self) -> bool:
-    return self.index_keys_BSI is not None
 
   @property
   def buffers(self) -> LayerCache:
@@ -205,14 +204,6 @@ class StackedLayerView(CacheView):
   @property
   def capacity(self) -> int:
     return _row_array(self.stacked.latent_BSL).shape[2]
-
-  @property
-  def latent_dim(self) -> int:
-    return _row_width(self.stacked.latent_BSL)
-
-  @property
-  def has_index_keys(self) -> bool:
-    return self.stacked.index_keys_BSI is not None
 
   @property
   def buffers(self) -> LayerCache:
@@ -315,14 +306,28 @@ def bucket_rows(needed: int, capacity: int) -> int:
   needed, capacity = int(needed), int(capacity)  # NumPy integers have no bit_length
   if needed > capacity:
     raise ValueError(f"{needed} cache rows are needed but the capacity is {capacity}")
-  return min(capacity, max(MIN_BUCKET, 1 << max(needed - 1, 0).bit_length()))
+  return min(capacity, power_of_two_bucket(needed, MIN_BUCKET))
+
+
+def power_of_two_bucket(n: int, minimum: int = 1) -> int:
+  """``n`` rounded up to a power of two, at least ``minimum``: few distinct static shapes."""
+  return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def scatter_part(stored, new_rows_BTX, index):
+  """Every array of the cache part ``stored`` with ``new_rows_BTX`` (encoded in its layout) set
+  at ``index``; rows whose index is out of range are dropped, never clamped onto valid rows."""
+  encoded = fp8_cache.encode_like(stored, new_rows_BTX)
+  return jax.tree.map(lambda buffer, rows: buffer.at[index].set(rows.astype(buffer.dtype),
+                                                                mode="drop"), stored, encoded)
 
 
 def _write_part(stored, new_rows_BTX, start_B, new_lens_B, *, layer=None):
   """``write_rows`` for every array of a cache part, the new rows encoded in its layout."""
-  encoded = fp8_cache.encode_like(stored, new_rows_BTX)
-  return jax.tree.map(lambda buffer, rows: write_rows(buffer, rows, start_B, new_lens_B,
-                                                      layer=layer), stored, encoded)
+  leading = _row_array(stored).shape[(0 if layer is None else 1):]
+  index = _write_index(leading[0], leading[1], new_rows_BTX.shape[1], start_B, new_lens_B,
+                       layer)
+  return scatter_part(stored, new_rows_BTX, index)
 
 
 def write_rows(buffer, rows_BTX, start_B, new_lens_B, *, layer=None):
@@ -333,10 +338,15 @@ def write_rows(buffer, rows_BTX, start_B, new_lens_B, *, layer=None):
   ``dynamic_update_slice`` would do).
   """
   batch_axis = 0 if layer is None else 1
-  num_seqs, capacity = buffer.shape[batch_axis], buffer.shape[batch_axis + 1]
-  t_T = jnp.arange(rows_BTX.shape[1], dtype=jnp.int32)
+  index = _write_index(buffer.shape[batch_axis], buffer.shape[batch_axis + 1],
+                       rows_BTX.shape[1], start_B, new_lens_B, layer)
+  return buffer.at[index].set(rows_BTX.astype(buffer.dtype), mode="drop")
+
+
+def _write_index(num_seqs: int, capacity: int, num_tokens: int, start_B, new_lens_B, layer):
+  """Where ``write_rows`` puts row t of sequence b; padding rows point past the capacity."""
+  t_T = jnp.arange(num_tokens, dtype=jnp.int32)
   dest_BT = start_B[:, None] + t_T[None, :]
   dest_BT = jnp.where(t_T[None, :] < new_lens_B[:, None], dest_BT, capacity)
   batch_BT = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], dest_BT.shape)
-  index = (batch_BT, dest_BT) if layer is None else (layer, batch_BT, dest_BT)
-  return buffer.at[index].set(rows_BTX.astype(buffer.dtype), mode="drop")
+  return (batch_BT, dest_BT) if layer is None else (layer, batch_BT, dest_BT)

@@ -19,7 +19,8 @@ from flax import nnx
 from mla_jax import presets, sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
 from mla_jax.cache import CACHE_DTYPE_NAMES, init_layer_cache
-from mla_jax.checkpoints.generation_config import GenerationDefaults, read_generation_config
+from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, GenerationDefaults,
+                                                   read_generation_config)
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
@@ -207,6 +208,67 @@ def cmd_generate(args) -> int:
   return 0
 
 
+def cmd_serve(args) -> int:
+  """Builds the model and the engine, then serves until SIGTERM (process 0; the other
+  processes of a multi-process run follow its steps)."""
+  name = args.served_model_name or (Path(args.checkpoint).name if args.checkpoint else
+                                    args.preset)
+  if args.preset in TRAINED_PRESETS and not args.checkpoint:
+    args.checkpoint = str(TRAINED_PRESETS[args.preset])
+    args.dtype = args.dtype or "float32"
+  api_key = args.api_key or os.environ.get("MLA_JAX_API_KEY")
+  mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
+  _start_processes(args)
+  import jax
+
+  from mla_jax.serving import Engine
+  from mla_jax.serving.chat import ChatTemplate
+  from mla_jax.serving.engine_loop import EngineLoop
+  from mla_jax.serving.metrics import ServerMetrics
+  from mla_jax.serving.server import ServerSettings, create_app, run
+
+  mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
+  config = _config(args)
+  tok = tokenizer.checkpoint_tokenizer(args.checkpoint) if args.checkpoint else \
+      tokenizer.ByteTokenizer()
+  if isinstance(tok, tokenizer.HFTokenizer):
+    tok.check_fits(config.vocab_size)
+  template = ChatTemplate.from_checkpoint(args.checkpoint)
+  model = _build_model(args, config, mesh)
+  engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
+                  max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
+                  max_model_len=args.max_model_len, cache_dtype=args.cache_dtype,
+                  tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
+                  prefix_caching=args.prefix_caching, log_interval=args.log_interval,
+                  seed=args.seed)
+  if jax.process_index() != 0:
+    engine.follow()
+    return 0
+  has_defaults = args.checkpoint and (Path(args.checkpoint) / GENERATION_CONFIG).is_file()
+  defaults = read_generation_config(args.checkpoint) if has_defaults else \
+      GenerationDefaults(temperature=1.0)  # OpenAI's default without a checkpoint's own
+  settings = ServerSettings(
+      model_name=name, tokenizer=tok, chat_template=template,
+      max_model_len=engine.max_model_len, vocab_size=config.vocab_size,
+      pool_tokens=engine.num_pages * engine.page_size, api_key=api_key,
+      max_body_bytes=args.max_body_bytes, max_pending=args.max_pending,
+      temperature=defaults.temperature, top_p=defaults.top_p)
+  metrics = ServerMetrics(engine.num_pages)
+  loop = EngineLoop(engine, metrics)
+  app = create_app(loop, settings, metrics)
+  print(f"serving {name!r} ({type(model.layer_module(0).self_attn).__name__} x "
+        f"{config.num_layers} layers, backend {model.backend.name}, {engine.num_pages} pages "
+        f"of {engine.page_size} tokens, context {engine.max_model_len}, chat template "
+        f"{'plain' if template.is_plain else 'from tokenizer_config.json'}) on "
+        f"http://{args.host}:{args.port}/v1", flush=True)
+  try:
+    run(app, loop, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+  finally:
+    engine.shutdown()  # releases the other processes of a multi-process run
+    print("server stopped", flush=True)
+  return 0
+
+
 def cmd_routes(args) -> int:
   """Per prefill length: each class's route, whether scoring ran, and the outputs' difference."""
   from mla_jax import testing
@@ -287,8 +349,38 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also show the mla_jax logger's INFO messages (e.g. which route "
                            "a layer class cannot take); by default only warnings")
   sub = parser.add_subparsers(dest="command", required=True)
+  model = argparse.ArgumentParser(add_help=False)  # the model, its caches and processes
+  model.add_argument("--preset", choices=sorted(PRESETS | TRAINED_PRESETS),
+                     default=DEFAULT_PRESET,
+                     help=f"built-in model (default {DEFAULT_PRESET}): recall is the shipped "
+                          "model trained on key-value lookups (prompts like "
+                          f"'{RECALL_PROMPT}' -> 'X'); the others have random weights from "
+                          "--seed")
+  model.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face safetensors checkpoint")
+  model.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
+  model.add_argument("--attention", choices=ATTENTION_KINDS, default="mqa-only")
+  model.add_argument("--seed", type=int_in(0, 2**32), default=0)
+  model.add_argument("--dtype", choices=sorted(_DTYPES),
+                     help="parameters: bf16 (checkpoint default), float32 (preset default) or "
+                          "fp8 (a checkpoint's float8 weights stay float8)")
+  model.add_argument("--compute-dtype", choices=sorted(_COMPUTE_DTYPES),
+                     help="with --dtype fp8: the dtype the model computes in and holds its "
+                          "other parameters in (default bf16; float32 to compare an fp8 "
+                          "checkpoint with a float32 reference)")
+  model.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default="fp32",
+                     help="latent and indexer-key caches; fp8: e4m3 values with float32 scales")
+  model.add_argument("--mesh", metavar="SPEC",
+                     help="shard over a device mesh, e.g. data=1,tensor=2,expert=2 (the "
+                          "product must equal the number of devices of all processes)")
+  model.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="multi-process run: the jax.distributed coordinator (process 0's "
+                          "host)")
+  model.add_argument("--num-processes", type=int_in(1),
+                     help="multi-process run: number of processes")
+  model.add_argument("--process-id", type=int_in(0),
+                     help="multi-process run: this process, 0-based")
   gen = sub.add_parser(
-      "generate", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
+      "generate", parents=[common, model], formatter_class=argparse.RawDescriptionHelpFormatter,
       help="jit-compiled generation on a built-in or HF model",
       description="jit-compiled generation on a built-in or HF model.\n\n"
                   "The default preset, recall, is a small model trained on key-value lookups: "
@@ -296,13 +388,6 @@ def build_parser() -> argparse.ArgumentParser:
                   "stored under k:\n\n"
                   f"  mla-jax generate --prompt \"{RECALL_PROMPT}\" --max-new-tokens 1\n\n"
                   "answers X (its prompt when neither --prompt nor --prompt-len is given).")
-  gen.add_argument("--preset", choices=sorted(PRESETS | TRAINED_PRESETS),
-                   default=DEFAULT_PRESET,
-                   help=f"built-in model (default {DEFAULT_PRESET}): recall is the shipped "
-                        "model trained on key-value lookups (prompts like "
-                        f"'{RECALL_PROMPT}' -> 'X'); the others have random weights from "
-                        "--seed")
-  gen.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face safetensors checkpoint")
   source = gen.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text prompt (the checkpoint's tokenizer.json, else the "
                                        "byte-level tokenizer)")
@@ -312,16 +397,6 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--max-new-tokens", type=int_in(1),
                    help=f"tokens to generate (default {DEFAULT_NEW_TOKENS}; 1 for the recall "
                         "preset, whose answers are one token)")
-  gen.add_argument("--backend", choices=BACKEND_NAMES, default="auto")
-  gen.add_argument("--attention", choices=ATTENTION_KINDS, default="mqa-only")
-  gen.add_argument("--seed", type=int_in(0, 2**32), default=0)
-  gen.add_argument("--dtype", choices=sorted(_DTYPES),
-                   help="parameters: bf16 (checkpoint default), float32 (preset default) or "
-                        "fp8 (a checkpoint's float8 weights stay float8)")
-  gen.add_argument("--compute-dtype", choices=sorted(_COMPUTE_DTYPES),
-                   help="with --dtype fp8: the dtype the model computes in and holds its other "
-                        "parameters in (default bf16; float32 to compare an fp8 checkpoint "
-                        "with a float32 reference)")
   gen.add_argument("--temperature", type=float_in(0.0, math.inf),
                    help="0 is greedy (default: the checkpoint's generation_config.json, else 0)")
   gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True),
@@ -330,17 +405,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop at the tokenizer's EOS id(s)")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--batch", type=int_in(1), default=1, help="sequences (copies of the prompt)")
-  gen.add_argument("--cache-dtype", choices=CACHE_DTYPE_NAMES, default="fp32",
-                   help="latent and indexer-key caches; fp8: e4m3 values with float32 scales")
-  gen.add_argument("--mesh", metavar="SPEC",
-                   help="shard over a device mesh, e.g. data=1,tensor=2,expert=2 (the product "
-                        "must equal the number of devices of all processes)")
-  gen.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="multi-process run: the jax.distributed coordinator (process 0's host)")
-  gen.add_argument("--num-processes", type=int_in(1),
-                   help="multi-process run: number of processes")
-  gen.add_argument("--process-id", type=int_in(0), help="multi-process run: this process, 0-based")
   gen.set_defaults(func=cmd_generate)
+  serve = sub.add_parser(
+      "serve", parents=[common, model],
+      help="an OpenAI-compatible HTTP server (completions, chat, streaming) on the engine",
+      description="An OpenAI-compatible HTTP server on the engine (docs/serving.md): "
+                  "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+  serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  serve.add_argument("--port", type=int_in(1, 65535), default=8000)
+  serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (also "
+                                        "read from MLA_JAX_API_KEY)")
+  serve.add_argument("--served-model-name",
+                     help="the model id clients name (default: the preset, or the checkpoint "
+                          "directory's name)")
+  serve.add_argument("--num-pages", type=int_in(1), default=512,
+                     help="cache pages in the pool (each of --page-size tokens in every layer)")
+  serve.add_argument("--page-size", type=int_in(1), default=64)
+  serve.add_argument("--max-num-seqs", type=int_in(1), default=32,
+                     help="sequences running at once")
+  serve.add_argument("--max-step-tokens", type=int_in(1), default=512,
+                     help="tokens computed per engine step (long prompts are chunked)")
+  serve.add_argument("--max-model-len", type=int_in(2),
+                     help="longest prompt + output (default: the model's positions)")
+  serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                     help="do not reuse the cached pages of shared prompt prefixes")
+  serve.add_argument("--max-pending", type=int_in(1), default=256,
+                     help="requests queued or running at once; more get 429 with Retry-After")
+  serve.add_argument("--max-body-bytes", type=int_in(1), default=8 * 2**20,
+                     help="largest request body (413 beyond)")
+  serve.add_argument("--shutdown-timeout", type=float_in(0.0, math.inf), default=10.0,
+                     help="seconds SIGTERM leaves requests in flight before aborting them")
+  serve.add_argument("--log-interval", type=float_in(0.0, math.inf, low_open=True),
+                     default=10.0, help="seconds between engine stats lines (with -v)")
+  serve.set_defaults(func=cmd_serve)
   routes = sub.add_parser("routes", parents=[common],
                           help="route demo: which route each module class takes")
   routes.add_argument("--backend", choices=BACKEND_NAMES, default="xla")

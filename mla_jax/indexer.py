@@ -50,17 +50,18 @@ def topk_indices(logits_BTS, k: int):
   return idx
 
 
-def _scoring_operands(q_BTGI, keys_BSI, w_BTG):
+def _scoring_operands(q_BTGI, keys, w_BTG, *, pooled: bool):
   """``(q, keys, w, key scales or None)`` for ``Backend.indexer_logits``.
 
   With fp8 keys (``Fp8Keys``) the queries are quantized to e4m3 too, one scale per (token,
   head) folded into the head weights, and the per-key scales go to the backend; float keys
-  are cast to the queries' dtype (a cache may be wider than the model's dtype).
+  are cast to the queries' dtype (a cache may be wider than the model's dtype). A pool
+  (``pooled``) is left as it is: the op casts the rows it reads, the pool is never copied.
   """
-  if isinstance(keys_BSI, Fp8Keys):
+  if isinstance(keys, Fp8Keys):
     q_BTGI, w_BTG = quantize_indexer_queries(q_BTGI, w_BTG)
-    return q_BTGI, keys_BSI.values, w_BTG, keys_BSI.scales
-  return q_BTGI, keys_BSI.astype(q_BTGI.dtype), w_BTG, None
+    return q_BTGI, keys.values, w_BTG, keys.scales
+  return q_BTGI, keys if pooled else keys.astype(q_BTGI.dtype), w_BTG, None
 
 
 class Indexer(nnx.Module):
@@ -102,32 +103,38 @@ class Indexer(nnx.Module):
     w_BTG = self.weights_proj(x_BTD.astype(jnp.float32)) * ic.score_scale
     return q_BTGI, w_BTG
 
-  def logits(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend):
+  def logits(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, key_rows_BS=None):
     """Every query's scores [B, T, S] against the cached keys, -inf past its causal end.
 
-    Unchunked, for training: the indexer loss needs the whole score matrix.
+    Unchunked, for training: the indexer loss needs the whole score matrix. ``keys_BSI`` and
+    ``key_rows_BS`` as in ``select``.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
-    q_BTGI, keys_BSI, w_BTG, k_scale_BS = _scoring_operands(q_BTGI, keys_BSI, w_BTG)
+    q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, keys_BSI, w_BTG,
+                                                     pooled=key_rows_BS is not None)
     ends_BT = positions_BT + 1  # causal, self included
-    return backend.indexer_logits(q_BTGI, keys_BSI, w_BTG, jnp.zeros_like(ends_BT), ends_BT,
-                                  k_scale_BS=k_scale_BS)
+    return backend.indexer_logits(q_BTGI, keys, w_BTG, jnp.zeros_like(ends_BT), ends_BT,
+                                  k_scale_BS=k_scale, key_rows_BS=key_rows_BS)
 
-  def select(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, chunk_size: int):
-    """Top-k rows of ``keys_BSI`` for every query: int32 [B, T, topk], -1 padded.
+  def select(self, x_BTD, q_resid_BTC, positions_BT, keys_BSI, backend, *, chunk_size: int,
+             key_rows_BS=None):
+    """Top-k positions of the cached keys for every query: int32 [B, T, topk], -1 padded.
 
-    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache, see ``_scoring_operands``).
-    Query rows are scored ``chunk_size`` at a time so that a
-    long prefill never holds more than a [B, chunk_size, S] block of logits.
+    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache, see ``_scoring_operands``): each
+    sequence's keys [B, S, I], or, with ``key_rows_BS`` (int32 [B, S], what
+    ``CacheView.index_keys`` gives), a pool of key rows [P, I] that position s of sequence b
+    reads at row ``key_rows_BS[b, s]``. Query rows are scored ``chunk_size`` at a time so that
+    a long prefill never holds more than a [B, chunk_size, S] block of logits.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
-    q_BTGI, keys_BSI, w_BTG, k_scale_BS = _scoring_operands(q_BTGI, keys_BSI, w_BTG)
+    q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, keys_BSI, w_BTG,
+                                                     pooled=key_rows_BS is not None)
     ends_BT = positions_BT + 1  # causal, self included
     topk = self.config.indexer.topk
 
     def score(q, w, ends):
-      logits = backend.indexer_logits(q, keys_BSI, w, jnp.zeros_like(ends), ends,
-                                      k_scale_BS=k_scale_BS)
+      logits = backend.indexer_logits(q, keys, w, jnp.zeros_like(ends), ends,
+                                      k_scale_BS=k_scale, key_rows_BS=key_rows_BS)
       return topk_indices(logits, topk)
 
     b, t = ends_BT.shape

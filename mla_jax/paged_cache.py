@@ -10,11 +10,15 @@ written through the same ``CacheView`` protocol as the contiguous caches.
 Where logical positions become physical rows (docs/design.md §7):
 
 * ``write`` scatters each new row to its physical slot: nothing else is touched.
-* the indexer scores a sequence's keys through its block table (``rows`` gathers the keys of
-  the pages it reaches, 132 B a token in fp8, all of which scoring reads anyway);
+* the indexer scores a sequence's keys in place: ``index_keys`` gives the whole key pool and
+  the physical row of every position, and the op reads each sequence's rows straight from the
+  pool (``Backend.indexer_logits(..., key_rows_BS=...)``);
 * top-k indices stay logical until the sparse MQA gather: ``attention_rows`` translates them to
-  physical rows of the pool, and the op reads those rows straight from the pool (the latent
-  context is never copied into a contiguous buffer).
+  physical rows of the pool, and the op reads those rows straight from the pool.
+
+Neither the keys nor the latent context is copied into a contiguous buffer on the sparse
+route; only ``rows`` gathers a sequence's rows, for the dense-MHA route (which decompresses
+every row anyway) and the training loss.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from mla_jax import fp8_cache
-from mla_jax.cache import CacheView, _readable, _row_array, _row_width, empty_layer_cache
+from mla_jax.cache import CacheView, _readable, _row_array, empty_layer_cache, scatter_part
 from mla_jax.config import MLAConfig
 
 
@@ -85,14 +89,6 @@ class PagedLayerView(CacheView):
     return self.stacked.block_table_BN.shape[1] * self.stacked.page_size
 
   @property
-  def latent_dim(self) -> int:
-    return _row_width(self.stacked.latent_RL)
-
-  @property
-  def has_index_keys(self) -> bool:
-    return self.stacked.index_keys_RI is not None
-
-  @property
   def buffers(self) -> PagedLayerCache:
     return self.stacked
 
@@ -109,22 +105,36 @@ class PagedLayerView(CacheView):
     """Rows ``rows_BS`` of this layer of a pool part: [B, S, ...] (only those rows are read)."""
     return jax.tree.map(lambda a: a[self.index, rows_BS], part)
 
+  def _positions(self, num_rows: int):
+    """Logical positions ``[0, num_rows)`` of every sequence: int32 [B, num_rows]."""
+    return jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32), (self.batch_size, num_rows))
+
   def rows(self, num_rows: int):
-    positions_BS = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32),
-                                    (self.batch_size, num_rows))
-    rows_BS = self.physical_rows(positions_BS)
+    rows_BS = self.physical_rows(self._positions(num_rows))
     keys = self.stacked.index_keys_RI
     return _readable((self._gather(self.stacked.latent_RL, rows_BS),
                       None if keys is None else self._gather(keys, rows_BS)))
 
+  def _in_flat_pool(self, part, rows):
+    """The whole pool ``part``, its layers flattened into rows (a free reshape), and this
+    layer's ``rows`` as rows of it (-1 stays -1): what the ops read in place."""
+    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
+    rows = jnp.where(rows >= 0, rows + self.index * _rows_per_layer(part), -1)
+    return fp8_cache.readable(flat), rows
+
   def attention_rows(self, topk_BTK, num_rows: int):
-    """The whole pool, layers flattened into rows (a free reshape), and the physical rows of
-    ``topk_BTK``: the op gathers the selected rows from the pool itself."""
-    per_layer = _rows_per_layer(self.stacked.latent_RL)
-    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self.stacked.latent_RL)
-    rows_BTK = self.physical_rows(topk_BTK)
-    rows_BTK = jnp.where(rows_BTK >= 0, rows_BTK + self.index * per_layer, -1)
-    return fp8_cache.readable(flat), rows_BTK, False
+    """The latent pool and the physical rows of ``topk_BTK``: the op gathers the selected
+    rows from the pool itself."""
+    latent, rows_BTK = self._in_flat_pool(self.stacked.latent_RL, self.physical_rows(topk_BTK))
+    return latent, rows_BTK, False
+
+  def index_keys(self, num_rows: int):
+    """The key pool and the physical rows of positions ``[0, num_rows)``: the indexer reads
+    each sequence's keys from the pool itself."""
+    keys = self.stacked.index_keys_RI
+    if keys is None:
+      return None, None
+    return self._in_flat_pool(keys, self.physical_rows(self._positions(num_rows)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> PagedLayerView:
     lengths_B = self.lengths_B
@@ -133,12 +143,7 @@ class PagedLayerView(CacheView):
     real_BT = (t_T[None, :] < new_lens_B[:, None]) & (positions_BT < self.capacity)
     dest_BT = jnp.where(real_BT, self.physical_rows(positions_BT),
                         _rows_per_layer(self.stacked.latent_RL))  # past the pool: dropped
-
-    def write_part(stored, new):
-      encoded = fp8_cache.encode_like(stored, new)
-      return jax.tree.map(lambda buf, rows: buf.at[self.index, dest_BT].set(
-          rows.astype(buf.dtype), mode="drop"), stored, encoded)
-
+    write_part = lambda stored, new: scatter_part(stored, new, (self.index, dest_BT))
     keys = self.stacked.index_keys_RI
     stacked = dataclasses.replace(
         self.stacked, latent_RL=write_part(self.stacked.latent_RL, latent_BTL),

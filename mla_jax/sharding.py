@@ -62,7 +62,10 @@ HEADS_SPEC = P(DATA, None, TENSOR)
 OP_SPECS = {  # op -> (in_specs, out_specs)
     "sparse_mqa": ((HEADS_SPEC, BATCH_SPEC, BATCH_SPEC), (HEADS_SPEC, HEADS_SPEC)),
     "sparse_mqa_pool": ((HEADS_SPEC, REPLICATED, BATCH_SPEC), (HEADS_SPEC, HEADS_SPEC)),
-    "indexer_logits": ((BATCH_SPEC,) * 6, BATCH_SPEC),  # q, k, w, starts, ends[, k scales]
+    # q, k, w, starts, ends, k scales (or None), key rows (None unless k is a pool)
+    "indexer_logits": ((BATCH_SPEC,) * 7, BATCH_SPEC),
+    "indexer_logits_pool": ((BATCH_SPEC, REPLICATED, *(BATCH_SPEC,) * 3, REPLICATED, BATCH_SPEC),
+                            BATCH_SPEC),
     "dense_mha": ((HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, BATCH_SPEC, BATCH_SPEC),
                   (HEADS_SPEC, HEADS_SPEC)),
     "masked_mha": ((HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC),

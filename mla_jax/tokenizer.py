@@ -29,8 +29,9 @@ class Tokenizer(abc.ABC):
   eos_ids: tuple[int, ...]
 
   @abc.abstractmethod
-  def encode(self, text: str) -> list[int]:
-    """Token ids of ``text``, BOS first where the tokenizer adds one."""
+  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``, BOS first where the tokenizer adds one (``add_special_tokens``
+    False: none added, for text that spells its own, as a rendered chat template does)."""
 
   @abc.abstractmethod
   def decode(self, ids) -> str:
@@ -63,8 +64,8 @@ class ByteTokenizer(Tokenizer):
   def __init__(self):
     self.bos_id, self.eos_ids = self.BOS_ID, (self.EOS_ID,)
 
-  def encode(self, text: str) -> list[int]:
-    return [self.BOS_ID, *text.encode("utf-8")]
+  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    return [self.BOS_ID] * add_special_tokens + list(text.encode("utf-8"))
 
   def decode(self, ids) -> str:
     """Invalid UTF-8 is replaced."""
@@ -78,7 +79,7 @@ class ByteTokenizer(Tokenizer):
     return "the byte tokenizer"
 
 
-def _special_token(file: Path, config: dict, key: str) -> str | None:
+def special_token(file: Path, config: dict, key: str) -> str | None:
   """A ``tokenizer_config.json`` special token: a string or HF's AddedToken dict."""
   value = config.get(key)
   if isinstance(value, dict):
@@ -114,8 +115,8 @@ class HFTokenizer(Tokenizer):
     if not isinstance(self.add_bos, bool):
       raise CheckpointError(f"{config_file}: add_bos_token must be true or false, got "
                             f"{self.add_bos!r}")
-    bos_token = _special_token(config_file, config, "bos_token")
-    eos_token = _special_token(config_file, config, "eos_token")
+    bos_token = special_token(config_file, config, "bos_token")
+    eos_token = special_token(config_file, config, "eos_token")
     self.bos_id = self._id(config_file, bos_token) if bos_token else generation.bos_id
     self.eos_ids = generation.eos_ids or (
         (self._id(config_file, eos_token),) if eos_token else ())
@@ -128,9 +129,9 @@ class HFTokenizer(Tokenizer):
       raise CheckpointError(f"{file}: special token {token!r} is not in {self.file}")
     return token_id
 
-  def encode(self, text: str) -> list[int]:
-    ids = self.tokenizer.encode(text).ids
-    if self.add_bos and ids[:1] != [self.bos_id]:
+  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    if add_special_tokens and self.add_bos and ids[:1] != [self.bos_id]:
       ids = [self.bos_id, *ids]
     return ids
 

@@ -55,25 +55,32 @@ def _kernel_name(eqn) -> str:
   return eqn.params["jaxpr"].debug_info.func_name
 
 
+def walk_equations(jaxpr) -> Iterator[tuple[object, bool]]:
+  """``(equation, in_kernel)`` for every equation of a (Closed)Jaxpr and everything nested in
+  it; ``in_kernel``: it lies inside a Pallas kernel body."""
+
+  def walk(jx, in_kernel):
+    for eqn in jx.eqns:
+      yield eqn, in_kernel
+      is_kernel = in_kernel or eqn.primitive.name == "pallas_call"
+      for value in eqn.params.values():
+        for sub in _sub_jaxprs(value):
+          yield from walk(sub, is_kernel)
+
+  yield from walk(jaxpr.jaxpr if isinstance(jaxpr, _ClosedJaxpr) else jaxpr, False)
+
+
 def summarize_jaxpr(jaxpr) -> ProgramSummary:
   """Scopes, primitive counts and kernel names of a (Closed)Jaxpr and everything inside it."""
   scopes, kernels = set(), []
   prims, kernel_prims = collections.Counter(), collections.Counter()
-
-  def walk(jx, in_kernel):
-    for eqn in jx.eqns:
-      (kernel_prims if in_kernel else prims)[eqn.primitive.name] += 1
-      stack = str(eqn.source_info.name_stack)
-      if stack:
-        scopes.update(stack.split("/"))
-      is_kernel = eqn.primitive.name == "pallas_call"
-      if is_kernel:
-        kernels.append(_kernel_name(eqn))
-      for value in eqn.params.values():
-        for sub in _sub_jaxprs(value):
-          walk(sub, in_kernel or is_kernel)
-
-  walk(jaxpr.jaxpr if isinstance(jaxpr, _ClosedJaxpr) else jaxpr, False)
+  for eqn, in_kernel in walk_equations(jaxpr):
+    (kernel_prims if in_kernel else prims)[eqn.primitive.name] += 1
+    stack = str(eqn.source_info.name_stack)
+    if stack:
+      scopes.update(stack.split("/"))
+    if eqn.primitive.name == "pallas_call":
+      kernels.append(_kernel_name(eqn))
   return ProgramSummary(frozenset(scopes), prims, tuple(kernels), kernel_prims)
 
 

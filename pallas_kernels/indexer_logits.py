@@ -6,6 +6,13 @@ loaded once and the G heads are looped inside, each a plain 2-D dot ``q[:, g, :]
 registers. q is viewed as [T, G * I] (a free reshape) so each head is a column slice. Tiles
 that lie outside every row's ``[start, end)`` window are written as -inf without any dot.
 fp8 q and k go straight into an fp8 x fp8 -> fp32 dot (exact products, fp32 accumulation).
+
+Key rows come one of two ways. Contiguous: ``k_SI`` holds the sequence's keys and each tile
+is a BlockSpec block of it. Pooled (``key_rows_S``): ``k_SI`` is a pool of rows that many
+sequences share (a paged cache) and column s scores pool row ``key_rows_S[s]``; the pool is a
+whole-array input, and each program loads its ``block_s`` row ids, clamps invalid ones (-1)
+to row 0, gathers those rows (and their fp8 scales) and replaces the invalid columns by -inf,
+the sparse MQA kernel's gather. No per-sequence copy of the keys is ever made.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ from pallas_kernels.block_config import IndexerLogitsKernelConfig
 
 
 _INDEXER_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S):
+def validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S=None):
   """The one argument check of :func:`indexer_logits` and :func:`indexer_logits_reference`."""
   op = "indexer_logits"
   T, G, I = _checks.array(op, "q_TGI", q_TGI, "TGI")
@@ -43,7 +51,14 @@ def validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S):
     _checks.int32_array(op, name, x)
   _checks.float_dtype(op, "q_TGI", q_TGI, _INDEXER_DTYPES)
   _checks.float_dtype(op, "k_SI", k_SI, _INDEXER_DTYPES)
-  _checks.same_dtype(op, q_TGI=q_TGI, k_SI=k_SI)
+  if key_rows_S is None:
+    _checks.same_dtype(op, q_TGI=q_TGI, k_SI=k_SI)
+  else:
+    _checks.array(op, "key_rows_S", key_rows_S, "S")
+    _checks.int32_array(op, "key_rows_S", key_rows_S)
+    if (q_TGI.dtype == _FP8) != (k_SI.dtype == _FP8):
+      raise TypeError(f"{op}: k_SI dtype {k_SI.dtype} and q_TGI dtype {q_TGI.dtype}: fp8 keys "
+                      "need fp8 queries (a float pool is cast to the queries' dtype per row)")
   _checks.float_dtype(op, "w_TG", w_TG)
   if k_scale_S is not None:
     _checks.array(op, "k_scale_S", k_scale_S, "S")
@@ -52,35 +67,58 @@ def validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S):
     _checks.float_dtype(op, "k_scale_S", k_scale_S)
 
 
-def _nothing_to_score(q_TGI, k_SI):
-  """T or S is 0: the (empty) logits, with no kernel run."""
-  T, S = q_TGI.shape[0], k_SI.shape[0]
-  return jnp.full((T, S), -jnp.inf, jnp.float32) if 0 in (T, S) else None
+def _num_scored(k_SI, key_rows_S) -> int:
+  """Logit columns: the keys, or the pool rows named by ``key_rows_S``."""
+  return k_SI.shape[0] if key_rows_S is None else key_rows_S.shape[0]
 
 
-def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None):
+def _nothing_to_score(q_TGI, k_SI, key_rows_S):
+  """T, S or the pool is empty: the logits (all -inf, maybe empty), with no kernel run."""
+  T, S = q_TGI.shape[0], _num_scored(k_SI, key_rows_S)
+  return jnp.full((T, S), -jnp.inf, jnp.float32) if 0 in (T, S, k_SI.shape[0]) else None
+
+
+def _valid_rows(key_rows_S, num_rows):
+  """``(valid_S, safe_S)``: row ids inside the pool, and every id clamped to a real row (the
+  invalid ones read row 0 and are masked by the caller)."""
+  valid_S = (key_rows_S >= 0) & (key_rows_S < num_rows)
+  return valid_S, jnp.where(valid_S, key_rows_S, 0)
+
+
+def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
+                             key_rows_S=None):
   """``logits[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s])`` on ``[starts[t], ends[t])``.
 
   Args:
     q_TGI: indexer queries (float32, bfloat16 or float8_e4m3fn), G >= 1 heads of I >= 1 dims.
       For fp8, fold the per (token, head) dequant scale of q into ``w_TG`` (DeepGEMM's
       convention).
-    k_SI: indexer keys, one head shared by all G query heads; same dtype as ``q_TGI``.
+    k_SI: indexer keys, one head shared by all G query heads; same dtype as ``q_TGI``. With
+      ``key_rows_S``, a pool of key rows [P, I] instead (float rows of any indexer dtype are
+      cast to the dtype of ``q_TGI`` once gathered; fp8 rows need fp8 queries).
     w_TG: float head weights, all score scalings already folded in.
     starts_T, ends_T: int32 causal window of each query row.
-    k_scale_S: optional float per-key dequant scale (fp8 keys).
+    k_scale_S: optional float per-key dequant scale (fp8 keys), one per row of ``k_SI``.
+    key_rows_S: optional int32 [S] row of ``k_SI`` that logit column s scores (a paged
+      cache's physical rows); -1 (or any id outside the pool) means no key: -inf.
 
   Returns:
-    float32 logits [T, S]; -inf outside each row's window. T = 0 or S = 0 gives an empty array.
-    Every logit depends on its own key row only, and logits outside the window are replaced,
-    so NaN or inf in a key (or key scale) outside a row's window never reaches that row.
+    float32 logits [T, S]; -inf outside each row's window (and in columns without a key).
+    T = 0 or S = 0 gives an empty array. Every logit depends on its own key row only, and
+    logits outside the window are replaced, so NaN or inf in a key (or key scale) outside a
+    row's window, or in a pool row no column names, never reaches that row.
 
   Raises:
     ValueError, TypeError: from :func:`validate_indexer_logits`, naming the argument.
   """
-  validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
-  if (empty := _nothing_to_score(q_TGI, k_SI)) is not None:
+  validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S)
+  if (empty := _nothing_to_score(q_TGI, k_SI, key_rows_S)) is not None:
     return empty
+  has_key_S = jnp.ones(k_SI.shape[:1], bool)
+  if key_rows_S is not None:  # the reference gathers the rows it scores
+    has_key_S, safe_S = _valid_rows(key_rows_S, k_SI.shape[0])
+    k_SI = k_SI[safe_S].astype(q_TGI.dtype)
+    k_scale_S = None if k_scale_S is None else k_scale_S[safe_S]
   dots_TGS = jnp.einsum(
       "tgi,si->tgs",
       q_TGI.astype(jnp.float32) if q_TGI.dtype.itemsize == 1 else q_TGI,
@@ -92,13 +130,35 @@ def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=N
     logits_TS = logits_TS * k_scale_S.astype(jnp.float32)[None, :]
   cols_S = jnp.arange(k_SI.shape[0], dtype=jnp.int32)
   inside_TS = (cols_S[None, :] >= starts_T[:, None]) & (cols_S[None, :] < ends_T[:, None])
-  return jnp.where(inside_TS, logits_TS, -jnp.inf)
+  return jnp.where(inside_TS & has_key_S[None, :], logits_TS, -jnp.inf)
+
+
+# ---- the kernel: one tile body, two ways of reading the key rows --------------------------
+
+def _key_tile(col_mask_S, k_ref, scale_ref=None):
+  """Contiguous keys: the tile's BlockSpec block. ``(has_key_S, k_SI, read_scale or None)``;
+  ``read_scale()`` loads the per-key scales, called after the head loop (see the kernel)."""
+  k_SI = _compat.load(k_ref, mask=col_mask_S[:, None], other=0)
+  read_scale = None if scale_ref is None else (
+      lambda: _compat.load(scale_ref, mask=col_mask_S, other=0.0))
+  return col_mask_S, k_SI, read_scale
+
+
+def _pooled_key_rows(col_mask_S, rows_ref, k_ref, scale_ref=None, *, dtype):
+  """Pooled keys: the tile's row ids, then those rows of the whole pool (cast to ``dtype``);
+  returns what :func:`_key_tile` does."""
+  rows_S = _compat.load(rows_ref, mask=col_mask_S, other=-1)
+  has_key_S, safe_S = _valid_rows(rows_S, k_ref.shape[0])
+  k_SI = k_ref[safe_S, pl.ds(0, k_ref.shape[1])].astype(dtype)
+  read_scale = None if scale_ref is None else (lambda: scale_ref[safe_S])
+  return has_key_S, k_SI, read_scale
 
 
 def _indexer_logits_kernel(
-    q_ref, k_ref, w_ref, starts_ref, ends_ref, *rest, num_tokens, num_keys, num_heads, dim, config
+    q_ref, w_ref, starts_ref, ends_ref, *key_refs, read_keys, num_tokens, num_keys, num_heads,
+    dim, config
 ):
-  *scale_ref, out_ref = rest
+  *key_refs, out_ref = key_refs
   block_t, block_s = config.block_t, config.block_s
   rows_T = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
   cols_S = pl.program_id(1) * block_s + jnp.arange(block_s, dtype=jnp.int32)
@@ -115,8 +175,8 @@ def _indexer_logits_kernel(
 
   @pl.when(jnp.logical_not(skip))
   def _():
-    k_SI = _compat.load(k_ref, mask=col_mask_S[:, None], other=0)
-    precision = _compat.dot_precision(k_ref.dtype)
+    has_key_S, k_SI, read_scale = read_keys(col_mask_S, *key_refs)
+    precision = _compat.dot_precision(q_ref.dtype)
 
     def head(g, acc_TS):
       q_TI = _compat.load(
@@ -132,45 +192,62 @@ def _indexer_logits_kernel(
     logits_TS = jax.lax.fori_loop(
         0, num_heads, head, jnp.zeros((block_t, block_s), jnp.float32)
     )
-    if scale_ref:
-      logits_TS = logits_TS * _compat.load(scale_ref[0], mask=col_mask_S, other=0.0)[None, :]
-    inside_TS = (cols_S[None, :] >= starts_T[:, None]) & (cols_S[None, :] < ends_T[:, None])
+    if read_scale is not None:
+      # Read only now: scales held across the head loop cost registers (sm_90a fp8 tile:
+      # 162 instead of 158; pooled 184 instead of 157).
+      logits_TS = logits_TS * read_scale()[None, :]
+    # Replaced, not masked by a product: an unnamed row (row 0 for -1) may hold NaN.
+    inside_TS = ((cols_S[None, :] >= starts_T[:, None]) & (cols_S[None, :] < ends_T[:, None])
+                 & has_key_S[None, :])
     _compat.store(out_ref, jnp.where(inside_TS, logits_TS, -jnp.inf), mask=store_mask_TS)
 
 
 def indexer_logits(
-    q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
+    q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None, key_rows_S=None,
     config: IndexerLogitsKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton indexer logits; the contract and checks of :func:`indexer_logits_reference`."""
-  validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
+  """Pallas-Triton indexer logits; the contract and checks of :func:`indexer_logits_reference`.
+
+  With ``key_rows_S`` the pool ``k_SI`` (and ``k_scale_S``) is read in place, row by row.
+  """
+  validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S)
   _checks.kernel_config("indexer_logits", config, IndexerLogitsKernelConfig)
-  if (empty := _nothing_to_score(q_TGI, k_SI)) is not None:
+  if (empty := _nothing_to_score(q_TGI, k_SI, key_rows_S)) is not None:
     return empty
-  (T, G, I), S = q_TGI.shape, k_SI.shape[0]
+  (T, G, I), S = q_TGI.shape, _num_scored(k_SI, key_rows_S)
   if config is None:
     config = IndexerLogitsKernelConfig.default_for(T, S)
   block_t, block_s = config.block_t, config.block_s
+  key_block = lambda *width: pl.BlockSpec((block_s, *width), lambda t, s: (s,) + (0,) * len(width))
+  whole = lambda a: pl.BlockSpec(a.shape, lambda t, s: (0,) * a.ndim)  # every program, every row
+  scales = () if k_scale_S is None else (k_scale_S.astype(jnp.float32),)
+  if key_rows_S is None:
+    read_keys = _key_tile
+    key_args = (k_SI, *scales)
+    key_specs = [key_block(I), *(key_block() for _ in scales)]
+  else:
+    read_keys = functools.partial(_pooled_key_rows, dtype=q_TGI.dtype)
+    key_args = (key_rows_S, k_SI, *scales)
+    key_specs = [key_block(), *(whole(a) for a in key_args[1:])]
   kernel = functools.partial(
-      _indexer_logits_kernel, num_tokens=T, num_keys=S, num_heads=G, dim=I, config=config
+      _indexer_logits_kernel, read_keys=read_keys, num_tokens=T, num_keys=S, num_heads=G,
+      dim=I, config=config
   )
   in_specs = [
       pl.BlockSpec((block_t, G * I), lambda t, s: (t, 0)),
-      pl.BlockSpec((block_s, I), lambda t, s: (s, 0)),
       pl.BlockSpec((G, block_t), lambda t, s: (0, t)),
       pl.BlockSpec((block_t,), lambda t, s: (t,)),
       pl.BlockSpec((block_t,), lambda t, s: (t,)),
+      *key_specs,
   ]
   # w is transposed (tiny) so that each head's weights are one contiguous row.
-  args = [q_TGI.reshape(T, G * I), k_SI, w_TG.astype(jnp.float32).T, starts_T, ends_T]
-  if k_scale_S is not None:
-    in_specs.append(pl.BlockSpec((block_s,), lambda t, s: (s,)))
-    args.append(k_scale_S.astype(jnp.float32))
+  args = [q_TGI.reshape(T, G * I), w_TG.astype(jnp.float32).T, starts_T, ends_T, *key_args]
+  key_row_bytes = I * k_SI.dtype.itemsize + 4 * (len(scales) + (key_rows_S is not None))
   cost = pl.CostEstimate(
       flops=2 * T * S * G * I + 3 * T * S * G,
       transcendentals=0,
-      bytes_accessed=q_TGI.dtype.itemsize * (T * G * I * pl.cdiv(S, block_s) + S * I * pl.cdiv(T, block_t))
-      + 4 * (T * S + T * G + 2 * T + S),
+      bytes_accessed=q_TGI.dtype.itemsize * T * G * I * pl.cdiv(S, block_s)
+      + key_row_bytes * S * pl.cdiv(T, block_t) + 4 * (T * S + T * G + 2 * T),
   )
   return pl.pallas_call(
       kernel,

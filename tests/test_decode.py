@@ -86,9 +86,10 @@ class _RowSpy(XlaBackend):
     self.rows.append(("attention", kv_SL.shape[0]))
     return super()._sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v)
 
-  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None):
-    self.rows.append(("indexer", k_SI.shape[0]))
-    return super()._indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None,
+                      key_rows_S=None):
+    self.rows.append(("indexer", (k_SI if key_rows_S is None else key_rows_S).shape[0]))
+    return super()._indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S)
 
 
 def test_buckets_follow_the_live_context_and_keep_the_tokens():

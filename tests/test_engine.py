@@ -175,6 +175,18 @@ def test_fp8_pages_match_the_fp8_contiguous_cache(model, prompts):
   _no_leaks(engine)
 
 
+def test_stream_of_one_request_yields_its_tokens_as_they_come(model, prompts, reference):
+  engine = _engine(model)
+  other = engine.add_request(prompts[0], SamplingParams(max_tokens=NEW))
+  mine = engine.add_request(prompts[2], SamplingParams(max_tokens=NEW))
+  updates = list(engine.stream(mine))
+  assert [t for u in updates for t in u.new_tokens] == reference[2]
+  assert {u.request_id for u in updates} == {mine} and updates[-1].finished
+  assert list(engine.output(other).tokens) == reference[0][:len(engine.output(other).tokens)]
+  with pytest.raises(KeyError, match="no request with id 'nope'"):
+    next(engine.stream("nope"))
+
+
 def test_stop_tokens_and_eos_finish_a_request(model, prompts, reference):
   engine = _engine(model)
   stop = reference[1][2]
@@ -184,6 +196,34 @@ def test_stop_tokens_and_eos_finish_a_request(model, prompts, reference):
   assert out.finish_reason == "stop"
   eos_engine = _engine(model, eos_token_ids=[stop])
   assert eos_engine.generate([prompts[1]], max_tokens=NEW)[0].finish_reason == "stop"
+
+
+def _logprobs_reference(model, tokens, num_prompt):
+  """float64 log-softmax of the model's logits at each position that predicts an output token
+  (one contiguous forward over prompt + output)."""
+  ids = np.asarray(tokens[:-1])[None]
+  logits = model(ids, model.init_cache(1, len(tokens)))[0]
+  shifted = np.asarray(logits[0, num_prompt - 1:], np.float64)
+  shifted -= shifted.max(-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_logprobs_are_the_model_distribution_of_each_output_token(model, prompts):
+  engine = _engine(model)
+  greedy, sampled = engine.generate(
+      prompts[1:3], [SamplingParams(max_tokens=NEW, logprobs=3),
+                     SamplingParams(max_tokens=NEW, logprobs=0, temperature=1.5, seed=3)])
+  for out in (greedy, sampled):
+    ref = _logprobs_reference(model, [*out.prompt_tokens, *out.tokens], len(out.prompt_tokens))
+    assert [lp.token for lp in out.logprobs] == list(out.tokens)
+    for row, lp in zip(ref, out.logprobs):
+      np.testing.assert_allclose(lp.logprob, row[lp.token], rtol=1e-4, atol=1e-4)
+      top = np.argsort(-row)[:len(lp.top)]
+      assert [t for t, _ in lp.top] == top.tolist()
+      np.testing.assert_allclose([v for _, v in lp.top], row[top], rtol=1e-4, atol=1e-4)
+  assert all(len(lp.top) == 3 and lp.top[0][0] == lp.token for lp in greedy.logprobs)
+  assert all(lp.top == () for lp in sampled.logprobs)
+  assert engine.generate(prompts[:1], max_tokens=2)[0].logprobs is None  # not asked
 
 
 @pytest.mark.parametrize("prompt, params, error, match", [
@@ -211,6 +251,7 @@ def test_bad_requests_are_refused_and_leave_the_others_untouched(model, prompts,
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"),
+    (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"),
 ])
 def test_bad_sampling_settings_name_the_field(kwargs, match):
   with pytest.raises((TypeError, ValueError), match=match):

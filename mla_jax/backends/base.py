@@ -14,6 +14,7 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from mla_jax import checks
 from mla_jax.routing import settle_masked_capability
@@ -60,7 +61,8 @@ class Backend(abc.ABC):
     """Per-sequence sparse MQA; see ``pallas_kernels.sparse_mqa_reference``."""
 
   @abc.abstractmethod
-  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None):
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None,
+                      key_rows_S=None):
     """Per-sequence indexer logits; see ``pallas_kernels.indexer_logits_reference``."""
 
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
@@ -85,21 +87,31 @@ class Backend(abc.ABC):
                   in_axes=(0, 0 if batched_rows else None, 0))
     return fn(q_BTHL, kv_BSL, topk_BTK)
 
-  def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None):
+  def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None,
+                     key_rows_BS=None):
     """Returns float32 logits [B, T, S], -inf outside each row's ``[start, end)`` window.
 
     ``k_scale_BS``: per-key dequant scales of fp8 keys (the fp8 queries' scales are folded
     into ``w_BTG``).
+    ``key_rows_BS`` (int32 [B, S], -1 for no key): pool mode. ``k_BSI`` is then key rows
+    [P, I] that every sequence indexes (a page pool; ``k_scale_BS`` its [P] scales), and
+    column s of sequence b scores pool row ``key_rows_BS[b, s]``: each sequence's kernel reads
+    those rows of the pool as it is, never a per-sequence copy. Columns without a key are
+    -inf. A float pool may be wider than the queries; rows are cast once read.
     """
-    _same_batch("indexer_logits", q_BTGI=q_BTGI, k_BSI=k_BSI, w_BTG=w_BTG, starts_BT=starts_BT,
-                ends_BT=ends_BT)
-    args = (q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT)
-    if k_scale_BS is None:
-      fn = jax.vmap(self._indexer_logits)
+    op = "indexer_logits"
+    if key_rows_BS is None:
+      _same_batch(op, q_BTGI=q_BTGI, k_BSI=k_BSI, w_BTG=w_BTG, starts_BT=starts_BT,
+                  ends_BT=ends_BT)
     else:
-      fn = jax.vmap(lambda q, k, w, s, e, ks: self._indexer_logits(q, k, w, s, e, k_scale_S=ks))
-      args += (k_scale_BS,)
-    return fn(*args)
+      _row_ids(op, "key_rows_BS", key_rows_BS)
+      _same_batch(op, q_BTGI=q_BTGI, w_BTG=w_BTG, starts_BT=starts_BT, ends_BT=ends_BT,
+                  key_rows_BS=key_rows_BS)
+    keys_axis = 0 if key_rows_BS is None else None  # the pool and its scales: unbatched
+    per_sequence = lambda q, k, w, s, e, ks, rows: self._indexer_logits(
+        q, k, w, s, e, k_scale_S=ks, key_rows_S=rows)
+    fn = jax.vmap(per_sequence, in_axes=(0, keys_axis, 0, 0, 0, keys_axis, 0))
+    return fn(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS, key_rows_BS)
 
   def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
     """Causal attention; query t of sequence b sits at position ``q_offset_B[b] + t``."""
@@ -118,6 +130,15 @@ class Backend(abc.ABC):
     fn = jax.vmap(lambda q, k, v, idx, off, n: self._masked_mha(
         q, k, v, idx, sm_scale=sm_scale, q_offset=off, kv_len=n))
     return fn(q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, q_offset_B, kv_len_B)
+
+
+def _row_ids(op: str, name: str, rows) -> None:
+  """Per-sequence row ids into a pool: int32 [B, S]."""
+  if getattr(rows, "ndim", None) != 2:
+    raise ValueError(f"{op}: {name} must be int32 [B, S], got shape "
+                     f"{list(getattr(rows, 'shape', ()))}")
+  if rows.dtype != jnp.int32:
+    raise TypeError(f"{op}: {name} must be int32, got {rows.dtype}")
 
 
 def _same_batch(op: str, **arrays) -> None:

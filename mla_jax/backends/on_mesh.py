@@ -42,15 +42,15 @@ class MeshOps:
     return self._placed("sparse_mqa" if batched_rows else "sparse_mqa_pool", fn, 3)(
         q_BTHL, kv_BSL, topk_BTK)
 
-  def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None):
-    """``Backend.indexer_logits`` on the mesh; fp8 key scales are split like the keys."""
-    args = (q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT)
-    if k_scale_BS is None:
-      fn = self.backend.indexer_logits
-    else:
-      fn = lambda q, k, w, s, e, ks: self.backend.indexer_logits(q, k, w, s, e, k_scale_BS=ks)
-      args += (k_scale_BS,)
-    return self._placed("indexer_logits", fn, len(args))(*args)
+  def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None,
+                     key_rows_BS=None):
+    """``Backend.indexer_logits`` on the mesh; fp8 key scales are split like the keys (a
+    shared pool, ``key_rows_BS`` given, is replicated with its scales)."""
+    fn = lambda q, k, w, s, e, ks, rows: self.backend.indexer_logits(
+        q, k, w, s, e, k_scale_BS=ks, key_rows_BS=rows)
+    op = "indexer_logits" if key_rows_BS is None else "indexer_logits_pool"
+    return self._placed(op, fn, 7)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS,
+                                   key_rows_BS)
 
   def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
     """``Backend.dense_mha`` on the mesh."""

@@ -67,12 +67,13 @@ class PallasTritonBackend(Backend):
                                        interpret=self.interpret),
         q_THL, kv_SL, topk_TK)
 
-  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None):
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None,
+                      key_rows_S=None):
     return _without_derivative(
         "indexer_logits", "pallas_kernels.indexer_logits",
-        lambda q, k, w, starts, ends, k_scale: indexer_logits(
-            q, k, w, starts, ends, k_scale_S=k_scale, interpret=self.interpret),
-        q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S)
+        lambda q, k, w, starts, ends, k_scale, rows: indexer_logits(
+            q, k, w, starts, ends, k_scale_S=k_scale, key_rows_S=rows, interpret=self.interpret),
+        q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S)
 
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     return _without_derivative(

@@ -27,8 +27,10 @@ class XlaBackend(Backend):
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
     return sparse_mqa_reference(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v)
 
-  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None):
-    return indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=k_scale_S)
+  def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None,
+                      key_rows_S=None):
+    return indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=k_scale_S,
+                                    key_rows_S=key_rows_S)
 
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     return dense_mha_reference(

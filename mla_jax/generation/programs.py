@@ -142,7 +142,7 @@ def trace(graphdef, state, *args, settings) -> jax.stages.Traced:
   return jitted(graphdef, state_def, settings).trace(state_leaves, *args)
 
 
-def _signature(tree):
+def signature(tree):
   """What a compiled program is specialised to: the tree and every leaf's type and place."""
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
@@ -161,7 +161,7 @@ class ProgramCache:
           ) -> tuple[jax.stages.Compiled, float]:
     """The compiled program for these arguments and the seconds spent compiling it (0 when
     it was cached). Call it as ``program(state_leaves, *args)``."""
-    key = (settings, graphdef, state_def, _signature((state_leaves, args)))
+    key = (settings, graphdef, state_def, signature((state_leaves, args)))
     if key in self._programs:
       self._programs.move_to_end(key)
       return self._programs[key], 0.0

@@ -33,13 +33,20 @@ def sample(logits_BV, key, sampling: SamplingConfig):
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   logits_BV = logits_BV / sampling.temperature
   if sampling.top_p < 1:
-    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
-    keep_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < sampling.top_p
-    cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
-    logits_BV = jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
+    logits_BV = nucleus(logits_BV, jnp.float32(sampling.top_p))
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+def nucleus(logits_BV, top_p):
+  """``logits_BV`` with every token outside the smallest prefix (by probability) whose mass
+  reaches ``top_p`` set to -inf; the top token always survives. ``top_p``: a scalar or one per
+  row [B]."""
+  top_p = jnp.reshape(top_p, (-1, 1))
+  sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+  keep_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p
+  cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
+  return jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
 
 
 def sample_rows(logits_BV, seeds_B, counters_B, temperature_B, top_p_B):
@@ -48,11 +55,8 @@ def sample_rows(logits_BV, seeds_B, counters_B, temperature_B, top_p_B):
   settings alone, never on the other rows of the batch. Temperature 0 rows are greedy."""
   greedy_B = temperature_B == 0
   scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
-  sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
-  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-  keep_BV = (jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1)
-  cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
-  nucleus_BV = jnp.where(scaled_BV >= cutoff_B[:, None], scaled_BV, -jnp.inf)
+  # top_p 1 keeps every token (``nucleus`` could drop a last one to the cumsum's rounding).
+  nucleus_BV = jnp.where(top_p_B[:, None] >= 1, scaled_BV, nucleus(scaled_BV, top_p_B))
   keys_B = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_B, counters_B)
   drawn_B = jax.vmap(jax.random.categorical)(keys_B, nucleus_BV)
   return jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)

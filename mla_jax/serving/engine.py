@@ -27,12 +27,13 @@ from flax import nnx
 from mla_jax import checks, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import functionalize
+from mla_jax.generation.programs import signature
 from mla_jax.generation.sampling import sample_rows
 from mla_jax.models.lm import CausalLM, ModelCache
 from mla_jax.paged_cache import PagedLayerCache, empty_pools
 from mla_jax.serving.pages import PageTable
-from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams, Sequence,
-                                      Status)
+from mla_jax.serving.requests import (MAX_LOGPROBS, MAX_SEED, RequestOutput, SamplingParams,
+                                      Sequence, Status, TokenLogprobs)
 from mla_jax.serving import step_inputs
 from mla_jax.serving.scheduler import Chunk, Scheduler, pages_for
 from mla_jax.serving.step_inputs import StepInputs, StepShape
@@ -45,11 +46,6 @@ logger = logging.getLogger("mla_jax")
 # Compiled step programs of every engine in the process, keyed by shape, model and pools
 # (bounded by the few buckets a configuration has).
 _COMPILED: dict = {}
-
-
-def _signature(tree):
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((x.shape, x.dtype) for x in leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +63,7 @@ class EngineStats:
   output_tokens: int = 0
   compile_s: float = 0.0
   run_s: float = 0.0
-  host_s: float = 0.0          # scheduling and step-input building, per step summed
+  host_s: float = 0.0          # scheduling and step-input building (compiles excluded)
 
 
 class Engine:
@@ -223,20 +219,24 @@ class Engine:
   def step(self) -> list[RequestOutput]:
     """Runs one step; returns the requests that got a token in it."""
     self._only_on_process_0("step")
-    t0 = time.perf_counter()
+    t0, compile_before = time.perf_counter(), self.stats.compile_s
     batch = self.scheduler.schedule()
     sampled, run_s = {}, 0.0
     for chunks, kind in ((batch.prefills, "prefill"), (batch.decodes, "decode")):
       if chunks:
-        tokens, seconds = self._run(chunks, kind)
-        sampled.update(zip((id(c) for c in chunks), tokens))
+        outputs, seconds = self._run(chunks, kind)
+        for b, chunk in enumerate(chunks):
+          sampled[id(chunk)] = int(outputs[0][b])
+          if chunk.samples and chunk.seq.params.logprobs is not None:
+            chunk.seq.logprobs.append(_token_logprobs(outputs, b, chunk.seq.params.logprobs))
         run_s += seconds
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)
     self.stats.steps += 1
     self.stats.run_s += run_s
     self.stats.computed_tokens += batch.num_tokens
     self.stats.output_tokens += len(grown)
-    self.stats.host_s += time.perf_counter() - t0 - run_s
+    compiled = self.stats.compile_s - compile_before
+    self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
     self._maybe_log(len(grown))
     return [RequestOutput.of(seq, seq.tokens[-1:]) for seq in grown]
 
@@ -253,14 +253,15 @@ class Engine:
     return None
 
   def _run(self, chunks: list[Chunk], kind: str):
-    """Runs one compiled step program over ``chunks`` (on every process): their sampled tokens
-    (one per chunk; meaningless for chunks that do not sample) and the seconds it ran."""
+    """Runs one compiled step program over ``chunks`` (on every process): its outputs (row b
+    for chunk b; meaningless for chunks that do not sample) and the seconds it ran. The
+    outputs are host arrays: sampled tokens [B], their log-probabilities [B], and the most
+    likely tokens' ids and log-probabilities [B, K]."""
     shape = step_inputs.step_shape(chunks, kind, self.page_size, self._data_shards)
     inputs = step_inputs.build(chunks, shape)
     if self._multiprocess:
       step_inputs.broadcast(shape.header(), inputs)
-    sampled, seconds = self._execute(shape, inputs)
-    return sampled[:len(chunks)].tolist(), seconds
+    return self._execute(shape, inputs)
 
   def _execute(self, shape: StepShape, inputs: StepInputs):
     program = self._program(shape)
@@ -269,7 +270,7 @@ class Engine:
         [sharding.put(a, mesh, sharding.BATCH_SPEC) for a in inputs.arrays()]
     t0 = time.perf_counter()
     sampled, self._pools = program(self._state_leaves, self._pools, *arrays)
-    sampled = sharding.fetch(sampled)  # a collective with several processes
+    sampled = [sharding.fetch(a) for a in sampled]  # collectives with several processes
     return sampled, time.perf_counter() - t0
 
   # ---- several processes ------------------------------------------------------------------
@@ -308,7 +309,7 @@ class Engine:
     if shape in self._programs:
       return self._programs[shape][0]
     key = (shape, self.page_size, self._graphdef, self._state_def,
-           _signature((self._state_leaves, self._pools)))
+           signature((self._state_leaves, self._pools)))
     if key not in _COMPILED:  # engines over the same model and pool shapes share programs
       _COMPILED[key] = self._compile(shape)
       self.stats.compile_s += _COMPILED[key][1].compile_s
@@ -348,7 +349,14 @@ class Engine:
       last_BV = jnp.take_along_axis(logits_BTV, jnp.maximum(new_lens_B - 1, 0)[:, None, None],
                                     axis=1)[:, 0]
       tokens_B = sample_rows(last_BV, seeds_B, counters_B, temps_B, top_ps_B)
-      return tokens_B, tuple(tuple(c.pools for c in unit) for unit in caches.groups)
+      # Log-probabilities of the model's distribution (before temperature and top_p), computed
+      # for every row: a top-k over the vocabulary is small beside the step.
+      logprobs_BV = jax.nn.log_softmax(last_BV.astype(jnp.float32), axis=-1)
+      chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=1)[:, 0]
+      top_logprobs_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, min(MAX_LOGPROBS,
+                                                                   logprobs_BV.shape[-1]))
+      return ((tokens_B, chosen_B, top_ids_BK, top_logprobs_BK),
+              tuple(tuple(c.pools for c in unit) for unit in caches.groups))
 
     return step
 
@@ -370,17 +378,24 @@ class Engine:
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
       raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-    for prompt, p in zip(prompts, per_prompt):  # refuse bad input before queueing any
-      self._checked_prompt(prompt, p)
-    ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+    # Refuse bad input before queueing any (strings are tokenized once, here).
+    token_ids = [self._checked_prompt(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+    ids = [self.add_request(tokens, p) for tokens, p in zip(token_ids, per_prompt)]
     while any(self._seqs[i].status is not Status.FINISHED for i in ids):
       self.step()
     return [self.release(i) for i in ids]
 
-  def stream(self) -> Iterator[RequestOutput]:
-    """Steps until no request is left, yielding each request's update as it comes."""
+  def stream(self, request_id: str | None = None) -> Iterator[RequestOutput]:
+    """Steps until no request is left (or, given ``request_id``, until that one finishes),
+    yielding each update as it comes (only that request's, when given)."""
+    if request_id is not None and request_id not in self._seqs:
+      raise KeyError(f"no request with id {request_id!r}")
     while self.has_unfinished():
-      yield from self.step()
+      if request_id is not None and self._seqs[request_id].status is Status.FINISHED:
+        return
+      for update in self.step():
+        if request_id is None or update.request_id == request_id:
+          yield update
 
   def _maybe_log(self, new_tokens: int) -> None:
     self._log_tokens += new_tokens
@@ -393,3 +408,10 @@ class Engine:
                 self.pages.num_cached, self._log_tokens / (now - self._last_log),
                 len(self._programs))
     self._last_log, self._log_tokens = now, 0
+
+
+def _token_logprobs(outputs, b: int, n: int) -> TokenLogprobs:
+  """Row ``b`` of a step program's outputs as a ``TokenLogprobs`` with the ``n`` most likely."""
+  tokens_B, logprob_B, top_ids_BK, top_logprobs_BK = outputs
+  return TokenLogprobs(int(tokens_B[b]), float(logprob_B[b]),
+                       tuple(zip(top_ids_BK[b, :n].tolist(), top_logprobs_BK[b, :n].tolist())))

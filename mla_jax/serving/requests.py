@@ -11,6 +11,7 @@ from mla_jax import checks
 from mla_jax.generation.sampling import SamplingConfig
 
 MAX_SEED = 2**31 - 1
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,9 @@ class SamplingParams:
   depend on what else shares its steps. It stops after ``max_tokens`` new tokens (``"length"``),
   or at a token of ``stop_token_ids`` or a string of ``stop`` in the decoded text
   (``"stop"``; strings need the engine's tokenizer). The stopping token stays in the output.
+  ``logprobs``: None, or report each output token's log-probability and that many of the most
+  likely tokens' (0 to ``MAX_LOGPROBS``), from the model's distribution before temperature
+  and top_p.
   """
 
   max_tokens: int = 16
@@ -30,6 +34,7 @@ class SamplingParams:
   seed: int | None = None
   stop_token_ids: tuple[int, ...] = ()
   stop: tuple[str, ...] = ()
+  logprobs: int | None = None
 
   def __post_init__(self):
     checks.static_int(self.max_tokens, "max_tokens", minimum=1, wrong_type=TypeError)
@@ -42,6 +47,8 @@ class SamplingParams:
     stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
     if any(not isinstance(s, str) or not s for s in stop):
       raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+    if self.logprobs is not None:
+      checks.static_int(self.logprobs, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
     object.__setattr__(self, "stop", stop)
     object.__setattr__(self, "temperature", float(self.temperature))
@@ -55,6 +62,16 @@ def _as_tuple(values, name: str) -> tuple:
     return tuple(values)
   except TypeError:
     raise TypeError(f"{name} must be a sequence, got {type(values).__name__} {values!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+  """An output token's log-probability and the ``SamplingParams.logprobs`` most likely tokens'
+  (``top``: ``(token id, log-probability)`` pairs, most likely first)."""
+
+  token: int
+  logprob: float
+  top: tuple[tuple[int, float], ...]
 
 
 class Status(enum.Enum):
@@ -84,6 +101,7 @@ class Sequence:
   first_token_time: float | None = None
   finish_time: float | None = None
   text: str = ""
+  logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # if asked, per output
 
   @property
   def output(self) -> list[int]:
@@ -111,6 +129,7 @@ class RequestOutput:
   finish_time: float | None
   num_cached_prompt_tokens: int
   num_preemptions: int
+  logprobs: tuple[TokenLogprobs, ...] | None = None  # per output token, when asked
 
   @property
   def ttft(self) -> float | None:
@@ -121,4 +140,5 @@ class RequestOutput:
     return cls(seq.request_id, tuple(seq.tokens[:seq.num_prompt]), tuple(seq.output),
                tuple(new_tokens), seq.status is Status.FINISHED, seq.finish_reason, seq.text,
                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_prompt,
-               seq.num_preemptions)
+               seq.num_preemptions,
+               None if seq.params.logprobs is None else tuple(seq.logprobs))

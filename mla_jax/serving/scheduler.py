@@ -45,6 +45,9 @@ class StepBatch:
   decodes: list[Chunk] = dataclasses.field(default_factory=list)   # one token each
   prefills: list[Chunk] = dataclasses.field(default_factory=list)  # several tokens each
 
+  def add(self, chunk: Chunk) -> None:
+    (self.decodes if chunk.num_tokens == 1 else self.prefills).append(chunk)
+
   @property
   def num_tokens(self) -> int:
     return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
@@ -94,8 +97,7 @@ class Scheduler:
       count = 1 if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget)
       if not self._reserve(seq, count, batch):
         continue
-      (batch.decodes if count == 1 else batch.prefills).append(
-          Chunk(seq, seq.num_computed, count))
+      batch.add(Chunk(seq, seq.num_computed, count))
       budget -= count
     while self.waiting and budget and len(self.running) < self.max_num_seqs:
       seq = self.waiting[0]
@@ -106,8 +108,7 @@ class Scheduler:
       seq.status = Status.RUNNING
       count = min(seq.num_uncomputed, budget)
       self._reserve(seq, count, batch)  # admission checked that the whole prompt fits
-      (batch.decodes if count == 1 else batch.prefills).append(
-          Chunk(seq, seq.num_computed, count))
+      batch.add(Chunk(seq, seq.num_computed, count))
       budget -= count
     return batch
 

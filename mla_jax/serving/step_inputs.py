@@ -11,15 +11,10 @@ import dataclasses
 
 import numpy as np
 
-from mla_jax.cache import MIN_BUCKET
+from mla_jax.cache import MIN_BUCKET, power_of_two_bucket as bucket
 from mla_jax.serving.scheduler import Chunk, pages_for
 
 KINDS = ("decode", "prefill")
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-  """``n`` rounded up to a power of two (at least ``minimum``): few distinct shapes."""
-  return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)

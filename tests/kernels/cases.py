@@ -31,11 +31,18 @@ def sparse_fp8_case(T, H, A, R, S, K, dtype=BF16):
   return fn, (sds((T, H, A + R), dtype), rows, sds((T, K), I32))
 
 
-def indexer_case(T, G, I, S, dtype=BF16, k_scale=False):
-  args = (sds((T, G, I), dtype), sds((S, I), dtype), sds((T, G), F32), sds((T,), I32), sds((T,), I32))
-  if not k_scale:
-    return indexer_logits, args
-  return (lambda *a: indexer_logits(*a[:5], k_scale_S=a[5])), args + (sds((S,), F32),)
+def indexer_case(T, G, I, S, dtype=BF16, k_scale=False, pool_rows=None):
+  """Contiguous keys [S, I]; or, given ``pool_rows``, S row ids into a pool of that many rows."""
+  num_keys = S if pool_rows is None else pool_rows
+  args = (sds((T, G, I), dtype), sds((num_keys, I), dtype), sds((T, G), F32), sds((T,), I32),
+          sds((T,), I32))
+  extra = {}
+  if k_scale:
+    extra["k_scale_S"] = sds((num_keys,), F32)
+  if pool_rows is not None:
+    extra["key_rows_S"] = sds((S,), I32)
+  fn = lambda *a: indexer_logits(*a[:5], **dict(zip(extra, a[5:])))
+  return fn, args + tuple(extra.values())
 
 
 def mha_case(T, S, H, D, V, dtype=BF16):

@@ -2,7 +2,9 @@
 
 Against a float64 NumPy computation and the jnp reference (bf16, fp32, and fp8 keys with
 per-key scales), keys outside a query's window poisoned with NaN/inf, bad inputs and
-degenerate sizes.
+degenerate sizes; and the pool mode (``key_rows_S``): keys read in place from a paged pool
+through per-column row ids, with -1 rows, prefix pages shared between sequences, ragged
+windows and several page sizes.
 """
 
 import chex
@@ -11,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
+from mla_jax.fp8_cache import quantize_indexer_queries, quantize_keys
 from mla_jax.testing import relative_error
 from pallas_kernels.block_config import IndexerLogitsKernelConfig, SparseMQAKernelConfig
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference
 from tests.kernels import common
-from tests.kernels.numpy_reference import numpy_indexer_logits
+from tests.kernels.numpy_reference import numpy_indexer_logits, numpy_pooled_indexer_logits
 
 sds = jax.ShapeDtypeStruct
 F32, BF16, F16, I32, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.float8_e4m3fn
@@ -84,7 +87,84 @@ BAD_INPUTS = [
     ("int_w", dict(w=sds((3, 4), I32)), TypeError, "w_TG"),
     ("k_scale_length", dict(k_scale_S=sds((49,), F32)), ValueError, "k_scale_S"),
     ("k_scale_int", dict(k_scale_S=sds((50,), I32)), TypeError, "k_scale_S"),
+    # pool mode: k is a pool of 50 rows, 20 columns name rows of it
+    ("key_rows_int16", dict(key_rows_S=sds((20,), jnp.int16)), TypeError, "key_rows_S"),
+    ("key_rows_rank", dict(key_rows_S=sds((2, 20), I32)), ValueError, "key_rows_S"),
+    ("pool_scale_per_column", dict(k_scale_S=sds((20,), F32), key_rows_S=sds((20,), I32)),
+     ValueError, "k_scale_S"),  # one scale per pool row, not per column
+    ("fp8_pool_float_queries", dict(k=sds((50, 32), FP8), key_rows_S=sds((20,), I32)),
+     TypeError, "k_SI"),
 ]
+# A float pool wider (or narrower) than the queries is cast per row, never copied whole.
+VALID_POOL = dict(VALID, k=sds((50, 32), BF16), key_rows_S=sds((20,), I32))
+
+
+# ---- pool mode: sequences' keys in a shared pool of pages ----------------------------------
+
+def paged_key_rows(rng, page_size, lengths, num_keys, shared_pages=1):
+  """Row ids [len(lengths), num_keys] of sequences over a shuffled pool of pages, and the
+  pool's row count. The first ``shared_pages`` pages are a prefix every sequence reads (prefix
+  caching); positions at or past a sequence's length are -1. Page 0 is never used, so the
+  row that -1 columns read (row 0) is one no column names."""
+  pages = [-(-n // page_size) for n in lengths]
+  num_pages = 1 + shared_pages + sum(p - shared_pages for p in pages) + 2  # 2 spare pages
+  order = iter(rng.permutation(np.arange(1, num_pages)))
+  prefix = [next(order) for _ in range(shared_pages)]
+  positions = np.arange(num_keys)
+  rows = []
+  for n, p in zip(lengths, pages):
+    table = np.array(prefix + [next(order) for _ in range(p - shared_pages)] + [0])
+    page_of = table[np.minimum(positions // page_size, p)]
+    rows.append(np.where(positions < n, page_of * page_size + positions % page_size, -1))
+  return np.stack(rows).astype(np.int32), num_pages * page_size
+
+
+def ragged_windows(rng, T, S):
+  """Windows of every kind: empty, causal, random, and reaching past S."""
+  starts = rng.integers(0, S // 2, T)
+  ends = starts + rng.integers(0, S, T)
+  starts[:3], ends[:3] = (0, 0, 5), (0, S, S + 7)
+  return starts.astype(np.int32), ends.astype(np.int32)
+
+
+POOL_T, POOL_G, POOL_I, POOL_S = 9, 4, 32, 100
+POOL_LENGTHS = (100, 67, 20)  # ragged; every one past the shared first page at page size 16
+
+
+def pool_inputs(seed, page_size, dtype, pool_dtype=None):
+  """``(q [B, T, G, I], pool [P, I], w, starts, ends, pool scales or None, key_rows [B, S],
+  float64 truth [B, T, S] before any fp8 quantization)``; fp8 queries and keys are quantized
+  the way the model does (``quantize_indexer_queries``, ``quantize_keys``)."""
+  rng = np.random.default_rng(seed)
+  B = len(POOL_LENGTHS)
+  key_rows, pool_size = paged_key_rows(rng, page_size, POOL_LENGTHS, POOL_S)
+  q = rng.standard_normal((B, POOL_T, POOL_G, POOL_I))
+  pool = rng.standard_normal((pool_size, POOL_I))
+  w = rng.standard_normal((B, POOL_T, POOL_G))
+  starts, ends = zip(*(ragged_windows(rng, POOL_T, POOL_S) for _ in range(B)))
+  starts, ends = np.stack(starts), np.stack(ends)
+  truth = np.stack([numpy_pooled_indexer_logits(q[b], pool, w[b], starts[b], ends[b], None,
+                                                key_rows[b]) for b in range(B)])
+  if dtype == FP8:
+    q, w = quantize_indexer_queries(jnp.asarray(q, F32), jnp.asarray(w, F32))
+    pool, scales = quantize_keys(jnp.asarray(pool, F32))
+  else:
+    q, pool, w = jnp.asarray(q, dtype), jnp.asarray(pool, pool_dtype or dtype), jnp.asarray(w, F32)
+    scales = None
+  return (q, pool, w, jnp.asarray(starts), jnp.asarray(ends), scales, jnp.asarray(key_rows),
+          truth)
+
+
+POOL_CASES = (  # (name, page size, query dtype, pool dtype)
+    ("page1_float32", 1, F32, None),
+    ("page16_float32", 16, F32, None),
+    ("page64_float32", 64, F32, None),
+    ("page16_bfloat16", 16, BF16, None),
+    ("page16_fp8", 16, FP8, None),
+    ("page16_bfloat16_pool_float32_queries", 16, F32, BF16),
+)
+POOL_RTOL = {F32: 1e-5, BF16: 2e-2, FP8: 1e-5}  # fp8: vs the dequantized values
+FP8_QUANTIZATION_RTOL = 6e-2  # fp8 against the float keys before quantization
 
 
 class IndexerLogitsTestBase(common.KernelTestBase):
@@ -147,6 +227,90 @@ class IndexerLogitsTestBase(common.KernelTestBase):
     got = self.backend().indexer_logits(*batched)
     chex.assert_trees_all_close(got, jax.jit(jax.vmap(self.REFERENCE))(*batched), rtol=1e-5,
                                 atol=1e-5)
+
+  # ---- pool mode ---------------------------------------------------------------------------
+
+  @parameterized.named_parameters(*POOL_CASES)
+  def test_pooled_rows_match_float64(self, page_size, dtype, pool_dtype):
+    q, pool, w, starts, ends, scales, key_rows, truth = pool_inputs(page_size, page_size,
+                                                                    dtype, pool_dtype)
+    fn = self.jitted()
+    for b in range(len(POOL_LENGTHS)):
+      got = fn(q[b], pool, w[b], starts[b], ends[b], k_scale_S=scales, key_rows_S=key_rows[b])
+      chex.assert_shape(got, (POOL_T, POOL_S))
+      chex.assert_type(got, jnp.float32)
+      got = np.asarray(got, np.float64)
+      want = numpy_pooled_indexer_logits(q[b], pool, w[b], starts[b], ends[b], scales,
+                                         key_rows[b])
+      self.assertFalse(np.isnan(got).any())
+      np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+      inside = np.isfinite(want)
+      self.assertTrue(inside.any())
+      self.assertLess(relative_error(got[inside], want[inside]), POOL_RTOL[dtype])
+      if dtype == FP8:
+        self.assertLess(relative_error(got[inside], truth[b][inside]), FP8_QUANTIZATION_RTOL)
+
+  def test_pooled_rows_equal_the_gathered_keys(self):
+    """Pool mode scores what the contiguous call scores on the gathered rows."""
+    q, pool, w, starts, ends, _, key_rows, _ = pool_inputs(7, 16, F32)
+    rows = np.asarray(key_rows[1])
+    has_key = rows >= 0
+    ends = jnp.minimum(ends[1], int(has_key.sum()))  # the contiguous keys end at the length
+    got = self.jitted()(q[1], pool, w[1], starts[1], ends, key_rows_S=key_rows[1])
+    want = self.fn()(q[1], pool[rows[has_key]], w[1], starts[1], ends)
+    np.testing.assert_allclose(np.asarray(got)[:, has_key], np.asarray(want), rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got)[:, ~has_key], -np.inf)
+
+  @parameterized.named_parameters(common.named_product(poison=common.POISONS))
+  def test_pool_rows_no_column_names_stay_hidden(self, poison):
+    """NaN/inf in pool rows a sequence does not name (row 0, which its -1 columns read, and
+    the other sequences' pages) never reach its logits."""
+    q, pool, w, starts, ends, scales, key_rows, _ = pool_inputs(8, 16, FP8)
+    named = np.unique(np.asarray(key_rows[2]))
+    unnamed = np.setdiff1d(np.arange(pool.shape[0]), named)
+    self.assertIn(0, unnamed)
+    bad_pool = pool.at[unnamed].set(poison)
+    bad_scales = scales.at[unnamed].set(poison)
+    fn = self.jitted()
+    args = (q[2], w[2], starts[2], ends[2])
+    call = lambda p, sc: np.asarray(fn(args[0], p, *args[1:], k_scale_S=sc,
+                                       key_rows_S=key_rows[2]))
+    np.testing.assert_array_equal(call(bad_pool, bad_scales), call(pool, scales))
+
+  def test_backend_pooled_rows_match_per_sequence(self):
+    q, pool, w, starts, ends, scales, key_rows, _ = pool_inputs(9, 16, FP8)
+    got = self.backend().indexer_logits(q, pool, w, starts, ends, k_scale_BS=scales,
+                                        key_rows_BS=key_rows)
+    chex.assert_shape(got, (len(POOL_LENGTHS), POOL_T, POOL_S))
+    fn = self.jitted()
+    for b in range(len(POOL_LENGTHS)):
+      want = fn(q[b], pool, w[b], starts[b], ends[b], k_scale_S=scales, key_rows_S=key_rows[b])
+      np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want))
+
+  @parameterized.named_parameters(
+      ("int16", sds((2, 20), jnp.int16), TypeError),
+      ("unbatched", sds((20,), I32), ValueError),
+      ("other_batch", sds((3, 20), I32), ValueError),
+  )
+  def test_backend_refuses_bad_key_rows(self, key_rows, error):
+    args = (sds((2, 3, 4, 32), F32), sds((50, 32), F32), sds((2, 3, 4), F32), sds((2, 3), I32),
+            sds((2, 3), I32), key_rows)
+    fn = lambda *a: self.backend().indexer_logits(*a[:5], key_rows_BS=a[5])
+    with self.assertRaisesRegex(error, "key_rows_BS"):
+      jax.eval_shape(fn, *args)
+
+  def test_valid_pool_arguments_pass(self):
+    names = ("q", "k", "w", "starts", "ends", "key_rows_S")
+    fn = lambda *a: self.fn(jit=False)(*a[:5], key_rows_S=a[5])
+    out = jax.eval_shape(fn, *(VALID_POOL[name] for name in names))
+    self.assertEqual((out.shape, out.dtype), ((3, 20), F32))
+
+  def test_empty_pool_scores_nothing(self):
+    args = (jnp.ones((3, 4, 32), F32), jnp.ones((0, 32), F32), jnp.ones((3, 4), F32),
+            jnp.zeros((3,), I32), jnp.full((3,), 5, I32))
+    logits = self.fn()(*args, key_rows_S=jnp.full((5,), -1, I32))
+    np.testing.assert_array_equal(np.asarray(logits), np.full((3, 5), -np.inf))
 
   # ---- NaN and inf in keys outside a query's window never reach it -------------------------
 

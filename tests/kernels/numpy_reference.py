@@ -56,6 +56,16 @@ def numpy_indexer_logits(q, k, w, starts, ends, k_scale):
   return np.where(inside, logits, -np.inf)
 
 
+def numpy_pooled_indexer_logits(q, pool, w, starts, ends, pool_scale, key_rows):
+  """``numpy_indexer_logits`` over the pool rows ``key_rows`` names; -inf where it names none."""
+  key_rows = np.asarray(key_rows)
+  has_key = (key_rows >= 0) & (key_rows < len(pool))
+  safe = np.where(has_key, key_rows, 0)
+  scale = None if pool_scale is None else np.asarray(pool_scale, np.float64)[safe]
+  logits = numpy_indexer_logits(q, np.asarray(pool, np.float64)[safe], w, starts, ends, scale)
+  return np.where(has_key[None, :], logits, -np.inf)
+
+
 def assert_attention_matches(out, lse, ref_out, ref_lse, *, rtol, lse_rtol, lse_atol):
   """Kernel (out, LSE) against the float64 ground truth, including the empty-row contract.
 
@@ -75,3 +85,4 @@ def assert_attention_matches(out, lse, ref_out, ref_lse, *, rtol, lse_rtol, lse_
   empty = np.isinf(ref_lse)
   np.testing.assert_array_equal(out[empty], 0.0)
   np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=lse_rtol, atol=lse_atol)
+

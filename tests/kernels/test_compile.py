@@ -37,6 +37,12 @@ KERNELS = {
         indexer_case(512, 64, 128, 8192), IndexerLogitsKernelConfig.default_for(512, 8192)),
     "indexer_dsv32_g64_i128_fp8": (
         indexer_case(512, 64, 128, 8192, FP8, k_scale=True), IndexerLogitsKernelConfig.default_for(512, 8192)),
+    # Paged: the keys read in place from a 64K-row pool through each column's row id.
+    "indexer_dsv32_g64_i128_bf16_pool": (
+        indexer_case(512, 64, 128, 8192, pool_rows=65536), IndexerLogitsKernelConfig.default_for(512, 8192)),
+    "indexer_dsv32_g64_i128_fp8_pool": (
+        indexer_case(512, 64, 128, 8192, FP8, k_scale=True, pool_rows=65536),
+        IndexerLogitsKernelConfig.default_for(512, 8192)),
     "dense_mha_dsv32_qk192_v128": (
         mha_case(2048, 2048, 128, 192, 128), DenseMHAKernelConfig.default_for(2048, 2048, 192, 128)),
     "dense_mha_glm5_qk256_v256": (

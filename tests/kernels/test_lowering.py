@@ -27,6 +27,11 @@ CASES = {
     "indexer_tiny_fp32": (indexer_case(37, 4, 32, 150, F32), "indexer_logits"),
     "indexer_dsv32_bf16": (indexer_case(128, 64, 128, 4096), "indexer_logits"),
     "indexer_dsv32_fp8": (indexer_case(128, 64, 128, 4096, FP8, k_scale=True), "indexer_logits"),
+    "indexer_pool_tiny_fp32": (indexer_case(37, 4, 32, 150, F32, pool_rows=300), "indexer_logits"),
+    "indexer_pool_dsv32_bf16": (indexer_case(128, 64, 128, 4096, pool_rows=65536),
+                                "indexer_logits"),
+    "indexer_pool_dsv32_fp8": (indexer_case(128, 64, 128, 4096, FP8, k_scale=True,
+                                            pool_rows=65536), "indexer_logits"),
     "mha_tiny": (mha_case(37, 150, 2, 48, 32, F32), "dense_mha_prefill"),
     "mha_dsv32": (mha_case(512, 512, 128, 192, 128), "dense_mha_prefill"),
     "mha_glm5": (mha_case(512, 512, 64, 256, 256), "dense_mha_prefill"),
@@ -54,6 +59,8 @@ class LoweringTest(parameterized.TestCase):
       ("sparse_mqa_fp8", "sparse_mqa_fp8", "sparse_mqa_attention"),
       ("indexer_logits", "indexer_logits", "indexer_logits"),
       ("indexer_logits_fp8", "indexer_logits_fp8", "indexer_logits"),
+      ("indexer_logits_pool", "indexer_logits_pool", "indexer_logits"),
+      ("indexer_logits_pool_fp8", "indexer_logits_pool_fp8", "indexer_logits"),
       ("dense_mha", "dense_mha", "dense_mha_prefill"),
   )
   def test_batched_backend_lowers_to_one_triton_call(self, op, kernel_name):
@@ -68,12 +75,13 @@ class LoweringTest(parameterized.TestCase):
       args = (sds((B, 1, 128, 576), BF16), rows, sds((B, 1, 2048), I32))
     elif op.startswith("indexer_logits"):
       dtype = FP8 if op.endswith("fp8") else BF16
-      args = (sds((B, 4, 64, 128), dtype), sds((B, 300, 128), dtype), sds((B, 4, 64), F32),
-              sds((B, 4), I32), sds((B, 4), I32))
-      fn = backend.indexer_logits
-      if dtype == FP8:  # the per-key scales travel through the backend
-        fn = lambda *a: backend.indexer_logits(*a[:5], k_scale_BS=a[5])
-        args += (sds((B, 300), F32),)
+      pooled = "pool" in op  # one pool of 5000 key rows, 300 row ids per sequence
+      keys = (5000,) if pooled else (B, 300)
+      args = (sds((B, 4, 64, 128), dtype), sds((*keys, 128), dtype), sds((B, 4, 64), F32),
+              sds((B, 4), I32), sds((B, 4), I32),
+              sds(keys, F32) if dtype == FP8 else None,  # the per-key scales travel too
+              sds((B, 300), I32) if pooled else None)
+      fn = lambda *a: backend.indexer_logits(*a[:5], k_scale_BS=a[5], key_rows_BS=a[6])
     else:
       fn = lambda q, k, v, off, n: backend.dense_mha(q, k, v, sm_scale=0.1, q_offset_B=off, kv_len_B=n)
       args = (sds((B, 64, 4, 192), BF16), sds((B, 100, 4, 192), BF16), sds((B, 100, 4, 128), BF16),

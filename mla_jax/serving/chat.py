@@ -1,0 +1,86 @@
+"""Chat messages to prompt text: the checkpoint's ``chat_template`` (``tokenizer_config.json``),
+rendered with jinja2 as HF's ``apply_chat_template`` does, or a documented plain format for a
+checkpoint without one."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mla_jax.checkpoints.errors import CheckpointError
+from mla_jax.checkpoints.reading import read_json_object
+from mla_jax.tokenizer import TOKENIZER_CONFIG, special_token
+
+
+class TemplateError(ValueError):
+  """The template refused these messages (its ``raise_exception``) or failed rendering them."""
+
+
+def _raise_exception(message: str):
+  raise TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+  return datetime.datetime.now().strftime(format)
+
+
+class ChatTemplate:
+  """Renders a list of ``{"role", "content"}`` messages to the prompt text that asks for the
+  assistant's turn.
+
+  ``source`` is a jinja2 template, rendered in a sandbox with ``messages``,
+  ``add_generation_prompt=True``, the tokenizer's special tokens (``bos_token``,
+  ``eos_token``, ...), ``raise_exception`` and ``strftime_now``, with HF's whitespace settings.
+  None: the plain format, one ``"{role}: {content}\\n"`` line per message, then
+  ``"assistant:"``.
+  """
+
+  def __init__(self, source: str | None = None, special_tokens: dict[str, str] | None = None):
+    self.source = source
+    self.special_tokens = dict(special_tokens or {})
+    self._template = None
+    if source is not None:
+      env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                          extensions=["jinja2.ext.loopcontrols"])
+      env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+      try:
+        self._template = env.from_string(source)
+      except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"chat_template is not a valid jinja2 template: {e}") from None
+
+  @property
+  def is_plain(self) -> bool:
+    return self._template is None
+
+  def render(self, messages: list[dict[str, str]]) -> str:
+    if self._template is None:
+      return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    try:
+      return self._template.render(messages=messages, add_generation_prompt=True,
+                                   **self.special_tokens)
+    except TemplateError:
+      raise
+    except jinja2.TemplateError as e:
+      raise TemplateError(f"the chat template failed on these messages: {e}") from None
+
+  @classmethod
+  def from_checkpoint(cls, directory: str | Path | None) -> ChatTemplate:
+    """The template of ``directory``'s ``tokenizer_config.json`` (HF's default one when it
+    names several), or the plain format without a directory, file or template."""
+    if directory is None:
+      return cls()
+    file = Path(directory) / TOKENIZER_CONFIG
+    config = read_json_object(file) or {}
+    source = config.get("chat_template")
+    if isinstance(source, list):  # HF's named templates: [{"name": ..., "template": ...}]
+      named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+      source = named.get("default")
+    if source is not None and not isinstance(source, str):
+      raise CheckpointError(f"{file}: chat_template must be a string or a list of named "
+                            f"templates with a 'default', got {type(source).__name__}")
+    special = {key: special_token(file, config, key)
+               for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return cls(source, {key: value for key, value in special.items() if value is not None})

@@ -1,0 +1,157 @@
+"""The OpenAI API as the server speaks it: request bodies (pydantic, every field checked, an
+unsupported one refused by name), error objects, and the response and stream-chunk bodies.
+
+Only what ``docs/serving.md`` lists is accepted. A body is validated from its JSON text in
+strict mode (``"5"`` is not a number, ``NaN`` is not a temperature), and the first problem
+becomes a 400 naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from mla_jax.serving.requests import MAX_LOGPROBS, MAX_SEED
+
+
+class APIError(Exception):
+  """An error the client gets as OpenAI's error object, with its HTTP status."""
+
+  def __init__(self, status: int, message: str, *, param: str | None = None,
+               type: str = "invalid_request_error", code: str | None = None,
+               headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param = status, message, param
+    self.type, self.code, self.headers = type, code, headers or {}
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                      "code": self.code}}
+
+
+class _Request(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]  # OpenAI's range
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+StopString = Annotated[str, Field(min_length=1)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=4)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class StreamOptions(_Request):
+  include_usage: bool = False
+
+
+class _Sampling(_Request):
+  """The fields both endpoints share."""
+
+  model: str
+  max_tokens: PositiveInt | None = None
+  temperature: Temperature | None = None
+  top_p: TopP | None = None
+  seed: Seed | None = None
+  stop: Stop | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  n: Literal[1] = 1  # one choice per prompt
+
+  @property
+  def stop_strings(self) -> tuple[str, ...]:
+    if self.stop is None:
+      return ()
+    return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+  @property
+  def include_usage(self) -> bool:
+    return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+  prompt: (Annotated[str, Field(min_length=1)]
+           | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+           | TokenIds | Annotated[list[TokenIds], Field(min_length=1)])
+  logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+  @property
+  def prompts(self) -> list[str | list[int]]:
+    """The prompts, one per choice: a string, a list of strings, ids, or lists of ids."""
+    if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+      return [self.prompt]
+    return list(self.prompt)
+
+
+class TextPart(_Request):
+  type: Literal["text"]
+  text: str
+
+
+class Message(_Request):
+  role: Literal["system", "user", "assistant", "developer"]
+  content: str | Annotated[list[TextPart], Field(min_length=1)]
+  name: str | None = None
+
+  @property
+  def text(self) -> str:
+    return self.content if isinstance(self.content, str) else \
+        "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+  messages: Annotated[list[Message], Field(min_length=1)]
+  max_completion_tokens: PositiveInt | None = None
+  logprobs: bool = False
+  top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+  @pydantic.model_validator(mode="after")
+  def _one_token_limit(self):
+    if self.max_tokens is not None and self.max_completion_tokens is not None:
+      raise ValueError("give max_tokens or max_completion_tokens, not both")
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ValueError("top_logprobs needs logprobs: true")
+    return self
+
+  @property
+  def token_limit(self) -> int | None:
+    return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+
+def parse(model: type[_Request], body: bytes) -> _Request:
+  """``body`` validated as ``model``, or a 400 naming the first field at fault."""
+  try:
+    return model.model_validate_json(body)
+  except pydantic.ValidationError as e:
+    # A union field fails once per member: the deepest failure that is not a plain type
+    # mismatch is the member the client meant.
+    error = max(e.errors(include_url=False),
+                key=lambda error: (len(error["loc"]), not error["type"].endswith("_type")))
+    if error["type"] == "json_invalid":
+      raise APIError(400, f"the body is not valid JSON: {error['msg']}") from None
+    param = ".".join(str(part) for part in error["loc"] if not _is_union_branch(part)) or None
+    if error["type"] == "extra_forbidden":
+      raise APIError(400, f"unsupported field {param!r}: this server does not implement it",
+                     param=param) from None
+    if error["type"] == "missing":
+      raise APIError(400, f"missing required field {param!r}", param=param) from None
+    message = error["msg"].removeprefix("Value error, ")
+    where = f"{param}: " if param else ""
+    got = "" if error["type"] == "value_error" else f" (got {_short(error.get('input'))})"
+    raise APIError(400, f"{where}{message}{got}", param=param) from None
+
+
+def _is_union_branch(part) -> bool:
+  """pydantic names the union member it tried (``str``, ``list[int]``, ...) in an error's
+  location; the client only needs the field's path."""
+  return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
+                                    or part.startswith(("constrained-", "function-")))
+
+
+def _short(value) -> str:
+  text = json.dumps(value, default=str) if value is not None else "null"
+  return text if len(text) <= 60 else text[:57] + "..."

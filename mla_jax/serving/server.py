@@ -1,0 +1,486 @@
+"""The OpenAI-compatible HTTP server (``mla-jax serve``): FastAPI handlers over an ``EngineLoop``.
+
+Handlers run on the event loop and never touch the engine: they check and tokenize a request,
+hand it to the engine's thread, and await its updates, which the thread posts back with
+``call_soon_threadsafe``. A streaming response sends each update as it comes, as server-sent
+events; a client that goes away has its request aborted (its pages freed). See
+docs/serving.md for the endpoints and fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from mla_jax.serving import protocol
+from mla_jax.serving.chat import ChatTemplate, TemplateError
+from mla_jax.serving.engine_loop import EngineFailure, EngineLoop
+from mla_jax.serving.metrics import ServerMetrics
+from mla_jax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from mla_jax.serving.requests import RequestOutput, SamplingParams, TokenLogprobs
+from mla_jax.serving.text import TextStream
+from mla_jax.tokenizer import Tokenizer
+
+logger = logging.getLogger("mla_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+  """What the handlers need besides the engine.
+
+  ``max_pending``: requests queued or running at once (beyond it, 429); ``temperature`` and
+  ``top_p``: used where a request gives none (the checkpoint's generation_config.json, else
+  OpenAI's 1.0); ``retry_after``: seconds a 429 asks the client to wait.
+  """
+
+  model_name: str
+  tokenizer: Tokenizer
+  chat_template: ChatTemplate
+  max_model_len: int
+  vocab_size: int
+  pool_tokens: int  # tokens the whole page pool holds: one request's ceiling
+  api_key: str | None = None
+  max_body_bytes: int = 8 * 2**20
+  max_pending: int = 256
+  temperature: float = 1.0
+  top_p: float = 1.0
+  retry_after: int = 1
+
+
+@dataclasses.dataclass
+class _Choice:
+  """One prompt of a request in flight: its id once queued, its text so far, its last update."""
+
+  index: int
+  prompt_ids: list[int]
+  text: TextStream
+  request_id: str | None = None
+  last: RequestOutput | None = None
+  logprobs_sent: int = 0
+
+
+def create_app(loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
+  """The app over ``loop``: it starts the loop's thread on startup and stops it (aborting
+  whatever is left) on shutdown."""
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    if not loop.alive:
+      loop.start()
+    yield
+    await asyncio.to_thread(loop.stop)
+
+  app = FastAPI(title="mla_jax", docs_url=None, redoc_url=None, openapi_url=None,
+                lifespan=lifespan)
+  handlers = _Handlers(loop, settings, metrics)
+
+  @app.exception_handler(APIError)
+  async def api_error(request: Request, e: APIError):
+    return _error_response(e)
+
+  @app.exception_handler(HTTPException)
+  async def http_error(request: Request, e: HTTPException):  # unknown paths, wrong methods
+    return _error_response(APIError(e.status_code, f"{request.method} {request.url.path}: "
+                                    f"{e.detail}", type="not_found_error"
+                                    if e.status_code == 404 else "invalid_request_error"))
+
+  @app.exception_handler(Exception)
+  async def internal_error(request: Request, e: Exception):
+    logger.exception("request %s %s failed", request.method, request.url.path)
+    return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                    type="internal_error"))
+
+  @app.get("/health")
+  async def health():
+    if not loop.alive:
+      raise APIError(503, "the engine loop has stopped", type="unavailable")
+    return {"status": "ok"}
+
+  @app.get("/metrics")
+  async def prometheus():
+    return Response(metrics.exposition(), media_type=ServerMetrics.CONTENT_TYPE)
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{
+        "id": settings.model_name, "object": "model", "created": _STARTED,
+        "owned_by": "mla_jax", "max_model_len": settings.max_model_len}]}
+
+  app.post("/v1/completions")(handlers.completions)
+  app.post("/v1/chat/completions")(handlers.chat_completions)
+  app.add_middleware(_Guard, settings=settings, metrics=metrics)
+  return app
+
+
+class _Guard:
+  """ASGI middleware: the API key and the declared body size are checked before any handler
+  runs, and every answer is counted by endpoint and status. (A plain ASGI wrapper rather than
+  ``BaseHTTPMiddleware``, which would buffer streams and hide client disconnects.)"""
+
+  def __init__(self, app, *, settings: ServerSettings, metrics: ServerMetrics):
+    self.app, self.settings, self.metrics = app, settings, metrics
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    status = []
+
+    async def counted_send(message):
+      if message["type"] == "http.response.start":
+        status.append(message["status"])
+      await send(message)
+
+    try:
+      request = Request(scope)
+      _check_auth(request, self.settings.api_key)
+      _check_declared_size(request, self.settings.max_body_bytes)
+    except APIError as e:
+      await _error_response(e)(scope, receive, counted_send)
+    else:
+      await self.app(scope, receive, counted_send)
+    finally:
+      path = scope["path"]
+      self.metrics.requests.labels(path if path in _ENDPOINTS else "other",
+                                   str(status[0]) if status else "500").inc()
+
+
+_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+_STARTED = int(time.time())
+
+
+def _error_response(e: APIError) -> JSONResponse:
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _check_auth(request: Request, api_key: str | None) -> None:
+  if api_key is None or not request.url.path.startswith("/v1/"):
+    return
+  given = request.headers.get("authorization", "")
+  scheme, _, token = given.partition(" ")
+  if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+    raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                   type="authentication_error", code="invalid_api_key")
+
+
+def _check_declared_size(request: Request, limit: int) -> None:
+  declared = request.headers.get("content-length")
+  if declared is not None and declared.isdigit() and int(declared) > limit:
+    raise APIError(413, f"the body of {declared} bytes is over this server's limit of "
+                   f"{limit} bytes", code="body_too_large")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+  """The body, refused past ``limit`` bytes even when no length was declared."""
+  body = bytearray()
+  async for chunk in request.stream():
+    body += chunk
+    if len(body) > limit:
+      raise APIError(413, f"the body is over this server's limit of {limit} bytes",
+                     code="body_too_large")
+  return bytes(body)
+
+
+class _Handlers:
+  def __init__(self, loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics):
+    self.loop, self.settings, self.metrics = loop, settings, metrics
+    self.pending = 0  # requests queued or running (handlers all run on the event loop)
+
+  # ---- endpoints ------------------------------------------------------------------------
+
+  async def completions(self, request: Request):
+    body = protocol.parse(CompletionRequest, await _read_body(request,
+                                                              self.settings.max_body_bytes))
+    self._check_model(body.model)
+    prompts = [self._prompt_ids(p, f"prompt.{i}" if len(body.prompts) > 1 else "prompt")
+               for i, p in enumerate(body.prompts)]
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+    return await self._serve(request, body, prompts, max_tokens, body.logprobs, chat=False)
+
+  async def chat_completions(self, request: Request):
+    body = protocol.parse(ChatCompletionRequest,
+                          await _read_body(request, self.settings.max_body_bytes))
+    self._check_model(body.model)
+    template = self.settings.chat_template
+    try:
+      text = template.render([{"role": m.role, "content": m.text} for m in body.messages])
+    except TemplateError as e:
+      raise APIError(400, f"messages: {e}", param="messages") from None
+    # A template spells its own special tokens (as HF's apply_chat_template encodes it).
+    ids = self.settings.tokenizer.encode(text, add_special_tokens=template.is_plain)
+    prompt = self._prompt_ids(ids, "messages")
+    max_tokens = body.token_limit
+    if max_tokens is None:  # as vLLM: whatever the context (and the page pool) leaves
+      room = min(self.settings.max_model_len, self.settings.pool_tokens)
+      max_tokens = max(1, room - len(prompt))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await self._serve(request, body, [prompt], max_tokens, logprobs, chat=True)
+
+  # ---- checks ---------------------------------------------------------------------------
+
+  def _check_model(self, name: str) -> None:
+    if name != self.settings.model_name:
+      raise APIError(404, f"model {name!r} does not exist: this server serves "
+                     f"{self.settings.model_name!r}", param="model", code="model_not_found")
+
+  def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+    ids = self.settings.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    vocab = self.settings.vocab_size
+    bad = [t for t in ids if t >= vocab]
+    if bad:
+      raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                     param=param)
+    if not ids:
+      raise APIError(400, f"{param}: the prompt is empty", param=param)
+    return ids
+
+  def _params(self, body, prompt: list[int], max_tokens: int, logprobs: int | None,
+              param: str) -> SamplingParams:
+    limit = self.settings.max_model_len
+    if len(prompt) >= limit:
+      raise APIError(400, f"{param}: the prompt has {len(prompt)} tokens, the model's context "
+                     f"is {limit} (prompt + max_tokens must fit)", param=param,
+                     code="context_length_exceeded")
+    if len(prompt) + max_tokens > limit:
+      raise APIError(400, f"max_tokens: {len(prompt)} prompt tokens + max_tokens {max_tokens} "
+                     f"exceed the model's context of {limit} tokens", param="max_tokens",
+                     code="context_length_exceeded")
+    try:
+      return SamplingParams(
+          max_tokens=max_tokens,
+          temperature=self.settings.temperature if body.temperature is None else
+          body.temperature,
+          top_p=self.settings.top_p if body.top_p is None else body.top_p,
+          seed=body.seed, stop=body.stop_strings, logprobs=logprobs)
+    except (ValueError, TypeError) as e:  # the engine's own checks, past the protocol's
+      raise APIError(400, str(e)) from None
+
+  # ---- running a request ----------------------------------------------------------------
+
+  async def _serve(self, request: Request, body, prompts: list[list[int]], max_tokens: int,
+                   logprobs: int | None, *, chat: bool):
+    param = "messages" if chat else "prompt"
+    params = [self._params(body, p, max_tokens, logprobs, param) for p in prompts]
+    if self.pending + len(prompts) > self.settings.max_pending:
+      raise APIError(429, f"the server is full ({self.pending} requests in flight): retry "
+                     "later", type="rate_limit_error", code="server_busy",
+                     headers={"Retry-After": str(self.settings.retry_after)})
+    updates: asyncio.Queue = asyncio.Queue()
+    choices = [_Choice(i, p, TextStream(self.settings.tokenizer.decode, params[i].stop))
+               for i, p in enumerate(prompts)]
+    await self._submit(choices, params, updates)
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if body.stream:
+      events = self._stream(choices, updates, response_id, body, chat)
+      await anext(events)  # started: its cleanup now runs however the response ends
+      return StreamingResponse(events, media_type="text/event-stream")
+    try:
+      finished = await self._until_finished(request, choices, updates)
+    finally:
+      self._release(choices)
+    if not finished:  # the client went away: nobody reads an answer
+      return Response(status_code=499)
+    return _full_response(response_id, self.settings, choices, chat)
+
+  async def _submit(self, choices: list[_Choice], params, updates: asyncio.Queue) -> None:
+    event_loop = asyncio.get_running_loop()
+    self.pending += len(choices)
+    try:
+      for choice, p in zip(choices, params):
+        deliver = (lambda index: lambda update: event_loop.call_soon_threadsafe(
+            updates.put_nowait, (index, update)))(choice.index)
+        choice.request_id = await asyncio.wrap_future(self.loop.add(choice.prompt_ids, p,
+                                                                    deliver))
+    except BaseException as e:
+      self._release(choices)
+      if isinstance(e, (ValueError, TypeError)):  # the engine's refusal (checked above: rare)
+        raise APIError(400, str(e)) from None
+      raise
+
+  def _release(self, choices: list[_Choice]) -> None:
+    """Aborts the choices still running (a client gone, a failure) and ends their count."""
+    for choice in choices:
+      if choice.request_id is not None and (choice.last is None or not choice.last.finished):
+        self.loop.abort(choice.request_id)
+    self.pending -= len(choices)
+
+  async def _next(self, choices, updates: asyncio.Queue):
+    # A queue that already holds updates returns at once: yield to the event loop anyway, or
+    # a stream the engine outpaces would starve every other connection.
+    await asyncio.sleep(0)
+    index, update = await updates.get()
+    if isinstance(update, EngineFailure):
+      raise APIError(500, str(update), type="internal_error")
+    choices[index].last = update
+    return choices[index]
+
+  async def _until_finished(self, request: Request, choices, updates) -> bool:
+    """Waits for every choice to finish: True, or False once the client has disconnected."""
+    while not all(c.last is not None and c.last.finished for c in choices):
+      try:
+        await asyncio.wait_for(self._next(choices, updates), timeout=1.0)
+      except TimeoutError:
+        if await request.is_disconnected():
+          return False  # _release aborts what is left
+    return True
+
+  async def _stream(self, choices, updates, response_id: str, body, chat: bool
+                    ) -> AsyncIterator[str]:
+    chunk = _ChunkWriter(response_id, self.settings, chat)
+    try:
+      yield ""  # the priming step (see _serve): not sent
+      if chat:
+        for choice in choices:
+          yield chunk.role(choice.index)
+      while not all(c.last is not None and c.last.finished for c in choices):
+        try:
+          choice = await self._next(choices, updates)
+        except APIError as e:
+          yield _sse(e.body())
+          break
+        yield chunk.delta(choice)
+      if body.include_usage:
+        yield chunk.usage(choices)
+      yield "data: [DONE]\n\n"
+    finally:
+      self._release(choices)
+
+
+# ---- response bodies ----------------------------------------------------------------------
+
+
+def _sse(payload: dict) -> str:
+  return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(choices) -> dict:
+  prompt = sum(len(c.prompt_ids) for c in choices)
+  completion = sum(len(c.last.tokens) for c in choices if c.last is not None)
+  return {"prompt_tokens": prompt, "completion_tokens": completion,
+          "total_tokens": prompt + completion}
+
+
+def _finish_reason(update: RequestOutput | None) -> str | None:
+  return None if update is None or not update.finished else update.finish_reason
+
+
+def _token_text(tokenizer: Tokenizer, token: int) -> str:
+  return tokenizer.decode([token])
+
+
+def _completion_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...],
+                         offset: int) -> dict:
+  """OpenAI's legacy completions format: tokens, their log-probabilities, the top ones as
+  ``{token text: logprob}`` and each token's character offset (``offset`` for the first)."""
+  tokens = [_token_text(tokenizer, e.token) for e in entries]
+  offsets, at = [], offset
+  for text in tokens:
+    offsets.append(at)
+    at += len(text)
+  return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+          "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+          "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...]) -> dict:
+  def item(token: int, logprob: float) -> dict:
+    text = _token_text(tokenizer, token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+  return {"content": [{**item(e.token, e.logprob),
+                       "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def _logprobs(settings: ServerSettings, choice: _Choice, chat: bool, start: int, offset: int):
+  entries = choice.last.logprobs
+  if entries is None:
+    return None
+  entries = entries[start:]
+  return _chat_logprobs(settings.tokenizer, entries) if chat else \
+      _completion_logprobs(settings.tokenizer, entries, offset)
+
+
+def _full_response(response_id: str, settings: ServerSettings, choices, chat: bool) -> dict:
+  out = []
+  for choice in choices:
+    choice.text.update(choice.last.tokens, finished=True)
+    text = choice.text.text
+    entry = {"index": choice.index, "finish_reason": _finish_reason(choice.last),
+             "logprobs": _logprobs(settings, choice, chat, 0, 0)}
+    if chat:
+      entry["message"] = {"role": "assistant", "content": text}
+    else:
+      entry["text"] = text
+    out.append(entry)
+  return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
+          "created": int(time.time()), "model": settings.model_name, "choices": out,
+          "usage": _usage(choices)}
+
+
+class _ChunkWriter:
+  """Server-sent events in OpenAI's chunk format, one per update."""
+
+  def __init__(self, response_id: str, settings: ServerSettings, chat: bool):
+    self.settings, self.chat = settings, chat
+    self.head = {"id": response_id,
+                 "object": "chat.completion.chunk" if chat else "text_completion",
+                 "created": int(time.time()), "model": settings.model_name}
+
+  def _event(self, choices: list[dict], **extra) -> str:
+    return _sse({**self.head, "choices": choices, **extra})
+
+  def role(self, index: int) -> str:
+    return self._event([{"index": index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}])
+
+  def delta(self, choice: _Choice) -> str:
+    update = choice.last
+    offset = len(choice.text.text)
+    text = choice.text.update(update.tokens, finished=update.finished)
+    logprobs = _logprobs(self.settings, choice, self.chat, choice.logprobs_sent, offset)
+    choice.logprobs_sent = len(update.tokens)
+    entry = {"index": choice.index, "logprobs": logprobs,
+             "finish_reason": _finish_reason(update)}
+    if self.chat:
+      entry["delta"] = {"content": text}
+    else:
+      entry["text"] = text
+    return self._event([entry])
+
+  def usage(self, choices) -> str:
+    return self._event([], usage=_usage(choices))
+
+
+def run(app: FastAPI, loop: EngineLoop, *, host: str, port: int,
+        shutdown_timeout: float) -> None:
+  """Serves ``app`` until SIGINT or SIGTERM. Then it stops accepting, gives the requests in
+  flight ``shutdown_timeout`` seconds to finish, aborts the rest (their streams end with
+  finish reason ``"abort"`` and ``[DONE]``), stops the engine (the app's lifespan) and
+  returns, so the process exits 0."""
+  import signal
+
+  import uvicorn
+
+  class Server(uvicorn.Server):
+    async def shutdown(self, sockets=None):
+      asyncio.get_running_loop().call_later(shutdown_timeout, loop.abort_all)
+      await super().shutdown(sockets)
+
+  # uvicorn re-raises the signal it shut down on, once its own handlers are gone: this
+  # handler makes that a clean exit rather than death by SIGTERM.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+  # uvicorn's own timeout (which cancels handlers mid-response) only backs up the abort.
+  config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=shutdown_timeout + 30)
+  Server(config).run()

@@ -1,0 +1,100 @@
+"""The server's plain-Python parts: request parsing (errors name the field), incremental text
+with stop strings, and chat templates (HF's jinja2 rendering, or the plain format)."""
+
+import json
+
+import pytest
+
+from mla_jax.checkpoints.errors import CheckpointError
+from mla_jax.serving.chat import ChatTemplate, TemplateError
+from mla_jax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from mla_jax.serving.text import TextStream, stop_cut
+from mla_jax.tokenizer import ByteTokenizer
+
+
+def _parse(request_type, **body):
+  return parse(request_type, json.dumps(body).encode())
+
+
+def test_a_completion_takes_every_prompt_form():
+  base = dict(model="m", max_tokens=3)
+  assert _parse(CompletionRequest, prompt="hi", **base).prompts == ["hi"]
+  assert _parse(CompletionRequest, prompt=["a", "b"], **base).prompts == ["a", "b"]
+  assert _parse(CompletionRequest, prompt=[1, 2], **base).prompts == [[1, 2]]
+  assert _parse(CompletionRequest, prompt=[[1], [2, 3]], **base).prompts == [[1], [2, 3]]
+  assert _parse(CompletionRequest, prompt="x", stop="ab", **base).stop_strings == ("ab",)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (dict(prompt=[1, -2]), "prompt.1", "greater than or equal to 0"),
+    (dict(prompt=[[1], []]), "prompt.1", "at least 1 item"),
+    (dict(prompt="x", stop=["a", ""]), "stop.1", "at least 1 character"),
+    (dict(prompt="x", max_tokens="5"), "max_tokens", "valid integer"),
+    (dict(prompt="x", logit_bias={}), "logit_bias", "unsupported field"),
+    (dict(), "prompt", "missing required field"),
+])
+def test_the_error_names_the_field_the_client_meant(body, param, words):
+  with pytest.raises(APIError, match=words) as e:
+    _parse(CompletionRequest, model="m", **body)
+  assert e.value.status == 400 and e.value.param == param
+
+
+def test_chat_limits_are_consistent():
+  messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                           {"type": "text", "text": "b"}]}]
+  request = _parse(ChatCompletionRequest, model="m", messages=messages, max_completion_tokens=4)
+  assert request.token_limit == 4 and request.messages[0].text == "ab"
+  with pytest.raises(APIError, match="not both"):
+    _parse(ChatCompletionRequest, model="m", messages=messages, max_tokens=1,
+           max_completion_tokens=2)
+
+
+def test_text_stream_holds_back_what_may_begin_a_stop_string():
+  tok = ByteTokenizer()
+  stream = TextStream(tok.decode, stop=("END",))
+  ids = list(b"abcEN")
+  assert stream.update(ids[:3], finished=False) == "abc"
+  assert stream.update(ids, finished=False) == ""         # "EN" could begin "END"
+  assert stream.update(ids + list(b"x"), finished=False) == "ENx"
+  assert stream.update(ids + list(b"xEND tail"), finished=True) == ""
+  assert stream.text == "abcENx"
+
+
+def test_text_stream_waits_for_a_whole_utf8_character():
+  tok = ByteTokenizer()
+  stream = TextStream(tok.decode)
+  euro = list("€".encode())
+  assert stream.update([*b"a", *euro[:2]], finished=False) == "a"
+  assert stream.update([*b"a", *euro], finished=False) == "€"
+
+
+def test_stop_cut_finds_the_earliest_stop_string():
+  assert stop_cut("one two three", ("three", "two")) == 4
+  assert stop_cut("nothing", ("x",)) is None
+
+
+def test_chat_template_renders_as_hf_and_refuses_by_its_own_words():
+  source = ("{% for m in messages %}{% if m.role == 'system' %}"
+            "{{ raise_exception('no system') }}{% endif %}"
+            "{{ bos_token }}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+  template = ChatTemplate(source, {"bos_token": "<s>"})
+  text = template.render([{"role": "user", "content": "hi"}])
+  assert text == "<s>[user] hi\n[assistant]" and not template.is_plain
+  with pytest.raises(TemplateError, match="no system"):
+    template.render([{"role": "system", "content": "x"}])
+  with pytest.raises(CheckpointError, match="not a valid jinja2 template"):
+    ChatTemplate("{% for %}")
+
+
+def test_plain_chat_format_and_templates_read_from_a_checkpoint(tmp_path):
+  plain = ChatTemplate.from_checkpoint(None)
+  assert plain.is_plain
+  assert plain.render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": [{"name": "default", "template": "{{ eos_token }}"}],
+       "eos_token": {"content": "</s>"}}))
+  assert ChatTemplate.from_checkpoint(tmp_path).render([]) == "</s>"
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 3}))
+  with pytest.raises(CheckpointError, match="chat_template must be"):
+    ChatTemplate.from_checkpoint(tmp_path)

@@ -1,0 +1,421 @@
+"""``mla-jax serve`` as users meet it: a subprocess on 127.0.0.1 and a port of its own, driven by
+the official ``openai`` client (and raw httpx for malformed requests). Greedy answers equal
+``generate``; concurrent streams never mix; a client that goes away frees its pages; bad
+requests are 4xx naming the problem; SIGTERM exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jax.numpy as jnp
+import openai
+import pytest
+
+from mla_jax import presets
+from mla_jax.checkpoints import load_pretrained
+from mla_jax.generation.loop import generate
+from mla_jax.tokenizer import ByteTokenizer
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.xdist_group("server")  # one worker: the servers are shared
+
+MODEL = "recall-chat"
+# Refuses a system message, the way HF templates refuse what they cannot render.
+TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}"
+            "{{ raise_exception('this template takes no system message') }}{% endif %}"
+            "{{ bos_token }}<{{ m.role }}>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+RECALL = "aQ ..kX zB ...mP rT ..wE cV ?k"
+SERVE_FLAGS = ["--num-pages", "48", "--page-size", "16", "--max-num-seqs", "8",
+               "--max-step-tokens", "128", "--log-interval", "1000"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """The shipped recall model with a chat template of its own."""
+  path = tmp_path_factory.mktemp("ckpt") / MODEL
+  shutil.copytree(presets.RECALL_CHECKPOINT, path)
+  (path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": TEMPLATE, "bos_token": "\x01"}))
+  return path
+
+
+class Server:
+  def __init__(self, checkpoint, *flags):
+    self.port = free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "mla_jax", "serve", "--checkpoint", str(checkpoint),
+         "--dtype", "float32", "--port", str(self.port), *SERVE_FLAGS, *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cwd=Path(__file__).parents[1])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      if self.proc.poll() is not None:
+        raise RuntimeError(f"the server exited: {self.proc.communicate()}")
+      with contextlib.suppress(httpx.HTTPError):
+        if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+          return
+      time.sleep(0.3)
+    self.stop()
+    raise RuntimeError("the server did not come up in 120 s")
+
+  def client(self, **kwargs):
+    return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"),
+                         max_retries=0, timeout=120, **kwargs)
+
+  def metric(self, name: str) -> float:
+    text = httpx.get(f"{self.url}/metrics", timeout=10).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+  def stop(self, timeout=60):
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+    out, err = self.proc.communicate(timeout=timeout)
+    return self.proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+  s = Server(checkpoint)
+  yield s
+  code, _, err = s.stop()
+  assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+  return load_pretrained(checkpoint, dtype=jnp.float32, backend="xla")
+
+
+def _greedy(model, prompts, new):
+  """``generate``'s greedy text for each prompt (byte ids), the way the server decodes it."""
+  tok = ByteTokenizer()
+  ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+  return [tok.decode(t) for t in generate(model, ids, new).tokens]
+
+
+def _chat_ids(messages):
+  text = "".join(f"\x01<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+  return ByteTokenizer().encode(text, add_special_tokens=False)
+
+
+# ---- correctness --------------------------------------------------------------------------
+
+
+def test_completions_and_chat_equal_generate_streaming_or_not(server, model):
+  client = server.client()
+  prompts = [RECALL, "zB ..mP ?z", "aQ cV ?c"]
+  expected = _greedy(model, prompts, 5)
+  for prompt, want in zip(prompts, expected):
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+    assert out.usage.prompt_tokens == len(ByteTokenizer().encode(prompt))
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+  assert expected[0][0] == "X"  # the recall model answers its lookup
+  batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
+  assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == expected
+  ids = ByteTokenizer().encode(prompts[1])
+  assert client.completions.create(model=MODEL, prompt=ids, max_tokens=5,
+                                   temperature=0).choices[0].text == expected[1]
+
+  messages = [{"role": "user", "content": "kX ?k"}]
+  want = ByteTokenizer().decode(generate(model, [_chat_ids(messages)], 4).tokens[0])
+  chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                        temperature=0)
+  assert chat.choices[0].message.content == want and chat.choices[0].message.role == "assistant"
+  stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                          temperature=0, stream=True,
+                                          stream_options={"include_usage": True})
+  chunks = list(stream)
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+  assert chunks[-1].usage.completion_tokens == 4 and not chunks[-1].choices
+
+
+def test_seed_reproduces_and_stop_cuts_the_text(server, model):
+  client = server.client()
+  draw = lambda seed: client.completions.create(model=MODEL, prompt="9#@!~", max_tokens=12,
+                                                temperature=2.0, seed=seed).choices[0].text
+  assert draw(11) == draw(11)
+  assert len({draw(s) for s in range(1, 6)}) > 1
+  full = _greedy(model, ["zB ..mP ?z"], 6)[0]
+  stop = full[2:4]
+  out = client.completions.create(model=MODEL, prompt="zB ..mP ?z", max_tokens=6,
+                                  temperature=0, stop=[stop])
+  assert out.choices[0].text == full[:full.index(stop)]
+  assert out.choices[0].finish_reason == "stop"
+  streamed = client.completions.create(model=MODEL, prompt="zB ..mP ?z", max_tokens=6,
+                                       temperature=0, stop=stop, stream=True)
+  assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
+
+
+def test_logprobs_follow_openai_formats(server):
+  client = server.client()
+  out = client.completions.create(model=MODEL, prompt=RECALL, max_tokens=2, temperature=0,
+                                  logprobs=3)
+  lp = out.choices[0].logprobs
+  assert "".join(lp.tokens) == out.choices[0].text and len(lp.top_logprobs[0]) == 3
+  assert lp.token_logprobs[0] == max(lp.top_logprobs[0].values()) <= 0
+  chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                        max_tokens=2, temperature=0, logprobs=True,
+                                        top_logprobs=2)
+  content = chat.choices[0].logprobs.content
+  assert "".join(c.token for c in content) == chat.choices[0].message.content
+  assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_models_health_and_metrics(server):
+  models = server.client().models.list()
+  assert [m.id for m in models.data] == [MODEL]
+  assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+  text = httpx.get(f"{server.url}/metrics").text
+  for name in ("mla_jax_requests_total", "mla_jax_prompt_tokens_total",
+               "mla_jax_generation_tokens_total", "mla_jax_requests_running",
+               "mla_jax_requests_waiting", "mla_jax_pages_in_use", "mla_jax_step_programs",
+               "mla_jax_time_to_first_token_seconds_bucket",
+               "mla_jax_inter_token_latency_seconds_bucket"):
+    assert name in text, name
+
+
+# ---- concurrency and faults ---------------------------------------------------------------
+
+
+def test_32_concurrent_streams_complete_without_mixing(server, model):
+  prompts = [f"{chr(97 + i % 26)}{chr(65 + (i * 7) % 26)} ..{chr(97 + i % 26)}? " * (1 + i % 3)
+             for i in range(32)]
+  expected = _greedy(model, prompts, 6)
+  client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                              timeout=300)
+
+  async def one(prompt):
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                             temperature=0, stream=True)
+    ids = set()
+    text = []
+    async for chunk in stream:
+      ids.add(chunk.id)
+      text.append(chunk.choices[0].text)
+    return "".join(text), ids
+
+  async def all_of_them():
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+  results = asyncio.run(all_of_them())
+  assert [text for text, _ in results] == expected
+  stream_ids = [ids for _, ids in results]
+  assert all(len(ids) == 1 for ids in stream_ids) and len(set.union(*stream_ids)) == 32
+
+
+def _wait_for_pages_free(server, timeout=30):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if server.metric("mla_jax_pages_in_use") == 0 and \
+        server.metric("mla_jax_requests_running") == 0:
+      return True
+    time.sleep(0.2)
+  return False
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(server):
+  body = {"model": MODEL, "prompt": RECALL * 3, "max_tokens": 400, "temperature": 0,
+          "stream": True}
+  with httpx.Client(timeout=60) as http:
+    with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+      lines = response.iter_lines()
+      got = [next(lines) for _ in range(6)]
+      assert any(line.startswith("data: {") for line in got)
+      assert server.metric("mla_jax_pages_in_use") > 0
+  assert _wait_for_pages_free(server)
+  assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_refused_request_leaves_the_streams_beside_it_untouched(server, model):
+  expected = _greedy(model, [RECALL, "zB ..mP ?z"], 12)
+  client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                              timeout=120)
+
+  async def stream(prompt):
+    s = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                        temperature=0, stream=True)
+    return "".join([c.choices[0].text async for c in s])
+
+  async def refused():
+    await asyncio.sleep(0.2)
+    with pytest.raises(openai.BadRequestError, match="takes no system message"):
+      await client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+          {"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+
+  async def run():
+    return await asyncio.gather(stream(RECALL), stream("zB ..mP ?z"), refused())
+
+  assert asyncio.run(run())[:2] == expected
+
+
+# ---- bad requests -------------------------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "ab", "max_tokens": 2}
+MSG = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD_REQUESTS = [
+    # (path, body (dict or raw bytes), status, words the message must contain)
+    (C, b"{not json", 400, "not valid JSON"),
+    (C, b"[1, 2]", 400, "object"),
+    (C, {**OK, "max_tokens": "5"}, 400, "max_tokens"),
+    (C, {**OK, "max_tokens": -1}, 400, "max_tokens"),
+    (C, {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    (C, {**OK, "max_tokens": 10**9}, 400, "max_tokens"),
+    (C, {**OK, "max_tokens": 2.5}, 400, "max_tokens"),
+    (C, b'{"model": "recall-chat", "prompt": "a", "temperature": NaN}', 400, "temperature"),
+    (C, {**OK, "temperature": -0.5}, 400, "temperature"),
+    (C, {**OK, "temperature": 9}, 400, "temperature"),
+    (C, {**OK, "top_p": 0}, 400, "top_p"),
+    (C, {**OK, "top_p": 1.5}, 400, "top_p"),
+    (C, {**OK, "seed": -1}, 400, "seed"),
+    (C, {**OK, "seed": "x"}, 400, "seed"),
+    (C, {**OK, "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
+    (C, {k: v for k, v in OK.items() if k != "model"}, 400, "model"),
+    (C, {k: v for k, v in OK.items() if k != "prompt"}, 400, "prompt"),
+    (C, {**OK, "prompt": ""}, 400, "prompt"),
+    (C, {**OK, "prompt": []}, 400, "prompt"),
+    (C, {**OK, "prompt": [1, -2]}, 400, "prompt"),
+    (C, {**OK, "prompt": [1, 10**6]}, 400, "outside the vocabulary"),
+    (C, {**OK, "prompt": 7}, 400, "prompt"),
+    (C, {**OK, "prompt": "x" * 2000}, 400, "context"),
+    (C, {**OK, "stop": ""}, 400, "stop"),
+    (C, {**OK, "stop": ["a", 1]}, 400, "stop"),
+    (C, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    (C, {**OK, "n": 2}, 400, "n"),
+    (C, {**OK, "echo": True}, 400, "unsupported field 'echo'"),
+    (C, {**OK, "presence_penalty": 0.5}, 400, "unsupported field 'presence_penalty'"),
+    (C, {**OK, "logprobs": 50}, 400, "logprobs"),
+    (C, {**OK, "stream": "yes"}, 400, "stream"),
+    (CHAT, {k: v for k, v in MSG.items() if k != "messages"}, 400, "messages"),
+    (CHAT, {**MSG, "messages": []}, 400, "messages"),
+    (CHAT, {**MSG, "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    (CHAT, {**MSG, "messages": [{"role": "user"}]}, 400, "content"),
+    (CHAT, {**MSG, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "type"),
+    (CHAT, {**MSG, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    (CHAT, {**MSG, "max_completion_tokens": 3}, 400, "not both"),
+    (CHAT, {**MSG, "tools": []}, 400, "unsupported field 'tools'"),
+    (CHAT, {**MSG, "messages": [{"role": "system", "content": "x"}]}, 400, "no system message"),
+    ("/v1/embeddings", OK, 404, "/v1/embeddings"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, words", BAD_REQUESTS,
+                         ids=[f"{i}-{case[3][:24]}" for i, case in enumerate(BAD_REQUESTS)])
+def test_bad_requests_are_4xx_naming_the_problem(server, path, body, status, words):
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  response = httpx.post(f"{server.url}{path}", content=content, timeout=30,
+                        headers={"content-type": "application/json"})
+  assert response.status_code == status, response.text
+  error = response.json()["error"]
+  assert words in error["message"], error
+  assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_an_oversized_body_is_413(server):
+  response = httpx.post(f"{server.url}{C}", content=b"{" + b" " * (9 * 2**20) + b"}",
+                        timeout=60)
+  assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
+  assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---- a second server: auth, overload, SIGTERM ----------------------------------------------
+
+
+def test_api_key_overload_and_sigterm(checkpoint):
+  s = Server(checkpoint, "--api-key", "sesame", "--max-pending", "1", "--max-step-tokens", "1",
+             "--shutdown-timeout", "5")
+  try:
+    with pytest.raises(openai.AuthenticationError):
+      s.client(api_key="wrong").completions.create(model=MODEL, prompt="a", max_tokens=1)
+    missing = httpx.post(f"{s.url}{C}", json=OK)
+    assert missing.status_code == 401 and "API key" in missing.json()["error"]["message"]
+    assert s.client(api_key="sesame").completions.create(
+        model=MODEL, prompt="ab", max_tokens=2, temperature=0).choices[0].text
+    assert httpx.get(f"{s.url}/health").status_code == 200  # no key needed
+
+    # A long request fills the server (--max-pending 1; --max-step-tokens 1 prefills its 700
+    # tokens one step at a time): the next request is told to come back.
+    auth = {"authorization": "Bearer sesame"}
+    filler = concurrent.futures.ThreadPoolExecutor(1).submit(
+        httpx.post, f"{s.url}{C}", headers=auth, timeout=120,
+        json={**OK, "prompt": "a" * 700, "max_tokens": 60, "temperature": 0, "stream": True})
+    deadline = time.monotonic() + 60
+    while s.metric("mla_jax_requests_running") + s.metric("mla_jax_requests_waiting") == 0:
+      assert time.monotonic() < deadline and not filler.done()
+      time.sleep(0.05)
+    full = httpx.post(f"{s.url}{C}", json=OK, headers=auth)
+    assert full.status_code == 429 and full.headers["retry-after"] == "1"
+    assert "full" in full.json()["error"]["message"]
+    t0 = time.monotonic()
+    code, out, err = s.stop(timeout=60)  # SIGTERM with the request in flight
+    assert time.monotonic() - t0 < 5 + 20  # the shutdown timeout, then the engine's stop
+    events = [json.loads(line[6:]) for line in filler.result().text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] in ("length", "abort")  # ended, not cut
+    assert filler.result().text.rstrip().endswith("data: [DONE]")
+    assert code == 0, err
+    assert "Traceback" not in err and "server stopped" in out, err
+  finally:
+    if s.proc.poll() is None:
+      s.proc.kill()
+
+
+@pytest.mark.slow  # two processes compiling the tiny MoE model: over a minute on 2 cores
+def test_two_process_server_equals_generate_on_one():
+  """Process 0 serves HTTP and schedules; process 1 follows its steps (gloo on 127.0.0.1)."""
+  from flax import nnx
+
+  from mla_jax.models.config import tiny_moe_lm
+  from mla_jax.models.lm import CausalLM
+
+  coordinator, port = free_port(), free_port()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "mla_jax", "serve", "--preset", "tiny-moe", "--port", str(port),
+       "--mesh", "data=1,tensor=2,expert=2", "--coordinator", f"127.0.0.1:{coordinator}",
+       "--num-processes", "2", "--process-id", str(i), *SERVE_FLAGS],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+      cwd=Path(__file__).parents[1]) for i in range(2)]
+  try:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+      assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+      with contextlib.suppress(httpx.HTTPError):
+        if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+          break
+      time.sleep(0.5)
+    prompt = list(range(40, 60))
+    out = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300
+                        ).completions.create(model="tiny-moe", prompt=prompt, max_tokens=6,
+                                             temperature=0, logprobs=0)
+    model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla")
+    want = generate(model, [prompt], 6).tokens[0]
+    assert out.choices[0].text == ByteTokenizer().decode(want)
+    assert out.usage.completion_tokens == 6
+  finally:
+    procs[0].send_signal(signal.SIGTERM)
+    results = [p.communicate(timeout=120) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], results

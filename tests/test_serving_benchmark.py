@@ -1,0 +1,62 @@
+"""benchmarks/serving.py: its workloads and latency figures are what its tables say, and a quick
+run prints every table."""
+
+import numpy as np
+import pytest
+
+from benchmarks import serving
+
+
+def test_random_requests_stay_in_their_ranges():
+  requests = serving.random_requests(np.random.default_rng(0), 500, (16, 1024), (16, 256))
+  prompts = np.array([len(r.prompt) for r in requests])
+  outputs = np.array([r.max_tokens for r in requests])
+  assert prompts.min() >= 16 and prompts.max() <= 1024
+  assert outputs.min() >= 16 and outputs.max() <= 256
+  # Log-uniform: the median prompt sits near the geometric mean of the range (128), far below
+  # the arithmetic mean (520).
+  assert 90 < np.median(prompts) < 180
+  assert all(r.arrival == 0 for r in requests)
+
+
+def test_shared_prefix_requests_share_exactly_the_prefix():
+  sizes = serving.QUICK
+  requests = serving.shared_prefix_requests(np.random.default_rng(0), sizes)
+  prefix = requests[0].prompt[:sizes.prefix_len]
+  assert len(requests) == sizes.prefix_requests
+  for r in requests:
+    assert r.prompt[:sizes.prefix_len] == prefix
+    assert sizes.suffix_lens[0] <= len(r.prompt) - sizes.prefix_len <= sizes.suffix_lens[1]
+
+
+def test_poisson_arrivals_have_the_rate():
+  requests = serving.random_requests(np.random.default_rng(0), 2000, (16, 16), (16, 16))
+  arrivals = [r.arrival for r in serving.poisson_arrivals(np.random.default_rng(1), requests,
+                                                          rate=4.0)]
+  assert arrivals[0] == 0 and np.all(np.diff(arrivals) >= 0)
+  assert np.mean(np.diff(arrivals)) == pytest.approx(0.25, rel=0.1)
+
+
+def test_trace_latencies():
+  trace = serving.Trace(arrivals=[0.0, 1.0], token_times=[[0.5, 0.75, 1.0], [3.0, 3.5]],
+                        outputs=[None, None], compile_s=0.0)
+  np.testing.assert_allclose(trace.ttft(), [0.5, 2.0])
+  np.testing.assert_allclose(trace.itl(), [0.25, 0.25, 0.5])
+  assert trace.elapsed == 3.5 and trace.output_tokens == 5
+
+
+def test_the_pool_holds_every_seat_at_its_longest():
+  sizes = serving.FULL
+  assert sizes.num_pages() == sizes.max_num_seqs * 20  # 1024 + 256 tokens in pages of 64
+  assert sizes.host_prompt * serving.HOST_SEQS <= sizes.max_step_tokens
+
+
+@pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
+def test_quick_run_prints_every_table(capsys):
+  serving.main(["--quick", "--requests", "4"])
+  out = capsys.readouterr().out
+  for title in ("## 1. Throughput", "## 2. Shared prefix", "## 3. Latency", "## 4. Host time"):
+    assert title in out
+  assert "| tiny | 4 |" in out  # the throughput row, with --requests
+  assert out.count("| tiny | ") == 6  # throughput, prefix, three rates, host time
+  assert "nan" not in out
