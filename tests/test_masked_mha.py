@@ -20,7 +20,7 @@ from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.routing import PrefillRoute, resolve_prefill_route
 from mla_jax.step_plan import StepPlan
-from mla_jax.traces import summarize, traced_scopes
+from mla_jax.traces import summarize
 from pallas_kernels import dense_mha_reference, sparse_mqa_reference
 from pallas_kernels.dense_mha import dense_mha
 from tests.helpers import XlaNoDenseBackend, fresh_cache, make_pair, tiny_no_indexer
@@ -101,11 +101,32 @@ def test_masked_reference_rules_for_minus_one_nan_and_empty_rows():
   assert bool(jnp.isfinite(masked[7]).all())
 
 
-def test_pallas_dense_kernel_refuses_a_mask_by_name():
-  f = _both_forms(4, T=4, S=4)
-  with pytest.raises(NotImplementedError, match="masked"):
-    dense_mha(f["q_THQ"], f["k_SHQ"], f["v_SHV"], sm_scale=0.3, q_offset=0, kv_len=4,
-              topk_TK=f["topk_TK"], interpret=True)
+def test_pallas_masked_kernel_equals_sparse_mqa():
+  """The masked kernel (interpret mode) against the sparse MQA reference over the same rows."""
+  f = _both_forms(4, T=9, S=30)
+  masked, masked_lse = dense_mha(f["q_THQ"], f["k_SHQ"], f["v_SHV"], sm_scale=0.3,
+                                 q_offset=f["offset"], kv_len=30, topk_TK=f["topk_TK"],
+                                 interpret=True)
+  _, _, sparse, sparse_lse = _masked_and_sparse(f, f["topk_TK"])
+  assert mt.relative_error(masked, sparse) < 1e-5
+  np.testing.assert_allclose(masked_lse, sparse_lse, rtol=1e-5)
+
+
+def test_pallas_masked_layer_equals_sparse_mqa():
+  """A cached prefix and a ragged batch through the Pallas backend's masked kernel."""
+  pallas = PallasTritonBackend(interpret=True)
+  dense, mqa = make_pair(seed=3, backend=pallas)
+  cached, new = 5, 20
+  assert dense.prefill_route(new, cached) is PrefillRoute.MASKED_MHA
+  cache = fresh_cache(dense.config, 2)
+  cache = mqa(mt.random_hidden(8, (2, cached, dense.config.hidden_size)), cache,
+              num_cached_tokens=0).cache
+  x = mt.random_hidden(9, (2, new, dense.config.hidden_size))
+  new_lens = jnp.array([new, new - 6], jnp.int32)
+  masked = dense(x, cache, new_lens_B=new_lens, num_cached_tokens=cached)
+  sparse = mqa(x, cache, new_lens_B=new_lens, num_cached_tokens=cached)
+  real = np.arange(new)[None, :] < np.asarray(new_lens)[:, None]
+  assert mt.relative_error(np.asarray(masked.out_BTD)[real], np.asarray(sparse.out_BTD)[real]) < 1e-5
 
 
 # ---- the layer and the model: masked equals sparse on fresh random inputs -------------------
@@ -177,8 +198,9 @@ def test_route_table(layers, cached, new, expected):
   assert resolve_prefill_route(dense, XlaNoDenseBackend(masked_mha_max_tokens=MAX),
                                **kwargs) is PrefillRoute.SPARSE_MQA
   assert resolve_prefill_route(mqa, WINDOW, **kwargs) is PrefillRoute.SPARSE_MQA
-  assert resolve_prefill_route(dense, PallasTritonBackend(interpret=True),
-                               **kwargs) is off  # no masked kernel yet
+  assert resolve_prefill_route(dense, PallasTritonBackend(interpret=True,
+                                                         masked_mha_max_tokens=MAX),
+                               **kwargs) is expected
   assert expected.needs_topk is (expected is not PrefillRoute.DENSE_MHA)
 
 
@@ -202,8 +224,7 @@ def test_no_masked_plan_for_a_class_or_backend_without_the_capability():
                 backend_class=XlaBackend)
   StepPlan(layer_classes=(m.MLAAttention,), **fields)
   for classes, backend, unable in (((m.DeepseekV32Attention,), XlaBackend, "DeepseekV32"),
-                                   ((m.MLAAttention,), XlaNoDenseBackend, "XlaNoDense"),
-                                   ((m.MLAAttention,), PallasTritonBackend, "PallasTriton")):
+                                   ((m.MLAAttention,), XlaNoDenseBackend, "XlaNoDense")):
     with pytest.raises(ValueError, match=f"MASKED_MHA step plan cannot be built for {unable}"):
       StepPlan(layer_classes=classes, **{**fields, "backend_class": backend})
   with pytest.raises(ValueError, match="MASKED_MHA step plan needs a static cached-token"):
@@ -218,7 +239,7 @@ def test_masked_capability_defaults_to_the_dense_one():
   assert not hasattr(m.DeepseekV32Attention, "forward_masked_mha")
   assert XlaBackend.supports_masked_mha_prefill is True
   assert XlaNoDenseBackend.supports_masked_mha_prefill is False
-  assert PallasTritonBackend.supports_masked_mha_prefill is False  # the kernel is to come
+  assert PallasTritonBackend.supports_masked_mha_prefill is True
 
   class Inherits(m.MLAAttention):
     pass
@@ -264,13 +285,17 @@ def test_declaring_masked_support_without_the_method_is_rejected():
 
 # ---- traced programs ------------------------------------------------------------------------
 
-def _layer_scopes(layer, length, cached=0):
+def _layer_summary(layer, length, cached=0):
   cache = fresh_cache(layer.config)
   if cached:
     cache = dataclasses.replace(cache, lengths_B=jnp.array([cached], jnp.int32))
   x = mt.random_hidden(length, (1, length, layer.config.hidden_size))
-  return traced_scopes(nnx.jit(lambda layer, x, c: layer(x, c, num_cached_tokens=cached)
-                               .out_BTD), layer, x, cache)
+  return summarize(nnx.jit(lambda layer, x, c: layer(x, c, num_cached_tokens=cached).out_BTD),
+                   layer, x, cache)
+
+
+def _layer_scopes(layer, length, cached=0):
+  return _layer_summary(layer, length, cached).scopes
 
 
 @pytest.mark.parametrize("length", [1, TOPK, TOPK + 1, 40, 90])
@@ -285,16 +310,41 @@ def test_mqa_only_layer_and_model_never_compile_masked(length):
   assert summary.scopes & ROUTES == {"mla_sparse_mqa"} and "indexer_score" in summary.scopes
 
 
-@pytest.mark.parametrize("prompt_len", [TOPK, TOPK + 1, 3 * TOPK])
+# One token apart on both sides of the window, on a backend whose threshold is MAX.
+BOUNDARIES = [TOPK, TOPK + 1, MAX, MAX + 1]
+
+
+def _expected_scope(attention, length):
+  """The route scope of a fresh prefill of ``length`` tokens on the WINDOW backend."""
+  if attention == "mqa-only":
+    return "mla_sparse_mqa"
+  return ("mla_dense_mha" if length <= TOPK else
+          "mla_masked_mha" if length <= MAX else "mla_sparse_mqa")
+
+
+@pytest.mark.parametrize("length", BOUNDARIES)
+def test_layer_and_model_take_masked_exactly_inside_the_window(length):
+  dense, mqa = make_pair(backend=WINDOW)
+  for attention, layer in (("dense-capable", dense), ("mqa-only", mqa)):
+    expected = _expected_scope(attention, length)
+    scopes = _layer_scopes(layer, length)
+    assert scopes & ROUTES == {expected}, attention
+    assert ("indexer_score" in scopes) is (expected != "mla_dense_mha")
+    model = CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend=WINDOW)
+    summary = summarize(nnx.jit(lambda mdl, i, c: mdl(i, c, num_cached_tokens=0)), model,
+                        jnp.ones((1, length), jnp.int32), model.init_cache(1, 64))
+    assert summary.scopes & ROUTES == {expected}, attention
+    assert summary.primitives["cond"] == 0
+
+
+@pytest.mark.parametrize("prompt_len", BOUNDARIES)
 def test_generate_programs_keep_masked_to_its_window(prompt_len):
   for attention in ("mqa-only", "dense-capable"):
     prefill, decode = _generation_programs(CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0),
-                                                    backend="xla"), prompt_len)
-    masked = attention == "dense-capable" and prompt_len > TOPK
-    dense = attention == "dense-capable" and prompt_len <= TOPK
-    expected = ("mla_masked_mha" if masked else "mla_dense_mha" if dense else "mla_sparse_mqa")
+                                                    backend=WINDOW), prompt_len)
+    expected = _expected_scope(attention, prompt_len)
     assert prefill.scopes & ROUTES == {expected}, attention
-    assert ("indexer_score" in prefill.scopes) is not dense
+    assert ("indexer_score" in prefill.scopes) is (expected != "mla_dense_mha")
     assert decode.scopes & ROUTES == {"mla_sparse_mqa"}, attention
 
 
@@ -306,6 +356,16 @@ def test_dense_capable_model_at_a_mid_length_takes_the_masked_route():
   assert {"mla_masked_mha", "indexer_score"} <= summary.scopes
   assert not summary.scopes & {"mla_dense_mha", "mla_sparse_mqa"}
   assert summary.primitives["cond"] == 0
-  dense, _ = make_pair()
-  scopes = _layer_scopes(dense, 2 * TOPK)
-  assert scopes & ROUTES == {"mla_masked_mha"} and "indexer_score" in scopes
+
+
+@pytest.mark.parametrize("backend", [XlaBackend(), PallasTritonBackend(interpret=True)],
+                         ids=["xla", "pallas_interpret"])
+def test_layers_at_a_mid_length_on_each_backend(backend):
+  """Dense-capable: the masked route (on Pallas its kernel); MQA-only: never."""
+  dense, mqa = make_pair(backend=backend)
+  masked, sparse = _layer_summary(dense, 2 * TOPK), _layer_summary(mqa, 2 * TOPK)
+  assert masked.scopes & ROUTES == {"mla_masked_mha"} and "indexer_score" in masked.scopes
+  assert sparse.scopes & ROUTES == {"mla_sparse_mqa"} and "indexer_score" in sparse.scopes
+  if backend.name == "pallas_triton":
+    assert set(masked.kernels) == {"indexer_logits", "masked_mha_prefill"}
+    assert set(sparse.kernels) == {"indexer_logits", "sparse_mqa_attention"}

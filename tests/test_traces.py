@@ -22,10 +22,11 @@ TOPK = m.tiny().indexer.topk
 LENGTHS = (1, TOPK - 1, TOPK, TOPK + 1, 4 * TOPK)
 ROUTE_SCOPES = {"mla_dense_mha", "mla_masked_mha", "mla_sparse_mqa", "mla_dense_mqa",
                 "indexer_score", "indexer_cache_update"}
-# Past the top-k the dense-capable class takes the masked route on XLA (within the default
-# masked_mha_max_tokens, above every length here); Pallas has no masked kernel yet.
+# Past the top-k the dense-capable class takes the masked route (within each backend's default
+# masked_mha_max_tokens, above every length here).
 MASKED = {"indexer_cache_update", "indexer_score", "mla_masked_mha"}
 SPARSE = {"indexer_cache_update", "indexer_score", "mla_sparse_mqa"}
+MASKED_KERNELS = {"indexer_logits", "masked_mha_prefill"}  # the masked route on Pallas
 
 
 def _past_topk(backend):
@@ -77,8 +78,7 @@ def test_dense_capable_layer_scores_only_when_sparse(backend, length):
     assert summary.scopes & ROUTE_SCOPES == expected
     assert _no_runtime_routing(summary)
     if backend.name == "pallas_triton":
-      assert set(summary.kernels) == ({"dense_mha_prefill"} if short else
-                                      {"indexer_logits", "sparse_mqa_attention"})
+      assert set(summary.kernels) == ({"dense_mha_prefill"} if short else MASKED_KERNELS)
 
 
 def test_backend_without_dense_kernel_keeps_dense_capable_layer_sparse():
@@ -177,7 +177,7 @@ def test_cached_prefixes_route_on_the_total_length(backend, cached, new):
   assert "dense_mha_prefill" not in mqa_summary.kernels
   if backend.name == "pallas_triton":
     assert set(dense_summary.kernels) == ({"dense_mha_prefill"} if short else
-                                          {"indexer_logits", "sparse_mqa_attention"})
+                                          MASKED_KERNELS)
 
 
 @pytest.mark.parametrize("backend", module_backends())
@@ -228,15 +228,17 @@ def test_generate_programs_follow_the_routes(backend_name, prompt_len):
   for attention in ("mqa-only", "dense-capable"):
     prefill, decode = _generation_programs(_lm(attention, backend_name), prompt_len)
     dense_prefill = attention == "dense-capable" and prompt_len <= TOPK
-    past_topk = MASKED if attention == "dense-capable" and backend_name == "xla" else sparse
+    past_topk = MASKED if attention == "dense-capable" else sparse
     assert prefill.scopes & ROUTE_SCOPES == (
         {"indexer_cache_update", "mla_dense_mha"} if dense_prefill else past_topk), attention
     assert decode.scopes & ROUTE_SCOPES == sparse, attention
     assert _no_runtime_routing(prefill) and _no_runtime_routing(decode)
     if backend_name == "pallas":
       assert set(decode.kernels) == {"indexer_logits", "sparse_mqa_attention"}
-      assert set(prefill.kernels) == ({"dense_mha_prefill"} if dense_prefill else
-                                      {"indexer_logits", "sparse_mqa_attention"})
+      assert set(prefill.kernels) == (
+          {"dense_mha_prefill"} if dense_prefill else
+          MASKED_KERNELS if attention == "dense-capable" else
+          {"indexer_logits", "sparse_mqa_attention"})
 
 
 def _generation_traces(model, checked: bool):
