@@ -13,6 +13,7 @@ scopes), so tests walk them all.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -43,9 +44,10 @@ from mla_jax.traces import ProgramSummary, summarize_jaxpr
 logger = logging.getLogger("mla_jax")
 
 
-# Compiled step programs of every engine in the process, keyed by shape, model and pools
-# (bounded by the few buckets a configuration has).
-_COMPILED: dict = {}
+# Compiled step programs of every engine in the process, keyed by shape, model and pools: the
+# most recently used ones (an engine also holds its own while it lives).
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+MAX_SHARED_PROGRAMS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,9 +312,13 @@ class Engine:
       return self._programs[shape][0]
     key = (shape, self.page_size, self._graphdef, self._state_def,
            signature((self._state_leaves, self._pools)))
-    if key not in _COMPILED:  # engines over the same model and pool shapes share programs
+    if key in _COMPILED:  # engines over the same model and pool shapes share programs
+      _COMPILED.move_to_end(key)
+    else:
       _COMPILED[key] = self._compile(shape)
       self.stats.compile_s += _COMPILED[key][1].compile_s
+      if len(_COMPILED) > MAX_SHARED_PROGRAMS:
+        _COMPILED.popitem(last=False)
     self._programs[shape] = _COMPILED[key]
     return _COMPILED[key][0]
 
