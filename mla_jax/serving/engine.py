@@ -121,9 +121,10 @@ class Engine:
         self._empty_pools, out_shardings=jax.sharding.NamedSharding(mesh, sharding.REPLICATED))()
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
-    self.scheduler = Scheduler(self.pages, max_num_seqs=self.max_num_seqs,
-                               max_step_tokens=self.max_step_tokens,
-                               prefix_caching=prefix_caching)
+    self.scheduler = Scheduler(
+        self.pages, max_num_seqs=self.max_num_seqs, max_step_tokens=self.max_step_tokens,
+        prefix_caching=prefix_caching,
+        prefill_slots=lambda n, t: step_inputs.prefill_slots(n, t, self._data_shards))
     self._seqs: dict[str, Sequence] = {}
     self._ids = itertools.count()
     self._seed_rng = np.random.default_rng(seed)
