@@ -2,6 +2,8 @@
 prefix hits and aborts; no page leaks; bad requests refused without disturbing others; and every
 step program it compiled keeps the routing contract (walked on the traced programs)."""
 
+import collections
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -294,3 +296,15 @@ def test_dense_capable_engine_routes_each_program_by_its_window(backend):
   # every row before it (at least 256 - 32 rows), past a threshold of 40.
   assert {"DENSE_MHA", "MASKED_MHA"} <= prefill_routes
   assert ("SPARSE_MQA" in prefill_routes) is (limit == 40)
+
+
+def test_shared_programs_keep_only_the_most_recently_used(model, prompts, reference, monkeypatch):
+  from mla_jax.serving import engine as engine_module
+
+  monkeypatch.setattr(engine_module, "_COMPILED", collections.OrderedDict())
+  monkeypatch.setattr(engine_module, "MAX_SHARED_PROGRAMS", 1)
+  engine = _engine(model)
+  assert [list(o.tokens) for o in engine.generate(prompts[:1], max_tokens=NEW)] == \
+      reference[:1]
+  assert len(engine.programs) == 2  # its prefill and decode programs, held while it lives
+  assert len(engine_module._COMPILED) == 1  # the process-wide cache kept the newest

@@ -13,6 +13,7 @@ scopes), so tests walk them all.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -43,9 +44,10 @@ from mla_jax.traces import ProgramSummary, summarize_jaxpr
 logger = logging.getLogger("mla_jax")
 
 
-# Compiled step programs of every engine in the process, keyed by shape, model and pools
-# (bounded by the few buckets a configuration has).
-_COMPILED: dict = {}
+# Compiled step programs of every engine in the process, keyed by shape, model and pools: the
+# most recently used ones (an engine also holds its own while it lives).
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+MAX_SHARED_PROGRAMS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +121,10 @@ class Engine:
         self._empty_pools, out_shardings=jax.sharding.NamedSharding(mesh, sharding.REPLICATED))()
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
-    self.scheduler = Scheduler(self.pages, max_num_seqs=self.max_num_seqs,
-                               max_step_tokens=self.max_step_tokens,
-                               prefix_caching=prefix_caching)
+    self.scheduler = Scheduler(
+        self.pages, max_num_seqs=self.max_num_seqs, max_step_tokens=self.max_step_tokens,
+        prefix_caching=prefix_caching,
+        prefill_slots=lambda n, t: step_inputs.prefill_slots(n, t, self._data_shards))
     self._seqs: dict[str, Sequence] = {}
     self._ids = itertools.count()
     self._seed_rng = np.random.default_rng(seed)
@@ -310,9 +313,13 @@ class Engine:
       return self._programs[shape][0]
     key = (shape, self.page_size, self._graphdef, self._state_def,
            signature((self._state_leaves, self._pools)))
-    if key not in _COMPILED:  # engines over the same model and pool shapes share programs
+    if key in _COMPILED:  # engines over the same model and pool shapes share programs
+      _COMPILED.move_to_end(key)
+    else:
       _COMPILED[key] = self._compile(shape)
       self.stats.compile_s += _COMPILED[key][1].compile_s
+      if len(_COMPILED) > MAX_SHARED_PROGRAMS:
+        _COMPILED.popitem(last=False)
     self._programs[shape] = _COMPILED[key]
     return _COMPILED[key][0]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
 
 from mla_jax.serving.pages import PageTable, page_keys
 from mla_jax.serving.requests import Sequence, Status
@@ -60,12 +61,28 @@ def pages_for(num_tokens: int, page_size: int) -> int:
   return -(-num_tokens // page_size)
 
 
+def exact_slots(num_chunks: int, longest: int) -> int:
+  """A prefill step's padded size if its rows were not bucketed at all (the tightest)."""
+  return num_chunks * longest
+
+
 class Scheduler:
+  """Decodes first, then prefill chunks, under ``max_step_tokens``.
+
+  ``prefill_slots(num_chunks, longest_chunk)`` is the padded size (rows x tokens) of the
+  prefill program such chunks run in. A step's first prefill chunk takes what the token budget
+  leaves; a later one joins (cut shorter if need be) only while the padded size plus the
+  decodes stays within ``max_step_tokens``, so a step's cost is bounded by its budget, not by
+  its longest chunk times its number of chunks.
+  """
+
   def __init__(self, pages: PageTable, *, max_num_seqs: int, max_step_tokens: int,
-               prefix_caching: bool = True):
+               prefix_caching: bool = True,
+               prefill_slots: Callable[[int, int], int] = exact_slots):
     self.pages = pages
     self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
     self.prefix_caching = prefix_caching
+    self.prefill_slots = prefill_slots
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []  # in admission order
     self.num_preemptions = 0
@@ -94,23 +111,42 @@ class Scheduler:
         break
       if seq not in self.running:  # preempted by an older sequence of this step
         continue
-      count = 1 if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget)
-      if not self._reserve(seq, count, batch):
+      count = 1 if seq.num_uncomputed == 1 else self._chunk(batch, seq.num_uncomputed, budget)
+      if count == 0 or not self._reserve(seq, count, batch):
         continue
       batch.add(Chunk(seq, seq.num_computed, count))
       budget -= count
     while self.waiting and budget and len(self.running) < self.max_num_seqs:
       seq = self.waiting[0]
-      if not self._admit(seq):
+      if self._chunk(batch, len(seq.tokens), budget) == 0 or not self._admit(seq):
         break
       self.waiting.popleft()
       self.running.append(seq)
       seq.status = Status.RUNNING
-      count = min(seq.num_uncomputed, budget)
+      count = self._chunk(batch, seq.num_uncomputed, budget)
       self._reserve(seq, count, batch)  # admission checked that the whole prompt fits
       batch.add(Chunk(seq, seq.num_computed, count))
       budget -= count
     return batch
+
+  def _chunk(self, batch: StepBatch, uncomputed: int, budget: int) -> int:
+    """Tokens of a prefill chunk of ``uncomputed`` tokens in this step: what the budget leaves
+    for the first; for a later one the most that keeps the padded prefill within the step's
+    tokens (0: it waits for a later step)."""
+    count = min(uncomputed, budget)
+    if not batch.prefills:
+      return count
+    rows = len(batch.prefills) + 1
+    longest = max(c.num_tokens for c in batch.prefills)
+    limit = self.max_step_tokens - len(batch.decodes)
+    fits = lambda n: self.prefill_slots(rows, max(longest, n)) <= limit
+    if not fits(1):
+      return 0
+    lo, hi = 1, count  # the largest n in [1, count] that fits (padded size grows with n)
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
   def _admit(self, seq: Sequence) -> bool:
     """Takes the longest cached prefix (leaving one token to compute, whose logits sample the

@@ -68,6 +68,21 @@ class StepInputs:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
+def batch_bucket(num_rows: int, batch_multiple: int = 1) -> int:
+  """Rows of a step program: a power of two, a multiple of the mesh's data axis."""
+  return -(-bucket(num_rows, batch_multiple) // batch_multiple) * batch_multiple
+
+
+def token_bucket(num_tokens: int) -> int:
+  """Tokens per row of a prefill program: a power of two, at least 16."""
+  return bucket(num_tokens, 16)
+
+
+def prefill_slots(num_chunks: int, longest: int, batch_multiple: int = 1) -> int:
+  """The padded size (rows x tokens) of the prefill program ``num_chunks`` chunks run in."""
+  return batch_bucket(num_chunks, batch_multiple) * token_bucket(longest)
+
+
 def step_shape(chunks: list[Chunk], kind: str, page_size: int, batch_multiple: int = 1
                ) -> StepShape:
   """The bucket of a step over ``chunks``: rows a power of two (a multiple of the mesh's data
@@ -76,12 +91,10 @@ def step_shape(chunks: list[Chunk], kind: str, page_size: int, batch_multiple: i
   fresh (the dense route may then apply), else every row before the step's tokens: a true
   bound that adds no programs of its own."""
   starts = [c.start for c in chunks]
-  tokens = 1 if kind == "decode" else bucket(max(c.num_tokens for c in chunks), 16)
+  tokens = 1 if kind == "decode" else token_bucket(max(c.num_tokens for c in chunks))
   kv_pages = bucket(pages_for(max(starts) + tokens, page_size), pages_for(MIN_BUCKET, page_size))
   cached = None if kind == "decode" else 0 if max(starts) == 0 else kv_pages * page_size - tokens
-  batch = bucket(len(chunks), batch_multiple)
-  batch = -(-batch // batch_multiple) * batch_multiple
-  return StepShape(kind, batch, tokens, cached, kv_pages)
+  return StepShape(kind, batch_bucket(len(chunks), batch_multiple), tokens, cached, kv_pages)
 
 
 def build(chunks: list[Chunk], shape: StepShape) -> StepInputs:

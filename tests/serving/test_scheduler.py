@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from mla_jax.serving import step_inputs
 from mla_jax.serving.pages import PageTable
 from mla_jax.serving.requests import SamplingParams, Sequence, Status
 from mla_jax.serving.scheduler import Scheduler, pages_for
@@ -35,10 +36,12 @@ class Loop:
   """The engine loop without a model: schedule, check the chunks against the pool, write their
   rows (a row is the token prefix it depends on), sample ``_token`` and commit."""
 
-  def __init__(self, num_pages, *, max_num_seqs=8, max_step_tokens=16, prefix_caching=True):
+  def __init__(self, num_pages, *, max_num_seqs=8, max_step_tokens=16, prefix_caching=True,
+               **scheduler_options):
     self.pages = PageTable(num_pages, SIZE, salt="test")
     self.scheduler = Scheduler(self.pages, max_num_seqs=max_num_seqs,
-                               max_step_tokens=max_step_tokens, prefix_caching=prefix_caching)
+                               max_step_tokens=max_step_tokens, prefix_caching=prefix_caching,
+                               **scheduler_options)
     self.rows = {}  # (page, offset) -> tuple of the tokens that row depends on
     self.seqs = []
     self.streamed = {}  # request id -> the tokens commit reported, in order
@@ -136,6 +139,29 @@ def test_decodes_come_first_and_prefills_fill_the_budget():
   assert [(c.seq, c.start) for c in batch.decodes] == [(a, 3)]
   assert [(c.seq, c.start, c.num_tokens) for c in batch.prefills] == [(b, 0, 5)]
   loop.run()
+  loop.assert_all_done()
+
+
+def test_later_prefill_chunks_keep_the_padded_step_within_the_budget():
+  """Chunks of 40 and 3 tokens would run as 2 rows of 64 (128 slots for 43 tokens): the second
+  waits, and chunks that do join are cut to keep rows x tokens (power-of-two buckets) within
+  max_step_tokens."""
+  slots = lambda rows, longest: step_inputs.prefill_slots(rows, longest)
+  loop = Loop(64, max_num_seqs=8, max_step_tokens=64, prefill_slots=slots)
+  loop.add(_prompt(40), max_tokens=2)
+  loop.add(_prompt(3, first=60), max_tokens=2)
+  loop.add(_prompt(30, first=70), max_tokens=2)
+  first = loop.step()
+  assert [c.num_tokens for c in first.prefills] == [40]  # alone: 64 slots
+  second = loop.step()  # 1 decode; 3 tokens, then 16 of 30 (2 rows of 16 fit 63 slots)
+  assert [c.num_tokens for c in second.prefills] == [3, 16]
+  for _ in range(40):
+    batch = loop.step()
+    if len(batch.prefills) > 1:
+      longest = max(c.num_tokens for c in batch.prefills)
+      assert slots(len(batch.prefills), longest) + len(batch.decodes) <= 64
+    if not loop.scheduler.has_unfinished():
+      break
   loop.assert_all_done()
 
 
