@@ -52,6 +52,20 @@ def checkpoint(tmp_path_factory):
   return path
 
 
+def _wait_until_healthy(url: str, procs, *, timeout: float) -> None:
+  """Polls ``url``'s /health until it answers 200; a RuntimeError if a process exits first or
+  ``timeout`` seconds pass."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if any(p.poll() is not None for p in procs):
+      raise RuntimeError(f"a server process exited: {[p.communicate() for p in procs]}")
+    with contextlib.suppress(httpx.HTTPError):
+      if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+        return
+    time.sleep(0.3)
+  raise RuntimeError(f"the server did not come up in {timeout:g} s")
+
+
 class Server:
   def __init__(self, checkpoint, *flags):
     self.port = free_port()
@@ -62,16 +76,11 @@ class Server:
          "--dtype", "float32", "--port", str(self.port), *SERVE_FLAGS, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         cwd=Path(__file__).parents[1])
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-      if self.proc.poll() is not None:
-        raise RuntimeError(f"the server exited: {self.proc.communicate()}")
-      with contextlib.suppress(httpx.HTTPError):
-        if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-          return
-      time.sleep(0.3)
-    self.stop()
-    raise RuntimeError("the server did not come up in 120 s")
+    try:
+      _wait_until_healthy(self.url, [self.proc], timeout=120)
+    except RuntimeError:
+      self.stop()
+      raise
 
   def client(self, **kwargs):
     return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"),
@@ -400,13 +409,7 @@ def test_two_process_server_equals_generate_on_one():
       cwd=Path(__file__).parents[1]) for i in range(2)]
   try:
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-      assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-      with contextlib.suppress(httpx.HTTPError):
-        if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-          break
-      time.sleep(0.5)
+    _wait_until_healthy(url, procs, timeout=300)
     prompt = list(range(40, 60))
     out = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300
                         ).completions.create(model="tiny-moe", prompt=prompt, max_tokens=6,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -298,8 +299,7 @@ class _Handlers:
     self.pending += len(choices)
     try:
       for choice, p in zip(choices, params):
-        deliver = (lambda index: lambda update: event_loop.call_soon_threadsafe(
-            updates.put_nowait, (index, update)))(choice.index)
+        deliver = functools.partial(_post_update, event_loop, updates, choice.index)
         choice.request_id = await asyncio.wrap_future(self.loop.add(choice.prompt_ids, p,
                                                                     deliver))
     except BaseException as e:
@@ -355,6 +355,11 @@ class _Handlers:
       yield "data: [DONE]\n\n"
     finally:
       self._release(choices)
+
+
+def _post_update(event_loop, updates: asyncio.Queue, index: int, update) -> None:
+  """Called on the engine's thread: hands ``update`` of choice ``index`` to the event loop."""
+  event_loop.call_soon_threadsafe(updates.put_nowait, (index, update))
 
 
 # ---- response bodies ----------------------------------------------------------------------
