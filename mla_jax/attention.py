@@ -6,13 +6,16 @@ The layer then *prepares* (validates, projects q and the latent, writes the late
 the indexer key cache: always, on every route) and runs exactly one route function:
 
 * DENSE_MHA  - decompress per-head K/V from the latent, causal attention  (``mla_dense_mha``)
+* MASKED_MHA - indexer top-k (``indexer_score``), the same MHA form over the causal keys with
+  each query masked to its top-k set (``mla_masked_mha``); equals SPARSE_MQA up to rounding
 * SPARSE_MQA - indexer top-k (``indexer_score``), absorbed MQA over those rows (``mla_sparse_mqa``)
 * DENSE_MQA  - absorbed MQA over every causal row, for MLA without an indexer (``mla_dense_mqa``)
 
-Only the chosen function is traced. The dense route is a method of the dense-capable class
-alone (``forward_mha``): ``DeepseekV32Attention`` derives from the base and has none, declaring
-the capability without the method is a ``TypeError`` at class definition, and a plan with the
-dense route cannot be built for a class or backend without the capability.
+Only the chosen function is traced. The MHA routes are methods of the dense-capable class
+alone (``forward_mha``, ``forward_masked_mha``): ``DeepseekV32Attention`` derives from the base
+and has neither, declaring a capability without its method is a ``TypeError`` at class
+definition, and a plan with an MHA route cannot be built for a class or backend without the
+capability.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from mla_jax.fp8_cache import Fp8LatentRows, dense_latent
 from mla_jax.indexer import Indexer, topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
-from mla_jax.routing import PrefillRoute, dense_mha_allowed, resolve_prefill_route
+from mla_jax.routing import (PrefillRoute, dense_mha_allowed, masked_mha_allowed,
+                             resolve_prefill_route, settle_masked_capability)
 from mla_jax.step_plan import INDEXER_LOSSES, StepPlan, cached_bound, plan_step
 
 logger = logging.getLogger("mla_jax")
@@ -42,7 +46,8 @@ _logged_mqa_only: set[tuple[str, str]] = set()
 class AttentionOutput(NamedTuple):
   out_BTD: jax.Array
   cache: CacheView
-  topk_BTK: jax.Array | None  # the indices this call attended over; None on DENSE_MHA
+  topk_BTK: jax.Array | None  # the indices this call attended over (MASKED_MHA: its mask);
+                              # None on DENSE_MHA
   indexer_loss: jax.Array | None = None  # the indexer's KL when asked for; see __call__
 
 
@@ -72,15 +77,22 @@ class MLAAttentionBase(nnx.Module):
   Attributes:
     supports_dense_mha_prefill: whether this layer's semantics allow the dense-MHA prefill.
       Subclasses that declare True must define ``forward_mha`` (the DENSE_MHA route).
+    supports_masked_mha_prefill: whether they allow the masked-MHA prefill; defaults to the
+      dense capability (``routing.settle_masked_capability``). True needs
+      ``forward_masked_mha`` (the MASKED_MHA route).
   """
 
   supports_dense_mha_prefill: ClassVar[bool] = False
+  supports_masked_mha_prefill: ClassVar[bool] = False
+  _masked_mha_declared: ClassVar[bool | None] = None
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
     if cls.supports_dense_mha_prefill and not callable(getattr(cls, "forward_mha", None)):
       raise TypeError(f"{cls.__name__} declares supports_dense_mha_prefill = True but "
                       "implements no forward_mha (dense MHA prefill path)")
+    settle_masked_capability(cls, implemented=callable(getattr(cls, "forward_masked_mha", None)),
+                             method="forward_masked_mha")
 
   def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
                mesh=None, param_dtype=jnp.float32, index_chunk_size: int = 2048,
@@ -113,6 +125,7 @@ class MLAAttentionBase(nnx.Module):
     self.index_chunk_size = int(index_chunk_size)
     # No dense prefill path object at all unless both the layer class and backend allow it.
     self.dense_prefill_backend = self.ops if dense_mha_allowed(self, self.backend) else None
+    self.masked_prefill_backend = self.ops if masked_mha_allowed(self, self.backend) else None
     if c.indexer is not None and self.dense_prefill_backend is None:
       key = (type(self).__name__, type(self.backend).__name__)
       if key not in _logged_mqa_only:
@@ -254,7 +267,7 @@ class MLAAttentionBase(nnx.Module):
         its plan from the static settings below; with one, they must be left unset.
       num_cached_tokens: static upper bound on ``cache.lengths_B``. When None it is read
         from concrete lengths; under ``jit`` it is unknown and the route is MQA (decode).
-      force_mqa: never take the dense-MHA route.
+      force_mqa: take neither MHA route (dense or masked).
       kv_rows: static number of cache rows attention and the indexer read (rows past it are
         never touched); it must cover every row this step can reach. None: the capacity.
       indexer_loss: training only (static). ``"dense"``: the indexer's KL against the
@@ -298,6 +311,11 @@ class MLAAttentionBase(nnx.Module):
       topk_BTK = None
       with jax.named_scope(plan.route.scope):
         o_BTHV = self.forward_mha(step, plan)  # only dense-capable classes have it
+    elif plan.route is PrefillRoute.MASKED_MHA:
+      topk_BTK = self._select(step, plan, shared_topk_BTK)
+      checks.rows_attend(topk_BTK, new_lens_B)
+      with jax.named_scope(plan.route.scope):
+        o_BTHV = self.forward_masked_mha(step, plan, topk_BTK)  # likewise
     else:
       if plan.route is PrefillRoute.SPARSE_MQA:
         topk_BTK = self._select(step, plan, shared_topk_BTK)
@@ -353,7 +371,7 @@ class MLAAttentionBase(nnx.Module):
                         cache.lengths_B, new_lens_B, new_cache, index_logits_BTS)
 
   def _select(self, step: PreparedStep, plan: StepPlan, shared_topk_BTK):
-    """The SPARSE_MQA route's top-k: shared, from the loss's logits, or scored here."""
+    """The top-k of a route that needs it: shared, from the loss's logits, or scored here."""
     if self.shares_topk:
       if shared_topk_BTK is None:
         raise ValueError("this shared-indexer layer takes the sparse route but was given no "
@@ -388,9 +406,9 @@ class MLAAttention(MLAAttentionBase):
 
   supports_dense_mha_prefill: ClassVar[bool] = True
 
-  def forward_mha(self, step: PreparedStep, plan: StepPlan):
-    """The DENSE_MHA route: decompress per-head K/V from the latent rows of the (static)
-    ``cached_bound + T`` reachable keys and run causal attention: [B, T, H, V]."""
+  def _mha_operands(self, step: PreparedStep, plan: StepPlan):
+    """Per-head ``(q_BTHQ, k_BSHQ, v_BSHV)`` of the MHA form, K/V decompressed from the
+    latent rows of the (static) ``cached_bound + T`` reachable keys, in logical order."""
     c = self.config
     w_uk_HNA, w_uv_HVA = self._kv_b_heads()
     dtype = step.q_nope_BTHN.dtype
@@ -406,15 +424,33 @@ class MLAAttention(MLAAttentionBase):
                                                            c.qk_rope_head_dim))
     k_BSHQ = jnp.concatenate([k_nope_BSHN, k_pe_BSHR], axis=-1)
     q_BTHQ = jnp.concatenate([step.q_nope_BTHN, step.q_pe_BTHR.astype(dtype)], axis=-1)
+    return q_BTHQ, k_BSHQ, v_BSHV
+
+  def forward_mha(self, step: PreparedStep, plan: StepPlan):
+    """The DENSE_MHA route: causal attention over the decompressed keys: [B, T, H, V]."""
+    q_BTHQ, k_BSHQ, v_BSHV = self._mha_operands(step, plan)
     out_BTHV, _ = self.dense_prefill_backend.dense_mha(
-        q_BTHQ, k_BSHQ, v_BSHV, sm_scale=c.softmax_scale, q_offset_B=step.cached_lengths_B,
-        kv_len_B=step.cache.lengths_B)
+        q_BTHQ, k_BSHQ, v_BSHV, sm_scale=self.config.softmax_scale,
+        q_offset_B=step.cached_lengths_B, kv_len_B=step.cache.lengths_B)
+    return out_BTHV
+
+  def forward_masked_mha(self, step: PreparedStep, plan: StepPlan, topk_BTK):
+    """The MASKED_MHA route: the same MHA form, each query restricted to the causal keys of
+    its (logical) top-k row; equals ``forward_mqa`` over those rows up to rounding: [B, T, H, V].
+
+    Costs every causal pair at 2H(Q + V) FLOPs instead of K per query at 2H(L + A), which is
+    why it only pays up to ``backend.masked_mha_max_tokens`` (docs/design.md §2, §6)."""
+    q_BTHQ, k_BSHQ, v_BSHV = self._mha_operands(step, plan)
+    out_BTHV, _ = self.masked_prefill_backend.masked_mha(
+        q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, sm_scale=self.config.softmax_scale,
+        q_offset_B=step.cached_lengths_B, kv_len_B=step.cache.lengths_B)
     return out_BTHV
 
 
 class DeepseekV32Attention(MLAAttentionBase):
   """DeepSeek-V3.2's layer as in the reference engine: top-k MQA only, never dense MHA.
 
-  It derives from the base and has no dense method at all (no ``forward_mha``), so no plan
-  can route it dense and its indexer always scores (the vLLM #52512 contract).
+  It derives from the base and has no MHA method at all (no ``forward_mha``, no
+  ``forward_masked_mha``), so no plan can route it dense or masked and its indexer always
+  scores (the vLLM #52512 contract).
   """

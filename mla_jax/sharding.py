@@ -68,6 +68,8 @@ OP_SPECS = {  # op -> (in_specs, out_specs)
                             BATCH_SPEC),
     "dense_mha": ((HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, BATCH_SPEC, BATCH_SPEC),
                   (HEADS_SPEC, HEADS_SPEC)),
+    "masked_mha": ((HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC),
+                   (HEADS_SPEC, HEADS_SPEC)),
 }
 # The routed experts under ``shard_map`` (``mla_jax.models.moe``): tokens [T, D] over
 # ``data``; stacked expert weights [E, F, D] / [E, D, F] over ``expert`` and their

@@ -8,7 +8,7 @@ it validates its inputs, projects, writes its caches, and runs the one function 
 
 The plan is frozen and hashable, so it can be a static argument of ``jax.jit`` and a key of a
 compile cache. It records the layer classes and the backend class it was resolved for, and a
-dense route for any of them that cannot run dense is refused when the plan is built, so no
+dense (or masked) route for any of them that cannot run it is refused when the plan is built, so no
 plan that would misroute an MQA-only model (vLLM #52512, docs/design.md §6) can exist.
 """
 
@@ -19,10 +19,12 @@ from collections.abc import Iterable
 
 from mla_jax import checks, sharding
 from mla_jax.cache import bucket_rows
-from mla_jax.routing import (PrefillRoute, dense_mha_allowed, resolve_prefill_route,
-                             static_count)
+from mla_jax.routing import PrefillRoute, route_for_layers, static_count
 
 INDEXER_LOSSES = (None, "dense", "sparse")
+# The MHA-form routes and the capability each needs on every layer class and the backend.
+_MHA_CAPABILITY = {PrefillRoute.DENSE_MHA: "supports_dense_mha_prefill",
+                   PrefillRoute.MASKED_MHA: "supports_masked_mha_prefill"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +65,15 @@ class StepPlan:
                        f"{self.indexer_loss!r}")
     if not self.layer_classes:
       raise ValueError("a step plan needs the layer classes it is resolved for")
-    if self.route is PrefillRoute.DENSE_MHA:
+    if self.route in _MHA_CAPABILITY:
+      flag = _MHA_CAPABILITY[self.route]
       unable = [cls.__name__ for cls in (*self.layer_classes, self.backend_class)
-                if not cls.supports_dense_mha_prefill]
+                if not getattr(cls, flag)]
       if unable:
-        raise ValueError(f"a DENSE_MHA step plan cannot be built for {', '.join(unable)}: "
-                         "it declares supports_dense_mha_prefill = False")
+        raise ValueError(f"a {self.route.name} step plan cannot be built for "
+                         f"{', '.join(unable)}: it declares {flag} = False")
       if self.cached_bound is None:
-        raise ValueError("a DENSE_MHA step plan needs a static cached-token bound")
+        raise ValueError(f"a {self.route.name} step plan needs a static cached-token bound")
     if self.carry_topk and not self.route.needs_topk:
       raise ValueError(f"carry_topk needs a route that selects top-k, not {self.route.name}")
     if self.cached_bound is not None and self.cached_bound + self.num_new_tokens > self.kv_rows:
@@ -101,17 +104,14 @@ def cached_bound(num_cached_tokens, lengths_B) -> int | None:
 
 def step_route(layers, backend, *, num_new_tokens: int, num_cached_tokens,
                force_mqa: bool = False) -> PrefillRoute:
-  """The model-wide route of a step over ``layers``: dense only if every layer can go dense.
+  """The model-wide route of a step over ``layers``: an MHA route (dense or masked) only if
+  every layer can take it.
 
   (So a GLM shared-indexer layer never reuses indices that a skipped layer did not compute.)
-  ``routing.resolve_prefill_route`` checks the counts: static ints, None cached is unknown.
+  ``routing.route_for_layers`` checks the counts: static ints, None cached is unknown.
   """
-  layers = tuple(layers)
-  if not layers:
-    raise ValueError("a step needs at least one attention layer")
-  force_mqa = force_mqa or not all(dense_mha_allowed(layer, backend) for layer in layers)
-  return resolve_prefill_route(layers[0], backend, num_new_tokens=num_new_tokens,
-                               num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
+  return route_for_layers(layers, backend, num_new_tokens=num_new_tokens,
+                          num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
 
 
 def plan_step(layers: Iterable, backend, *, num_new_tokens: int, num_cached_tokens,
@@ -119,8 +119,8 @@ def plan_step(layers: Iterable, backend, *, num_new_tokens: int, num_cached_toke
               indexer_loss: str | None = None, shares_topk: bool = False) -> StepPlan:
   """The plan of one step over ``layers`` (attention modules, all with the same config).
 
-  The route is model-wide: unless every layer (and the backend) can take the dense route,
-  all take the MQA one, so a shared-indexer layer never follows a full layer that skipped
+  The route is model-wide: unless every layer (and the backend) can take an MHA route (dense
+  or masked), all take the MQA one, so a shared-indexer layer never follows a full layer that skipped
   scoring. ``kv_rows`` defaults to the rows this step can reach rounded up to a bucket
   (``cache.bucket_rows``) when the cached bound is known, else ``capacity``.
   ``shares_topk``: the model has IndexShare layers that read a full layer's top-k.

@@ -1,4 +1,4 @@
-"""Dense causal multi-head attention for the MHA prefill route (docs/design.md §2).
+"""Dense causal multi-head attention for the MHA prefill routes (docs/design.md §2, §6).
 
 Kernel layout: flash attention with grid (query blocks, heads); each program walks key blocks
 up to the causal diagonal with a dynamic ``fori_loop`` trip count (q_offset and kv_len arrive
@@ -11,6 +11,19 @@ split into power-of-two column chunks with one dot each, accumulated in fp32. We
 than pad to 256 with a lane mask because padding wastes a third of the QK dot and of the q/k
 loads at 192; the split costs only a second MMA issue and is the same scheme as the sparse MQA
 kernel. The value width is chunked the same way.
+
+The MASKED_MHA route (``topk_TK``) runs the same flash walk as a second kernel,
+``masked_mha_prefill``. Each query's top-k reaches it as a bitmask, not as sorted indices:
+bit ``s % 32`` of word ``s // 32`` says whether query t sees key s (selected, causal and below
+``kv_len``, all folded in by XLA before the call), stored word-major [W, T] so that one word of
+a program's query rows is one contiguous load, and a [block_q, block_k] tile is tested with a
+shift and an and per pair. Sorted indices would need, per tile, a search (Triton lowers no sort
+or search) or a [block_q, K, block_k] comparison. The bitmask is T*S/8 bytes; a visited key
+block reads block_k/32 words per query row beside its block_k*(Q+V) key and value elements.
+Beside it go, per query block, the ascending list of key blocks in which some query
+of the block sees a key, and its length: the program walks that list only, so a key block that
+no query of the block selected is never loaded. Every visited block is masked (a top-k pattern
+is never whole), with the causal kernel's NaN rules.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from pallas_kernels import _checks, _compat
 from pallas_kernels.block_config import DenseMHAKernelConfig, pow2_chunks
 
 
-def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len):
+def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len, topk_TK=None):
   """The one argument check of :func:`dense_mha` and :func:`dense_mha_reference`.
 
   Returns ``(sm_scale, q_offset, kv_len)``: a Python float and two int32 scalars.
@@ -48,7 +61,36 @@ def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len):
   # as silent zero rows with LSE +inf.
   q_offset = _checks.int32_scalar(op, "q_offset", q_offset, minimum=0)
   kv_len = _checks.int32_scalar(op, "kv_len", kv_len)
+  if topk_TK is not None:
+    _checks.array(op, "topk_TK", topk_TK, "TK")
+    if topk_TK.shape[0] != T:
+      raise ValueError(f"{op}: topk_TK has {topk_TK.shape[0]} rows for the {T} tokens of q_THQ")
+    _checks.int32_array(op, "topk_TK", topk_TK)
   return sm_scale, q_offset, kv_len
+
+
+def selected_keys(topk_TK, num_keys: int):
+  """The keys each query selected as a bool mask [T, S]: -1 and indices >= S select nothing.
+
+  A scatter of T*K entries (never a [T, K, S] one-hot). A repeated index selects its key once,
+  where sparse MQA would count it twice; the indexer's top-k has no repeats.
+  """
+  valid_TK = (topk_TK >= 0) & (topk_TK < num_keys)
+  cols_TK = jnp.where(valid_TK, topk_TK, num_keys)  # invalid slots land in a spare column
+  rows_TK = jnp.broadcast_to(jnp.arange(topk_TK.shape[0])[:, None], topk_TK.shape)
+  mask_TS = jnp.zeros((topk_TK.shape[0], num_keys + 1), jnp.bool_).at[rows_TK, cols_TK].set(True)
+  return mask_TS[:, :num_keys]
+
+
+def visible_keys(num_tokens: int, num_keys: int, q_offset, kv_len, topk_TK=None):
+  """[T, S] bool: query t sees key s when ``s <= q_offset + t`` and ``s < kv_len`` and, given
+  ``topk_TK``, ``s`` is in ``topk_TK[t]`` (:func:`selected_keys`)."""
+  rows_T = q_offset + jnp.arange(num_tokens, dtype=jnp.int32)
+  cols_S = jnp.arange(num_keys, dtype=jnp.int32)
+  visible_TS = (cols_S[None, :] <= rows_T[:, None]) & (cols_S[None, :] < kv_len)
+  if topk_TK is not None:
+    visible_TS &= selected_keys(topk_TK, num_keys)
+  return visible_TS
 
 
 def _nothing_to_attend(q_THQ, k_SHQ, v_SHV):
@@ -71,8 +113,9 @@ def _sanitize_values(values):
   return jnp.where(finite, values, 0), bad_rows
 
 
-def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len):
-  """Causal attention where query t sits at position ``q_offset + t``.
+def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len,
+                        topk_TK=None):
+  """Causal attention where query t sits at position ``q_offset + t``, optionally masked.
 
   Args:
     q_THQ, k_SHQ: per-head queries and keys [nope | rope], Q = N + R wide.
@@ -81,11 +124,15 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
     q_offset: integer scalar >= 0 (int32 range, may be traced: then unchecked), the position
       of query row 0 (the cached-context length).
     kv_len: integer scalar (may be traced); keys at rows >= kv_len are ignored.
+    topk_TK: None, or int32 key rows per query (the MASKED_MHA route): query t then sees only
+      the causal keys in ``topk_TK[t]``; -1 and indices >= S are ignored. With the indexer's
+      top-k this equals sparse MQA over the same rows (``sparse_mqa_reference``), up to
+      rounding.
 
   Returns:
     ``(out_THV, lse_TH)``; out in the dtype of ``q_THQ``, natural-log LSE in float32.
-    A query row that sees no key gives out 0 and LSE +inf; so do all rows when S = 0.
-    T = 0 gives empty outputs.
+    A query row that sees no key (with ``topk_TK``: none selected) gives out 0 and LSE +inf;
+    so do all rows when S = 0. T = 0 gives empty outputs.
 
   NaN or inf in a key or value row that a query does not see (a future token, a row at or past
   ``kv_len``) never reaches that query's output or LSE. A non-finite value in a row that a
@@ -95,15 +142,14 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
   Raises:
     ValueError, TypeError: from :func:`validate_dense_mha`, naming the argument.
   """
-  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len)
+  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset,
+                                                  kv_len, topk_TK)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
   logits_HTS = jnp.einsum(
       "thq,shq->hts", q_THQ, k_SHQ, preferred_element_type=jnp.float32
   ) * sm_scale
-  rows_T = q_offset + jnp.arange(q_THQ.shape[0], dtype=jnp.int32)
-  cols_S = jnp.arange(k_SHQ.shape[0], dtype=jnp.int32)
-  visible_TS = (cols_S[None, :] <= rows_T[:, None]) & (cols_S[None, :] < kv_len)
+  visible_TS = visible_keys(q_THQ.shape[0], k_SHQ.shape[0], q_offset, kv_len, topk_TK)
   v_SHV, bad_SH = _sanitize_values(v_SHV)
   logits_HTS = jnp.where(bad_SH.T[:, None, :], jnp.nan, logits_HTS)  # the NaN weight
   logits_HTS = jnp.where(visible_TS[None], logits_HTS, -jnp.inf)
@@ -116,14 +162,25 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
   return out_THV.astype(q_THQ.dtype), lse_TH
 
 
-def _dense_mha_kernel(
-    q_ref, k_ref, v_ref, meta_ref, out_ref, lse_ref, *, sm_scale, num_tokens, num_keys, config
-):
-  block_q, block_k = config.block_q, config.block_k
-  q_offset, kv_len = meta_ref[0], meta_ref[1]
+# ---- the kernels: one flash walk over key blocks, two ways of choosing and masking them ------
+
+def _query_rows(block_q: int, num_tokens: int):
+  """This program's query rows and the mask of those that exist (the last block overhangs)."""
   rows_Q = pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  row_mask_Q = rows_Q < num_tokens
-  positions_Q = q_offset + rows_Q
+  return rows_Q, rows_Q < num_tokens
+
+
+def _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, *, sm_scale, num_tokens, num_keys,
+                block_k):
+  """The online softmax of one (query block, head) program over key blocks; stores out and LSE.
+
+  ``walks``: ``(lower, upper, key_block, visible)`` loops run one after the other. Step n of a
+  loop reads key block ``key_block(n)``; ``visible(start, cols_K)`` gives the [block_q, block_k]
+  bool mask of the pairs the queries see, or ``visible`` is None for blocks that every query of
+  the program sees whole (no mask work at all).
+  """
+  block_q = q_ref.shape[0]
+  _, row_mask_Q = _query_rows(block_q, num_tokens)
   qk_chunks, v_chunks = pow2_chunks(q_ref.shape[-1]), pow2_chunks(v_ref.shape[-1])
   precision = _compat.dot_precision(q_ref.dtype)
   q_chunks = [
@@ -131,10 +188,9 @@ def _dense_mha_kernel(
       for c0, cw in qk_chunks
   ]
 
-  def body(j, carry, *, masked):
-    """One key block; ``masked`` blocks hold some key that some query of the block may not see."""
+  def body(n, carry, *, key_block, visible):
     m_Q, l_Q, accs = carry
-    start = pl.multiple_of(j * block_k, block_k)
+    start = pl.multiple_of(key_block(n) * block_k, block_k)
     cols_K = start + jnp.arange(block_k, dtype=jnp.int32)
     col_mask_K = cols_K < num_keys
     logits_QK = None
@@ -146,8 +202,8 @@ def _dense_mha_kernel(
       )
       logits_QK = part_QK if logits_QK is None else logits_QK + part_QK
     logits_QK = logits_QK * sm_scale
-    if masked:  # replaces whatever hidden keys gave, NaN included
-      visible_QK = (cols_K[None, :] <= positions_Q[:, None]) & (cols_K[None, :] < kv_len)
+    visible_QK = None if visible is None else visible(start, cols_K)
+    if visible_QK is not None:  # replaces whatever hidden keys gave, NaN included
       logits_QK = jnp.where(visible_QK, logits_QK, _compat.MASK_VALUE)
     m_new_Q = jnp.maximum(m_Q, logits_QK.max(axis=-1))
     p_QK = jnp.exp(logits_QK - m_new_Q[:, None])
@@ -157,7 +213,7 @@ def _dense_mha_kernel(
                      other=0)
         for c0, cw in v_chunks
     ]
-    if masked:
+    if visible_QK is not None:
       sanitized = [_sanitize_values(v_KC) for v_KC in v_chunks_KC]
       v_chunks_KC = [v_KC for v_KC, _ in sanitized]
       bad_K = functools.reduce(jnp.logical_or, [bad_K for _, bad_K in sanitized])
@@ -171,22 +227,15 @@ def _dense_mha_kernel(
     )
     return m_new_Q, l_Q * alpha_Q + p_QK.sum(axis=-1), new_accs
 
-  # Key blocks before num_full are seen whole by every query of the block (no masks needed);
-  # keys past the block's last query position or past kv_len are never visible.
-  first_position = q_offset + pl.program_id(0) * block_q
-  last_visible = jnp.minimum(kv_len, first_position + block_q)
-  num_blocks = jnp.clip(pl.cdiv(last_visible, block_k), 0, pl.cdiv(num_keys, block_k))
-  seen_by_all = jnp.minimum(jnp.minimum(first_position + 1, kv_len), num_keys)
-  num_full = jnp.clip(jnp.maximum(seen_by_all, 0) // block_k, 0, num_blocks)
-  init = (
+  carry = (
       jnp.full((block_q,), _compat.MASK_VALUE, jnp.float32),
       jnp.zeros((block_q,), jnp.float32),
       tuple(jnp.zeros((block_q, cw), jnp.float32) for _, cw in v_chunks),
   )
-  carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), init)
-  m_Q, l_Q, accs = jax.lax.fori_loop(
-      num_full, num_blocks, functools.partial(body, masked=True), carry
-  )
+  for lower, upper, key_block, visible in walks:
+    carry = jax.lax.fori_loop(
+        lower, upper, functools.partial(body, key_block=key_block, visible=visible), carry)
+  m_Q, l_Q, accs = carry
   # Rows that see no key keep l = 0: explicit out 0 and LSE +inf. A NaN l is not empty.
   empty_Q = l_Q == 0.0
   safe_l_Q = jnp.where(empty_Q, 1.0, l_Q)
@@ -197,32 +246,144 @@ def _dense_mha_kernel(
   _compat.store(lse_ref, lse_Q, mask=row_mask_Q)
 
 
+def _dense_mha_kernel(
+    q_ref, k_ref, v_ref, meta_ref, out_ref, lse_ref, *, sm_scale, num_tokens, num_keys, config
+):
+  block_q, block_k = config.block_q, config.block_k
+  q_offset, kv_len = meta_ref[0], meta_ref[1]
+  rows_Q, _ = _query_rows(block_q, num_tokens)
+  positions_Q = q_offset + rows_Q
+
+  def causal(start, cols_K):
+    return (cols_K[None, :] <= positions_Q[:, None]) & (cols_K[None, :] < kv_len)
+
+  # Key blocks before num_full are seen whole by every query of the block (no masks needed);
+  # keys past the block's last query position or past kv_len are never visible.
+  first_position = q_offset + pl.program_id(0) * block_q
+  last_visible = jnp.minimum(kv_len, first_position + block_q)
+  num_blocks = jnp.clip(pl.cdiv(last_visible, block_k), 0, pl.cdiv(num_keys, block_k))
+  seen_by_all = jnp.minimum(jnp.minimum(first_position + 1, kv_len), num_keys)
+  num_full = jnp.clip(jnp.maximum(seen_by_all, 0) // block_k, 0, num_blocks)
+  in_order = lambda j: j
+  _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref,
+              [(0, num_full, in_order, None), (num_full, num_blocks, in_order, causal)],
+              sm_scale=sm_scale, num_tokens=num_tokens, num_keys=num_keys, block_k=block_k)
+
+
+_WORD = 32  # keys per word of the selection bitmask
+
+
+def _masked_mha_kernel(
+    q_ref, k_ref, v_ref, bits_ref, key_blocks_ref, num_blocks_ref, out_ref, lse_ref, *, sm_scale,
+    num_tokens, num_keys, config
+):
+  block_q, block_k = config.block_q, config.block_k
+  _, row_mask_Q = _query_rows(block_q, num_tokens)
+  words_per_block = max(1, block_k // _WORD)
+  word_of_col_K = jnp.arange(block_k, dtype=jnp.int32) // _WORD
+
+  def selected(start, cols_K):
+    """Bit ``s % 32`` of word ``s // 32`` of each query's row: one coalesced load per word."""
+    first_word = start // _WORD
+    words = [_compat.load(bits_ref.at[first_word + w], mask=row_mask_Q, other=0)
+             for w in range(words_per_block)]
+    word_QK = words[0][:, None]
+    for w in range(1, words_per_block):
+      word_QK = jnp.where((word_of_col_K == w)[None, :], words[w][:, None], word_QK)
+    bit_K = (cols_K % _WORD).astype(jnp.uint32)
+    return (jnp.right_shift(word_QK, bit_K[None, :]) & 1) == 1
+
+  # Only the key blocks in which some query of this block selected a key, in ascending order.
+  _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref,
+              [(0, num_blocks_ref[0], lambda n: key_blocks_ref[n], selected)],
+              sm_scale=sm_scale, num_tokens=num_tokens, num_keys=num_keys, block_k=block_k)
+
+
+def mask_operands(visible_TS, config: DenseMHAKernelConfig):
+  """The masked kernel's view of ``visible_TS`` [T, S]: ``(bits_WT, key_blocks_QN, num_blocks_Q)``.
+
+  ``bits_WT`` (uint32 [W, T]): bit ``s % 32`` of word ``s // 32`` is set when query t sees key
+  s; word-major, so one word of a program's query rows is one contiguous load, and W covers the
+  last key block's overhang. ``key_blocks_QN`` (int32, per query block): the key blocks in which
+  some query of the block sees a key, ascending, then the others (never read);
+  ``num_blocks_Q``: how many of the former there are.
+  """
+  block_q, block_k = config.block_q, config.block_k
+  T, S = visible_TS.shape
+  num_q_blocks, num_k_blocks = pl.cdiv(T, block_q), pl.cdiv(S, block_k)
+  num_words = pl.cdiv(num_k_blocks * block_k, _WORD)
+  padded_TS = jnp.pad(visible_TS, ((0, num_q_blocks * block_q - T), (0, num_words * _WORD - S)))
+  powers = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))
+  # Distinct powers of two: their sum is their bitwise or.
+  bits_TW = (padded_TS[:T].reshape(T, num_words, _WORD) * powers).sum(-1, dtype=jnp.uint32)
+  tiles = padded_TS[:, :num_k_blocks * block_k].reshape(num_q_blocks, block_q, num_k_blocks,
+                                                        block_k)
+  active_QN = tiles.any(axis=(1, 3))
+  key_blocks_QN = jnp.argsort(~active_QN, axis=-1, stable=True).astype(jnp.int32)
+  return bits_TW.T, key_blocks_QN, active_QN.sum(axis=-1, dtype=jnp.int32)
+
+
+def _causal_variant(q_offset, kv_len, static):
+  """``dense_mha_prefill``: the kernel, its name, and its operands and specs after q, k, v."""
+  kernel = functools.partial(_dense_mha_kernel, **static)
+  return kernel, "dense_mha_prefill", (jnp.stack([q_offset, kv_len]),), [
+      pl.BlockSpec((2,), lambda i, h: (0,))]
+
+
+def _masked_variant(visible_TS, static):
+  """``masked_mha_prefill``: the kernel, its name, and its operands and specs after q, k, v."""
+  config = static["config"]
+  bits_WT, key_blocks_QN, num_blocks_Q = mask_operands(visible_TS, config)
+  kernel = functools.partial(_masked_mha_kernel, **static)
+  return kernel, "masked_mha_prefill", (bits_WT, key_blocks_QN, num_blocks_Q), [
+      pl.BlockSpec((bits_WT.shape[0], config.block_q), lambda i, h: (0, i)),
+      pl.BlockSpec((_compat.SQUEEZED, key_blocks_QN.shape[1]), lambda i, h: (i, 0)),
+      pl.BlockSpec((1,), lambda i, h: (i,)),
+  ]
+
+
+def _cost_estimate(q_THQ, k_SHQ, v_SHV, side_args, block_q: int) -> pl.CostEstimate:
+  """Every causal pair of a fresh prefill (q_offset 0, kv_len S) at 2H(Q + V) FLOPs: exact for
+  the causal kernel, an upper bound for the masked one (its skipped blocks depend on the data).
+  Each program reads its query block, every key row once and its side inputs (the offsets, or
+  the masked kernel's bitmask and key-block lists)."""
+  (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
+  pairs = sum(min(t + 1, S) for t in range(T))
+  side_bytes = sum(a.size * a.dtype.itemsize for a in side_args)
+  return pl.CostEstimate(
+      flops=2 * H * (Q + V) * pairs,
+      transcendentals=H * pairs,
+      bytes_accessed=q_THQ.dtype.itemsize * H * (T * (Q + V) + S * (Q + V) * pl.cdiv(T, block_q))
+      + 4 * T * H + H * side_bytes,
+  )
+
+
 def dense_mha(
-    q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len,
+    q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len, topk_TK=None,
     config: DenseMHAKernelConfig | None = None, interpret: bool = False,
 ):
-  """Pallas-Triton causal flash attention with the contract and checks of the reference."""
-  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len)
+  """Pallas-Triton causal flash attention with the contract and checks of the reference.
+
+  Without ``topk_TK``: the kernel ``dense_mha_prefill``. With it (the MASKED_MHA route):
+  ``masked_mha_prefill``, which visits only the key blocks in which some query of a query
+  block sees a selected key.
+  """
+  sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len,
+                                                  topk_TK)
   _checks.kernel_config("dense_mha", config, DenseMHAKernelConfig)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
-  meta = jnp.stack([q_offset, kv_len])
   (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
   if config is None:
     config = DenseMHAKernelConfig.default_for(T, S, Q, V)
+  static = dict(sm_scale=sm_scale, num_tokens=T, num_keys=S, config=config)
+  if topk_TK is None:
+    kernel, name, side_args, side_specs = _causal_variant(q_offset, kv_len, static)
+  else:
+    kernel, name, side_args, side_specs = _masked_variant(
+        visible_keys(T, S, q_offset, kv_len, topk_TK), static)
   block_q, block_k = config.block_q, config.block_k
   padded_s = pl.cdiv(S, block_k) * block_k  # the key block overhangs; loads are masked
-  kernel = functools.partial(
-      _dense_mha_kernel, sm_scale=sm_scale, num_tokens=T, num_keys=S, config=config
-  )
-  # Causal pairs for q_offset = 0 and kv_len = S, the common prefill case.
-  pairs = sum(min(t + 1, S) for t in range(T))
-  itemsize = q_THQ.dtype.itemsize
-  cost = pl.CostEstimate(
-      flops=2 * H * (Q + V) * pairs,
-      transcendentals=H * pairs,
-      bytes_accessed=itemsize * H * (T * (Q + V) + S * (Q + V) * pl.cdiv(T, block_q)) + 4 * T * H,
-  )
   sq = _compat.SQUEEZED
   return pl.pallas_call(
       kernel,
@@ -231,7 +392,7 @@ def dense_mha(
           pl.BlockSpec((block_q, sq, Q), lambda i, h: (i, h, 0)),
           pl.BlockSpec((padded_s, sq, Q), lambda i, h: (0, h, 0)),
           pl.BlockSpec((padded_s, sq, V), lambda i, h: (0, h, 0)),
-          pl.BlockSpec((2,), lambda i, h: (0,)),
+          *side_specs,
       ],
       out_specs=[
           pl.BlockSpec((block_q, sq, V), lambda i, h: (i, h, 0)),
@@ -242,7 +403,7 @@ def dense_mha(
           jax.ShapeDtypeStruct((T, H), jnp.float32),
       ],
       compiler_params=_compat.compiler_params(config.num_warps, config.num_stages),
-      cost_estimate=cost,
+      cost_estimate=_cost_estimate(q_THQ, k_SHQ, v_SHV, side_args, block_q),
       interpret=interpret,
-      name="dense_mha_prefill",
-  )(q_THQ, k_SHQ, v_SHV, meta)
+      name=name,
+  )(q_THQ, k_SHQ, v_SHV, *side_args)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import testing as mt
+from mla_jax.backends import XlaBackend
 from mla_jax.generation.loop import generate
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
@@ -21,10 +22,11 @@ PAGE = 8
 NEW = 6
 SETTINGS = dict(page_size=PAGE, max_num_seqs=4, max_step_tokens=32, log_interval=None)
 PROMPT_LENS = (5, 40, 17, 70, 3)
+ROUTES = {"mla_dense_mha", "mla_masked_mha", "mla_sparse_mqa", "mla_dense_mqa"}
 
 
-def _model(attention):
-  model = CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend="xla")
+def _model(attention, backend="xla"):
+  model = CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend=backend)
   mt.randomize_params(model, 1)
   return model
 
@@ -73,7 +75,7 @@ def _no_leaks(engine):
 def _mqa_only_contract(programs):
   assert programs
   for c in programs:
-    assert "mla_dense_mha" not in c.summary.scopes, c.shape
+    assert not {"mla_dense_mha", "mla_masked_mha"} & c.summary.scopes, c.shape
     assert "indexer_score" in c.summary.scopes, c.shape
     assert c.plan.route.name == "SPARSE_MQA"
 
@@ -260,24 +262,40 @@ def test_bad_sampling_settings_name_the_field(kwargs, match):
     SamplingParams(**kwargs)
 
 
-def test_dense_capable_engine_goes_dense_only_for_fresh_short_prefills():
-  model = _model("dense-capable")
+def _expected_route(shape, topk: int, limit: int) -> str:
+  """The route of a step program from its static shape alone (mla_jax.routing)."""
+  if shape.kind == "decode":
+    return "SPARSE_MQA"
+  reach = shape.cached_bound + shape.tokens
+  return "DENSE_MHA" if reach <= topk else "MASKED_MHA" if reach <= limit else "SPARSE_MQA"
+
+
+@pytest.mark.parametrize("backend", [XlaBackend(), XlaBackend(masked_mha_max_tokens=40)],
+                         ids=["default_window", "window_40"])
+def test_dense_capable_engine_routes_each_program_by_its_window(backend):
+  """Fresh chunks within the top-k go dense; past it, up to the backend's threshold (cached
+  bound + tokens), masked; beyond it and in decode, sparse. Tokens equal ``generate``."""
+  model = _model("dense-capable", backend)
   rng = np.random.default_rng(2)
-  topk = model.config.mla.indexer.topk
-  prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist()
-             for n in (topk - 4, topk, 3 * topk)]
+  topk, limit = model.config.mla.indexer.topk, backend.masked_mha_max_tokens
   engine = _engine(model, num_pages=32)
-  outputs = engine.generate(prompts, max_tokens=NEW)
-  assert [list(o.tokens) for o in outputs] == _reference(model, prompts)
+  # Three prompts whose first chunks share one fresh step within the top-k, then one alone
+  # whose first chunk is fresh and 32 tokens long.
+  for lengths in ((topk - 4, topk, 3 * topk), (2 * topk + 8,)):
+    prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in lengths]
+    outputs = engine.generate(prompts, max_tokens=NEW)
+    assert [list(o.tokens) for o in outputs] == _reference(model, prompts)
   routes = {c.shape: c for c in engine.programs}
-  dense = [c for c in routes.values() if "mla_dense_mha" in c.summary.scopes]
-  assert dense, "a step of fresh prefills within the top-k may take the dense route"
   for c in routes.values():
-    reach = (c.shape.cached_bound or 0) + c.shape.tokens
-    is_dense = "mla_dense_mha" in c.summary.scopes
-    assert is_dense == (c.shape.kind == "prefill" and c.shape.cached_bound == 0 and
-                        reach <= topk)
-    assert ("indexer_score" in c.summary.scopes) == (not is_dense)
+    expected = _expected_route(c.shape, topk, limit)
+    assert c.plan.route.name == expected, c.shape
+    assert c.summary.scopes & ROUTES == {"mla_" + expected.lower()}, c.shape
+    assert ("indexer_score" in c.summary.scopes) == (expected != "DENSE_MHA")
+  prefill_routes = {c.plan.route.name for c in routes.values() if c.shape.kind == "prefill"}
+  # The lone prompt's fresh 32-token chunk is masked on both; a later chunk's cached bound is
+  # every row before it (at least 256 - 32 rows), past a threshold of 40.
+  assert {"DENSE_MHA", "MASKED_MHA"} <= prefill_routes
+  assert ("SPARSE_MQA" in prefill_routes) is (limit == 40)
 
 
 def test_shared_programs_keep_only_the_most_recently_used(model, prompts, reference, monkeypatch):

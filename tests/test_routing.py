@@ -31,9 +31,11 @@ def test_route_matrix(layers, cls, backend_cls, length, cached, force_mqa):
   layer = layers[(cls, backend_cls)]
   route = resolve_prefill_route(layer, backend_cls(), num_new_tokens=length,
                                 num_cached_tokens=cached, force_mqa=force_mqa)
-  dense = (cls is m.MLAAttention and backend_cls is XlaBackend and not force_mqa
-           and cached + length <= TOPK)
-  assert route is (PrefillRoute.DENSE_MHA if dense else PrefillRoute.SPARSE_MQA)
+  mha = cls is m.MLAAttention and backend_cls is XlaBackend and not force_mqa
+  dense = mha and cached + length <= TOPK
+  masked = mha and TOPK < cached + length <= XlaBackend.masked_mha_max_tokens
+  assert route is (PrefillRoute.DENSE_MHA if dense else PrefillRoute.MASKED_MHA if masked
+                   else PrefillRoute.SPARSE_MQA)
   assert layer.prefill_route(length, cached, force_mqa=force_mqa) is route
   assert route.needs_topk is not dense
 
@@ -41,9 +43,9 @@ def test_route_matrix(layers, cls, backend_cls, length, cached, force_mqa):
 def test_boundary_is_inclusive_and_counts_cached_tokens(layers):
   layer = layers[(m.MLAAttention, XlaBackend)]
   assert layer.prefill_route(TOPK) is PrefillRoute.DENSE_MHA
-  assert layer.prefill_route(TOPK + 1) is PrefillRoute.SPARSE_MQA
+  assert layer.prefill_route(TOPK + 1) is PrefillRoute.MASKED_MHA  # the third route's window
   assert layer.prefill_route(3, TOPK - 3) is PrefillRoute.DENSE_MHA
-  assert layer.prefill_route(3, TOPK - 2) is PrefillRoute.SPARSE_MQA
+  assert layer.prefill_route(3, TOPK - 2) is PrefillRoute.MASKED_MHA
 
 
 @pytest.mark.parametrize("cls", [m.MLAAttention, m.DeepseekV32Attention])

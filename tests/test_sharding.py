@@ -22,6 +22,7 @@ from mla_jax import testing as mt
 from mla_jax.models.config import small_lm, tiny_lm, tiny_moe_lm
 from mla_jax.models.hf_layout import param_layouts
 from mla_jax.models.lm import CausalLM
+from mla_jax.routing import PrefillRoute
 from mla_jax.traces import summarize
 from tests.helpers import free_port
 
@@ -175,18 +176,34 @@ def test_batch_must_split_over_data():
     model.init_cache(4, 16)
 
 
-def test_scanned_sharded_mqa_only_model_never_compiles_dense_mha():
-  """Through scan and shard_map: the prefill of the MQA-only model scores and stays sparse."""
+@pytest.mark.parametrize("length", [8, 32])  # within the top-k (16) and past it
+def test_scanned_sharded_models_keep_the_routing_contract(length):
+  """Through scan and shard_map: the prefill of the MQA-only model scores and stays sparse; the
+  dense-capable one goes dense within the top-k and masked past it."""
   mesh = sharding.make_mesh("data=1,tensor=2,expert=4")
+  mha = {"mla_dense_mha"} if length <= 16 else {"indexer_score", "mla_masked_mha"}
   for attention, expected in (("mqa-only", {"indexer_score", "mla_sparse_mqa"}),
-                              ("dense-capable", {"mla_dense_mha"})):
+                              ("dense-capable", mha)):
     model = CausalLM(tiny_moe_lm(attention), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
-    ids = sharding.put(np.ones((1, 8), np.int32), mesh, sharding.TOKENS_SPEC)
+    ids = sharding.put(np.ones((1, length), np.int32), mesh, sharding.TOKENS_SPEC)
     summary = summarize(nnx.jit(lambda m, i, c: m(i, c, num_cached_tokens=0)), model, ids,
-                        model.init_cache(1, 16))
-    route_scopes = {"indexer_score", "mla_sparse_mqa", "mla_dense_mha"}
+                        model.init_cache(1, 40))
+    route_scopes = {"indexer_score", "mla_sparse_mqa", "mla_dense_mha", "mla_masked_mha"}
     assert summary.scopes & route_scopes == expected, attention
     assert summary.primitives["cond"] == 0 and summary.primitives["scan"] >= 1
+
+
+def test_sharded_masked_route_equals_unsharded():
+  """The masked route's attention under shard_map (heads split over tensor) against one device."""
+  ids = np.random.default_rng(1).integers(0, 256, size=(1, 32)).astype(np.int32)
+  mesh = sharding.make_mesh("data=1,tensor=2,expert=4")
+  logits = []
+  for on_mesh in (None, mesh):
+    model = CausalLM(tiny_moe_lm("dense-capable"), rngs=nnx.Rngs(0), backend="xla", mesh=on_mesh)
+    assert set(model.prefill_routes(32, 0)) == {PrefillRoute.MASKED_MHA}
+    tokens = ids if on_mesh is None else sharding.put(ids, mesh, sharding.TOKENS_SPEC)
+    logits.append(np.asarray(model(tokens, model.init_cache(1, 40), num_cached_tokens=0)[0]))
+  assert mt.relative_error(logits[1], logits[0]) < 1e-5
 
 
 @pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own

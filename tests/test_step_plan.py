@@ -53,7 +53,7 @@ def test_plan_is_resolved_model_wide_and_hashable():
   short = model.step_plan(TOPK, 0, capacity=64)
   assert short.route is PrefillRoute.DENSE_MHA
   assert short.kv_rows == 64  # the bucket of TOPK rows, capped at the capacity
-  assert model.step_plan(TOPK + 1, 0, capacity=64).route is PrefillRoute.SPARSE_MQA
+  assert model.step_plan(TOPK + 1, 0, capacity=64).route is PrefillRoute.MASKED_MHA
   decode = model.step_plan(1, None, capacity=64)
   assert decode.route is PrefillRoute.SPARSE_MQA and decode.kv_rows == 64
   assert hash(short) == hash(model.step_plan(TOPK, 0, capacity=64))

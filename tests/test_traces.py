@@ -20,8 +20,18 @@ from tests.helpers import XlaNoDenseBackend, fresh_cache, make_pair, tiny_no_ind
 
 TOPK = m.tiny().indexer.topk
 LENGTHS = (1, TOPK - 1, TOPK, TOPK + 1, 4 * TOPK)
-ROUTE_SCOPES = {"mla_dense_mha", "mla_sparse_mqa", "mla_dense_mqa", "indexer_score",
-                "indexer_cache_update"}
+ROUTE_SCOPES = {"mla_dense_mha", "mla_masked_mha", "mla_sparse_mqa", "mla_dense_mqa",
+                "indexer_score", "indexer_cache_update"}
+# Past the top-k the dense-capable class takes the masked route (within each backend's default
+# masked_mha_max_tokens, above every length here).
+MASKED = {"indexer_cache_update", "indexer_score", "mla_masked_mha"}
+SPARSE = {"indexer_cache_update", "indexer_score", "mla_sparse_mqa"}
+MASKED_KERNELS = {"indexer_logits", "masked_mha_prefill"}  # the masked route on Pallas
+
+
+def _past_topk(backend):
+  """The dense-capable class's scopes for a prefill past the top-k on ``backend``."""
+  return MASKED if backend.supports_masked_mha_prefill else SPARSE
 
 
 def _nnx_jit_prefill(layer, x, cache):
@@ -63,14 +73,12 @@ def test_mqa_only_layer_never_compiles_dense_mha(backend, length):
 def test_dense_capable_layer_scores_only_when_sparse(backend, length):
   dense, _ = make_pair(backend=backend)
   short = length <= TOPK
-  expected = ({"indexer_cache_update", "mla_dense_mha"} if short else
-              {"indexer_cache_update", "indexer_score", "mla_sparse_mqa"})
+  expected = ({"indexer_cache_update", "mla_dense_mha"} if short else _past_topk(backend))
   for summary in _summaries(dense, length):
     assert summary.scopes & ROUTE_SCOPES == expected
     assert _no_runtime_routing(summary)
     if backend.name == "pallas_triton":
-      assert set(summary.kernels) == ({"dense_mha_prefill"} if short else
-                                      {"indexer_logits", "sparse_mqa_attention"})
+      assert set(summary.kernels) == ({"dense_mha_prefill"} if short else MASKED_KERNELS)
 
 
 def test_backend_without_dense_kernel_keeps_dense_capable_layer_sparse():
@@ -161,8 +169,7 @@ def test_cached_prefixes_route_on_the_total_length(backend, cached, new):
   short = cached + new <= TOPK
   dense_summary, mqa_summary = _prefill_after(dense, cached, new), _prefill_after(mqa, cached, new)
   assert dense_summary.scopes & ROUTE_SCOPES == (
-      {"indexer_cache_update", "mla_dense_mha"} if short else
-      {"indexer_cache_update", "indexer_score", "mla_sparse_mqa"})
+      {"indexer_cache_update", "mla_dense_mha"} if short else _past_topk(backend))
   assert mqa_summary.scopes & ROUTE_SCOPES == {"indexer_cache_update", "indexer_score",
                                                "mla_sparse_mqa"}
   for summary in (dense_summary, mqa_summary):
@@ -170,7 +177,7 @@ def test_cached_prefixes_route_on_the_total_length(backend, cached, new):
   assert "dense_mha_prefill" not in mqa_summary.kernels
   if backend.name == "pallas_triton":
     assert set(dense_summary.kernels) == ({"dense_mha_prefill"} if short else
-                                          {"indexer_logits", "sparse_mqa_attention"})
+                                          MASKED_KERNELS)
 
 
 @pytest.mark.parametrize("backend", module_backends())
@@ -221,14 +228,17 @@ def test_generate_programs_follow_the_routes(backend_name, prompt_len):
   for attention in ("mqa-only", "dense-capable"):
     prefill, decode = _generation_programs(_lm(attention, backend_name), prompt_len)
     dense_prefill = attention == "dense-capable" and prompt_len <= TOPK
+    past_topk = MASKED if attention == "dense-capable" else sparse
     assert prefill.scopes & ROUTE_SCOPES == (
-        {"indexer_cache_update", "mla_dense_mha"} if dense_prefill else sparse), attention
+        {"indexer_cache_update", "mla_dense_mha"} if dense_prefill else past_topk), attention
     assert decode.scopes & ROUTE_SCOPES == sparse, attention
     assert _no_runtime_routing(prefill) and _no_runtime_routing(decode)
     if backend_name == "pallas":
       assert set(decode.kernels) == {"indexer_logits", "sparse_mqa_attention"}
-      assert set(prefill.kernels) == ({"dense_mha_prefill"} if dense_prefill else
-                                      {"indexer_logits", "sparse_mqa_attention"})
+      assert set(prefill.kernels) == (
+          {"dense_mha_prefill"} if dense_prefill else
+          MASKED_KERNELS if attention == "dense-capable" else
+          {"indexer_logits", "sparse_mqa_attention"})
 
 
 def _generation_traces(model, checked: bool):

@@ -1,4 +1,4 @@
-"""The backend contract: three attention operations and the capabilities a backend declares.
+"""The backend contract: four attention operations and the capabilities a backend declares.
 
 Modules never know which backend runs; backends never know about routes, meshes or the MoE.
 A backend is kernels only: per-sequence kernels, batched here by ``vmap``. Capabilities are
@@ -16,19 +16,32 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from mla_jax import checks
+from mla_jax.routing import settle_masked_capability
+
 
 @dataclasses.dataclass(frozen=True)
 class Backend(abc.ABC):
   """Batched attention operations over per-sequence kernels.
 
   Subclasses implement the per-sequence ``_sparse_mqa`` and ``_indexer_logits`` (and
-  ``_dense_mha`` when they declare ``supports_dense_mha_prefill``); this base vmaps them over
-  the batch axis, which Pallas turns into an extra grid axis. Instances are frozen and
-  hashable, so a module may hold one as a static attribute.
+  ``_dense_mha`` when they declare ``supports_dense_mha_prefill``, ``_masked_mha`` when they
+  can run ``supports_masked_mha_prefill``, which defaults to the dense capability); this base
+  vmaps them over the batch axis, which Pallas turns into an extra grid axis. Instances are
+  frozen and hashable, so a module may hold one as a static attribute.
+
+  Attributes:
+    masked_mha_max_tokens: static; the MASKED_MHA route is taken while ``top-k < cached + new
+      <= masked_mha_max_tokens`` (``mla_jax.routing``); 0 turns it off. Each backend defaults
+      it from its own cost model. Unused by a backend without the masked capability.
   """
 
   name: ClassVar[str]
   supports_dense_mha_prefill: ClassVar[bool] = False
+  supports_masked_mha_prefill: ClassVar[bool] = False
+  _masked_mha_declared: ClassVar[bool | None] = None  # see routing.settle_masked_capability
+
+  masked_mha_max_tokens: int = 0
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -37,6 +50,11 @@ class Backend(abc.ABC):
           f"{cls.__name__} declares supports_dense_mha_prefill = True but does not implement"
           " _dense_mha"
       )
+    settle_masked_capability(cls, implemented=cls._masked_mha is not Backend._masked_mha,
+                             method="_masked_mha")
+
+  def __post_init__(self):
+    checks.static_int(self.masked_mha_max_tokens, "masked_mha_max_tokens", minimum=0)
 
   @abc.abstractmethod
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
@@ -49,6 +67,9 @@ class Backend(abc.ABC):
 
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     raise NotImplementedError(f"backend {self.name!r} has no dense MHA prefill kernel")
+
+  def _masked_mha(self, q_THQ, k_SHQ, v_SHV, topk_TK, *, sm_scale, q_offset, kv_len):
+    raise NotImplementedError(f"backend {self.name!r} has no masked MHA prefill kernel")
 
   def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int,
                  batched_rows: bool = True):
@@ -99,6 +120,16 @@ class Backend(abc.ABC):
     fn = jax.vmap(lambda q, k, v, off, n: self._dense_mha(q, k, v, sm_scale=sm_scale,
                                                           q_offset=off, kv_len=n))
     return fn(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)
+
+  def masked_mha(self, q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, *, sm_scale: float, q_offset_B,
+                 kv_len_B):
+    """``dense_mha`` with query t of sequence b restricted to the keys in ``topk_BTK[b, t]``
+    (-1 and indices >= S ignored; a row left with no key gives out 0 and LSE +inf)."""
+    _same_batch("masked_mha", q_BTHQ=q_BTHQ, k_BSHQ=k_BSHQ, v_BSHV=v_BSHV, topk_BTK=topk_BTK,
+                q_offset_B=q_offset_B, kv_len_B=kv_len_B)
+    fn = jax.vmap(lambda q, k, v, idx, off, n: self._masked_mha(
+        q, k, v, idx, sm_scale=sm_scale, q_offset=off, kv_len=n))
+    return fn(q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, q_offset_B, kv_len_B)
 
 
 def _row_ids(op: str, name: str, rows) -> None:

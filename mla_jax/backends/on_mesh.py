@@ -57,3 +57,11 @@ class MeshOps:
     fn = lambda q, k, v, off, n: self.backend.dense_mha(q, k, v, sm_scale=sm_scale,
                                                         q_offset_B=off, kv_len_B=n)
     return self._placed("dense_mha", fn, 5)(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)
+
+  def masked_mha(self, q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, *, sm_scale: float, q_offset_B,
+                 kv_len_B):
+    """``Backend.masked_mha`` on the mesh (the top-k rows split with the batch)."""
+    fn = lambda q, k, v, idx, off, n: self.backend.masked_mha(q, k, v, idx, sm_scale=sm_scale,
+                                                              q_offset_B=off, kv_len_B=n)
+    return self._placed("masked_mha", fn, 6)(q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, q_offset_B,
+                                             kv_len_B)

@@ -46,8 +46,15 @@ class PallasTritonBackend(Backend):
   """Triton kernels on NVIDIA GPUs; ``interpret=True`` runs them on any host (slow, for tests)."""
 
   name: ClassVar[str] = "pallas_triton"
-  supports_dense_mha_prefill: ClassVar[bool] = True
+  supports_dense_mha_prefill: ClassVar[bool] = True  # masked MHA follows (routing)
 
+  # From the kernels' cost estimates, to be tuned on a GPU: the masked kernel is charged every
+  # causal pair at 2H(Q+V) FLOPs (dense_mha's estimate; the key blocks it skips only lower
+  # that), sparse MQA K slots per query at 2H(L+A), so a fresh prefill of S tokens crosses over
+  # at S + 1 = 2K(L+A)/(Q+V): 13,926 at DeepSeek-V3.2 dims, 8,704 at GLM-5's (K = 2048). 8192
+  # sits below both; vLLM's measured FlashMLA tables (SPEC.md §9.6) switch back to MQA earlier
+  # (4K at TP1).
+  masked_mha_max_tokens: int = 8192
   interpret: bool = False
 
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
@@ -71,3 +78,11 @@ class PallasTritonBackend(Backend):
         lambda q, k, v, offset, n: dense_mha(q, k, v, sm_scale=sm_scale, q_offset=offset,
                                              kv_len=n, interpret=self.interpret),
         q_THQ, k_SHQ, v_SHV, q_offset, kv_len)
+
+  def _masked_mha(self, q_THQ, k_SHQ, v_SHV, topk_TK, *, sm_scale, q_offset, kv_len):
+    return _without_derivative(
+        "masked_mha_prefill", "pallas_kernels.dense_mha",
+        lambda q, k, v, topk, offset, n: dense_mha(q, k, v, sm_scale=sm_scale, q_offset=offset,
+                                                   kv_len=n, topk_TK=topk,
+                                                   interpret=self.interpret),
+        q_THQ, k_SHQ, v_SHV, topk_TK, q_offset, kv_len)

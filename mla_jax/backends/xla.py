@@ -14,7 +14,17 @@ class XlaBackend(Backend):
   """The specification path: every op is the ``*_reference`` beside its Pallas kernel."""
 
   name: ClassVar[str] = "xla"
-  supports_dense_mha_prefill: ClassVar[bool] = True
+  supports_dense_mha_prefill: ClassVar[bool] = True  # masked MHA follows (routing)
+
+  # Measured, not derived: one layer of the `small` preset (top-k 64), a fresh prefill, batch 1,
+  # XLA:CPU on 2 cores (jit, median of 5), masked / sparse MQA time: 0.44 at 512 tokens, 0.63 at
+  # 960, 1.37 at 1024, 2.5 at 2048; re-measured on a busier machine with benchmarks/routes.py
+  # (median of 7): 0.97 at 768, 1.00 at 960, 1.26 at 1024, 1.35 at 1280. The FLOP ratio alone
+  # (docs/design.md §2) would cross far earlier, at 2K(L+A)/(Q+V) = 384 tokens for these dims
+  # (XLA's own FLOP counts cross between 128 and 256, its byte counts between 1024 and 2048):
+  # the reference's sparse gather costs more per pair on a CPU than its FLOPs say. Both depend
+  # on the dims and the machine; retune with benchmarks/routes.py when either changes.
+  masked_mha_max_tokens: int = 960
 
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
     return sparse_mqa_reference(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v)
@@ -27,4 +37,9 @@ class XlaBackend(Backend):
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     return dense_mha_reference(
         q_THQ, k_SHQ, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len
+    )
+
+  def _masked_mha(self, q_THQ, k_SHQ, v_SHV, topk_TK, *, sm_scale, q_offset, kv_len):
+    return dense_mha_reference(
+        q_THQ, k_SHQ, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len, topk_TK=topk_TK
     )

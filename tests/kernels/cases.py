@@ -45,6 +45,12 @@ def indexer_case(T, G, I, S, dtype=BF16, k_scale=False, pool_rows=None):
   return fn, args + tuple(extra.values())
 
 
-def mha_case(T, S, H, D, V, dtype=BF16):
-  fn = lambda q, k, v, off, n: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n)
-  return fn, (sds((T, H, D), dtype), sds((S, H, D), dtype), sds((S, H, V), dtype), sds((), I32), sds((), I32))
+def mha_case(T, S, H, D, V, dtype=BF16, topk=None):
+  """Causal dense MHA; given ``topk`` (K), the masked kernel with a [T, K] top-k."""
+  args = (sds((T, H, D), dtype), sds((S, H, D), dtype), sds((S, H, V), dtype), sds((), I32),
+          sds((), I32))
+  if topk is None:
+    return lambda q, k, v, off, n: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n), args
+  fn = lambda q, k, v, off, n, idx: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n,
+                                              topk_TK=idx)
+  return fn, args + (sds((T, topk), I32),)

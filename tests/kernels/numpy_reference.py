@@ -30,18 +30,22 @@ def numpy_dequantize_rows(rows):
   return np.concatenate([values * scales, np.asarray(rows.rope).astype(np.float64)], -1)
 
 
-def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len):
+def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len, topk=None):
+  """Causal attention from ``q_offset`` over keys below ``kv_len``; given ``topk`` [T, K], each
+  query sees only the keys its row names (-1, indices >= S and repeats select nothing more)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   T, H, _ = q.shape
   out, lse = np.zeros((T, H, v.shape[-1])), np.full((T, H), np.inf)
   for t in range(T):
-    n = min(q_offset + t + 1, kv_len, k.shape[0])
-    if n <= 0:
+    keys = np.arange(min(q_offset + t + 1, kv_len, k.shape[0]))
+    if topk is not None:
+      keys = np.intersect1d(keys, np.asarray(topk[t]))
+    if keys.size == 0:
       continue
-    logits = np.einsum("hd,shd->hs", q[t], k[:n]) * sm_scale
+    logits = np.einsum("hd,shd->hs", q[t], k[keys]) * sm_scale
     m = logits.max(-1, keepdims=True)
     p = np.exp(logits - m)
-    out[t] = np.einsum("hs,shv->hv", p, v[:n]) / p.sum(-1, keepdims=True)
+    out[t] = np.einsum("hs,shv->hv", p, v[keys]) / p.sum(-1, keepdims=True)
     lse[t] = (m + np.log(p.sum(-1, keepdims=True)))[:, 0]
   return out, lse
 

@@ -47,6 +47,13 @@ KERNELS = {
         mha_case(2048, 2048, 128, 192, 128), DenseMHAKernelConfig.default_for(2048, 2048, 192, 128)),
     "dense_mha_glm5_qk256_v256": (
         mha_case(2048, 2048, 64, 256, 256), DenseMHAKernelConfig.default_for(2048, 2048, 256, 256)),
+    # The masked route's window (top-k 2048 < S <= 8192): the bit test on top of the causal body.
+    "masked_mha_dsv32_qk192_v128_k2048": (
+        mha_case(4096, 4096, 128, 192, 128, topk=2048),
+        DenseMHAKernelConfig.default_for(4096, 4096, 192, 128)),
+    "masked_mha_glm5_qk256_v256_k2048": (
+        mha_case(4096, 4096, 64, 256, 256, topk=2048),
+        DenseMHAKernelConfig.default_for(4096, 4096, 256, 256)),
 }
 
 

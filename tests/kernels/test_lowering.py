@@ -35,6 +35,9 @@ CASES = {
     "mha_tiny": (mha_case(37, 150, 2, 48, 32, F32), "dense_mha_prefill"),
     "mha_dsv32": (mha_case(512, 512, 128, 192, 128), "dense_mha_prefill"),
     "mha_glm5": (mha_case(512, 512, 64, 256, 256), "dense_mha_prefill"),
+    "masked_mha_tiny": (mha_case(37, 150, 2, 48, 32, F32, topk=7), "masked_mha_prefill"),
+    "masked_mha_dsv32": (mha_case(4096, 4096, 128, 192, 128, topk=2048), "masked_mha_prefill"),
+    "masked_mha_glm5": (mha_case(4096, 4096, 64, 256, 256, topk=2048), "masked_mha_prefill"),
 }
 
 
@@ -62,6 +65,7 @@ class LoweringTest(parameterized.TestCase):
       ("indexer_logits_pool", "indexer_logits_pool", "indexer_logits"),
       ("indexer_logits_pool_fp8", "indexer_logits_pool_fp8", "indexer_logits"),
       ("dense_mha", "dense_mha", "dense_mha_prefill"),
+      ("masked_mha", "masked_mha", "masked_mha_prefill"),
   )
   def test_batched_backend_lowers_to_one_triton_call(self, op, kernel_name):
     backend, B = PallasTritonBackend(), 3
@@ -82,13 +86,25 @@ class LoweringTest(parameterized.TestCase):
               sds(keys, F32) if dtype == FP8 else None,  # the per-key scales travel too
               sds((B, 300), I32) if pooled else None)
       fn = lambda *a: backend.indexer_logits(*a[:5], k_scale_BS=a[5], key_rows_BS=a[6])
-    else:
+    elif op == "dense_mha":
       fn = lambda q, k, v, off, n: backend.dense_mha(q, k, v, sm_scale=0.1, q_offset_B=off, kv_len_B=n)
       args = (sds((B, 64, 4, 192), BF16), sds((B, 100, 4, 192), BF16), sds((B, 100, 4, 128), BF16),
               sds((B,), I32), sds((B,), I32))
+    else:
+      fn = lambda q, k, v, idx, off, n: backend.masked_mha(q, k, v, idx, sm_scale=0.1,
+                                                           q_offset_B=off, kv_len_B=n)
+      args = (sds((B, 64, 4, 192), BF16), sds((B, 100, 4, 192), BF16), sds((B, 100, 4, 128), BF16),
+              sds((B, 64, 16), I32), sds((B,), I32), sds((B,), I32))
     calls, names = triton_kernel_names(_compat.lower_for_cuda(fn, *args))
     self.assertEqual(calls, 1)  # vmap becomes a grid axis, not a loop of kernels
     self.assertIn(kernel_name, names)
+
+  def test_masked_kernel_declares_the_causal_pairs(self):
+    """An upper bound (skipped blocks are data-dependent) that the routing threshold reads."""
+    fn, args = CASES["masked_mha_dsv32"][0]
+    [eqn] = [e for e in jax.make_jaxpr(fn)(*args).eqns if e.primitive.name == "pallas_call"]
+    self.assertEqual(eqn.params["name"], "masked_mha_prefill")
+    self.assertEqual(eqn.params["cost_estimate"].flops, 2 * 128 * (192 + 128) * 4096 * 4097 // 2)
 
   def test_declared_cost_estimate(self):
     fn, args = CASES["sparse_mqa_dsv32"][0]
