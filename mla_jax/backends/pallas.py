@@ -52,8 +52,8 @@ class PallasTritonBackend(Backend):
   # causal pair at 2H(Q+V) FLOPs (dense_mha's estimate; the key blocks it skips only lower
   # that), sparse MQA K slots per query at 2H(L+A), so a fresh prefill of S tokens crosses over
   # at S + 1 = 2K(L+A)/(Q+V): 13,926 at DeepSeek-V3.2 dims, 8,704 at GLM-5's (K = 2048). 8192
-  # sits below both; vLLM's measured FlashMLA tables (SPEC.md §9.6) switch back to MQA earlier
-  # (4K at TP1).
+  # sits below both; vLLM's measured FlashMLA tables for DSA prefill switch back to sparse MQA
+  # earlier (at 4K tokens with tensor parallelism 1).
   masked_mha_max_tokens: int = 8192
   interpret: bool = False
 
