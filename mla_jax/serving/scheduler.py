@@ -118,7 +118,8 @@ class Scheduler:
       budget -= count
     while self.waiting and budget and len(self.running) < self.max_num_seqs:
       seq = self.waiting[0]
-      if self._chunk(batch, len(seq.tokens), budget) == 0 or not self._admit(seq):
+      # A chunk of one token is the smallest that could join: if even it does not fit, wait.
+      if self._chunk(batch, 1, budget) == 0 or not self._admit(seq):
         break
       self.waiting.popleft()
       self.running.append(seq)
