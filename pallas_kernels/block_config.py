@@ -104,3 +104,25 @@ class DenseMHAKernelConfig:
     block_k = min(64, max(16, next_pow2(num_keys)))
     wide = max(d_qk, d_v) > 192
     return cls(block_q=block_q, block_k=block_k, num_warps=8 if wide else 4, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerLogitsBackwardKernelConfig:
+  """The indexer backward: ``indexer_logits_dq`` programs own ``block_t`` tokens of one head and
+  walk key blocks of ``block_s``; ``indexer_logits_dk`` programs own ``block_s`` keys and walk
+  token blocks of ``block_t`` and every head."""
+
+  block_t: int = 64
+  block_s: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _check_pow2(self, "block_t", "block_s")
+    _check_warps_stages(self)
+
+  @classmethod
+  def default_for(cls, num_tokens: int, num_keys: int) -> IndexerLogitsBackwardKernelConfig:
+    block_t = min(64, max(16, next_pow2(num_tokens)))
+    block_s = min(64, max(16, next_pow2(num_keys)))
+    return cls(block_t=block_t, block_s=block_s, num_warps=4, num_stages=2)

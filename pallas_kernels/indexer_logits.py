@@ -119,18 +119,28 @@ def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=N
     has_key_S, safe_S = _valid_rows(key_rows_S, k_SI.shape[0])
     k_SI = k_SI[safe_S].astype(q_TGI.dtype)
     k_scale_S = None if k_scale_S is None else k_scale_S[safe_S]
+  # fp8 keys and their scales are constants (a quantized cache): no cotangent reaches them.
+  if k_SI.dtype.itemsize == 1:
+    k_SI = jax.lax.stop_gradient(k_SI)
+  cols_S = jnp.arange(k_SI.shape[0], dtype=jnp.int32)
+  inside_TS = ((cols_S[None, :] >= starts_T[:, None]) & (cols_S[None, :] < ends_T[:, None])
+               & has_key_S[None, :])
+  # Keys (and scales) that no row scores are zeroed: the forward replaces their columns anyway,
+  # but NaN there would reach dq and dw as 0 * NaN.
+  scored_S = inside_TS.any(axis=0)
   dots_TGS = jnp.einsum(
       "tgi,si->tgs",
       q_TGI.astype(jnp.float32) if q_TGI.dtype.itemsize == 1 else q_TGI,
-      k_SI.astype(jnp.float32) if k_SI.dtype.itemsize == 1 else k_SI,
+      jnp.where(scored_S[:, None],
+                k_SI.astype(jnp.float32) if k_SI.dtype.itemsize == 1 else k_SI, 0),
       preferred_element_type=jnp.float32,
   )
-  logits_TS = jnp.einsum("tg,tgs->ts", w_TG.astype(jnp.float32), jnp.maximum(dots_TGS, 0.0))
+  # jax.nn.relu: gradient 0 at exactly 0 (jnp.maximum would split it, 1/2 each).
+  logits_TS = jnp.einsum("tg,tgs->ts", w_TG.astype(jnp.float32), jax.nn.relu(dots_TGS))
   if k_scale_S is not None:
-    logits_TS = logits_TS * k_scale_S.astype(jnp.float32)[None, :]
-  cols_S = jnp.arange(k_SI.shape[0], dtype=jnp.int32)
-  inside_TS = (cols_S[None, :] >= starts_T[:, None]) & (cols_S[None, :] < ends_T[:, None])
-  return jnp.where(inside_TS & has_key_S[None, :], logits_TS, -jnp.inf)
+    scale_S = jnp.where(scored_S, jax.lax.stop_gradient(k_scale_S).astype(jnp.float32), 0.0)
+    logits_TS = logits_TS * scale_S[None, :]
+  return jnp.where(inside_TS, logits_TS, -jnp.inf)
 
 
 # ---- the kernel: one tile body, two ways of reading the key rows --------------------------
@@ -209,14 +219,22 @@ def indexer_logits(
   """Pallas-Triton indexer logits; the contract and checks of :func:`indexer_logits_reference`.
 
   With ``key_rows_S`` the pool ``k_SI`` (and ``k_scale_S``) is read in place, row by row.
+  Differentiable in q, w and float keys (the backward kernels of
+  :mod:`pallas_kernels.indexer_logits_backward`); fp8 keys and ``k_scale_S`` are constants.
   """
   validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S)
   _checks.kernel_config("indexer_logits", config, IndexerLogitsKernelConfig)
   if (empty := _nothing_to_score(q_TGI, k_SI, key_rows_S)) is not None:
     return empty
-  (T, G, I), S = q_TGI.shape, _num_scored(k_SI, key_rows_S)
   if config is None:
-    config = IndexerLogitsKernelConfig.default_for(T, S)
+    config = IndexerLogitsKernelConfig.default_for(q_TGI.shape[0], _num_scored(k_SI, key_rows_S))
+  return _differentiable_logits(config, interpret, q_TGI, k_SI, w_TG, starts_T, ends_T,
+                                k_scale_S, key_rows_S)
+
+
+def _forward_kernel(config, interpret, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S,
+                    key_rows_S):
+  (T, G, I), S = q_TGI.shape, _num_scored(k_SI, key_rows_S)
   block_t, block_s = config.block_t, config.block_s
   key_block = lambda *width: pl.BlockSpec((block_s, *width), lambda t, s: (s,) + (0,) * len(width))
   whole = lambda a: pl.BlockSpec(a.shape, lambda t, s: (0,) * a.ndim)  # every program, every row
@@ -260,3 +278,20 @@ def indexer_logits(
       interpret=interpret,
       name="indexer_logits",
   )(*args)
+
+
+_differentiable_logits = jax.custom_vjp(_forward_kernel, nondiff_argnums=(0, 1))
+
+
+def _forward_with_residuals(config, interpret, *args):
+  return _forward_kernel(config, interpret, *args), args
+
+
+def _backward(config, interpret, args, dlogits_TS):
+  del config  # the backward kernels pick their own blocks
+  # Imported here: the backward module reads keys with this module's tile readers.
+  from pallas_kernels.indexer_logits_backward import indexer_logits_vjp
+  return indexer_logits_vjp(dlogits_TS, *args, interpret=interpret)
+
+
+_differentiable_logits.defvjp(_forward_with_residuals, _backward)
