@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pallas_kernels.dense_mha import dense_mha
 from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.indexer_logits import indexer_logits
+from pallas_kernels.indexer_logits_backward import indexer_logits_dk, indexer_logits_dq
 from pallas_kernels.sparse_mqa import sparse_mqa
 
 sds = jax.ShapeDtypeStruct
@@ -43,6 +44,17 @@ def indexer_case(T, G, I, S, dtype=BF16, k_scale=False, pool_rows=None):
     extra["key_rows_S"] = sds((S,), I32)
   fn = lambda *a: indexer_logits(*a[:5], **dict(zip(extra, a[5:])))
   return fn, args + tuple(extra.values())
+
+
+def indexer_grad_case(kernel, T, G, I, S, dtype=BF16, k_scale=False, pool_rows=None):
+  """A backward kernel (``"dq"`` or ``"dk"``) of :func:`indexer_case`'s call: the float32
+  cotangent [T, S] first, then the forward's arguments."""
+  _, args = indexer_case(T, G, I, S, dtype, k_scale, pool_rows)
+  grad = {"dq": indexer_logits_dq, "dk": indexer_logits_dk}[kernel]
+  extra = [name for name, on in (("k_scale_S", k_scale), ("key_rows_S", pool_rows is not None))
+           if on]
+  fn = lambda dl, *a: grad(dl, *a[:5], **dict(zip(extra, a[5:])))
+  return fn, (sds((T, S), F32), *args)
 
 
 def mha_case(T, S, H, D, V, dtype=BF16, topk=None):

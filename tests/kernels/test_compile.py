@@ -20,10 +20,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import _compat  # noqa: E402
 from pallas_kernels.block_config import (  # noqa: E402
-    DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQAKernelConfig,
+    DenseMHAKernelConfig, IndexerLogitsBackwardKernelConfig, IndexerLogitsKernelConfig,
+    SparseMQAKernelConfig,
 )
 from tests.kernels.cases import (  # noqa: E402
-    indexer_case, mha_case, sparse_case, sparse_fp8_case,
+    indexer_case, indexer_grad_case, mha_case, sparse_case, sparse_fp8_case,
 )
 
 FP8 = jnp.float8_e4m3fn
@@ -43,6 +44,14 @@ KERNELS = {
     "indexer_dsv32_g64_i128_fp8_pool": (
         indexer_case(512, 64, 128, 8192, FP8, k_scale=True, pool_rows=65536),
         IndexerLogitsKernelConfig.default_for(512, 8192)),
+    # The indexer backward (training): dq/dw and dk, DeepSeek-V3.2 (G 64) and GLM-5 (G 32).
+    **{f"indexer_{kernel}_{model}_g{G}_i128_{suffix}": (
+        indexer_grad_case(kernel, 512, G, 128, 8192, dtype, k_scale=dtype == FP8, pool_rows=pool),
+        IndexerLogitsBackwardKernelConfig.default_for(512, 8192))
+       for kernel in ("dq", "dk") for model, G in (("dsv32", 64), ("glm5", 32))
+       for suffix, dtype, pool in (("bf16", jnp.bfloat16, None), ("fp8", FP8, None),
+                                   ("bf16_pool", jnp.bfloat16, 65536))
+       if not (kernel == "dk" and dtype == FP8)},  # fp8 keys are constants: no dk
     "dense_mha_dsv32_qk192_v128": (
         mha_case(2048, 2048, 128, 192, 128), DenseMHAKernelConfig.default_for(2048, 2048, 192, 128)),
     "dense_mha_glm5_qk256_v256": (

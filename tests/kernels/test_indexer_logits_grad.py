@@ -12,7 +12,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from absl.testing import parameterized
 
 from mla_jax.fp8_cache import quantize_indexer_queries, quantize_keys
@@ -208,7 +207,6 @@ class IndexerLogitsGradTest(chex.TestCase):
     np.testing.assert_array_equal(np.asarray(dq), 0.0)
     np.testing.assert_array_equal(np.asarray(dw), 0.0)
 
-  @pytest.mark.slow
   def test_dsv32_widths(self):
     """DeepSeek-V3.2's indexer: 64 heads of 128, bf16, a short causal context."""
     T, G, I, S = 16, 64, 128, 64

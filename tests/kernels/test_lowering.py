@@ -14,8 +14,8 @@ from absl.testing import parameterized
 from mla_jax.backends.pallas import PallasTritonBackend
 from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, mha_case, sds, sparse_case,
-                                 sparse_fp8_case)
+from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, indexer_grad_case, mha_case,
+                                 sds, sparse_case, sparse_fp8_case)
 
 
 CASES = {
@@ -32,6 +32,22 @@ CASES = {
                                 "indexer_logits"),
     "indexer_pool_dsv32_fp8": (indexer_case(128, 64, 128, 4096, FP8, k_scale=True,
                                             pool_rows=65536), "indexer_logits"),
+    "indexer_dq_tiny_fp32": (indexer_grad_case("dq", 37, 4, 32, 150, F32), "indexer_logits_dq"),
+    "indexer_dk_tiny_fp32": (indexer_grad_case("dk", 37, 4, 32, 150, F32), "indexer_logits_dk"),
+    "indexer_dq_dsv32_bf16": (indexer_grad_case("dq", 128, 64, 128, 4096), "indexer_logits_dq"),
+    "indexer_dk_dsv32_bf16": (indexer_grad_case("dk", 128, 64, 128, 4096), "indexer_logits_dk"),
+    "indexer_dq_glm5_bf16": (indexer_grad_case("dq", 128, 32, 128, 4096), "indexer_logits_dq"),
+    "indexer_dk_glm5_bf16": (indexer_grad_case("dk", 128, 32, 128, 4096), "indexer_logits_dk"),
+    "indexer_dq_dsv32_fp8": (indexer_grad_case("dq", 128, 64, 128, 4096, FP8, k_scale=True),
+                             "indexer_logits_dq"),
+    "indexer_dq_pool_tiny_fp32": (indexer_grad_case("dq", 37, 4, 32, 150, F32, pool_rows=300),
+                                  "indexer_logits_dq"),
+    "indexer_dk_pool_tiny_fp32": (indexer_grad_case("dk", 37, 4, 32, 150, F32, pool_rows=300),
+                                  "indexer_logits_dk"),
+    "indexer_dq_pool_dsv32_bf16": (indexer_grad_case("dq", 128, 64, 128, 4096, pool_rows=65536),
+                                   "indexer_logits_dq"),
+    "indexer_dk_pool_dsv32_bf16": (indexer_grad_case("dk", 128, 64, 128, 4096, pool_rows=65536),
+                                   "indexer_logits_dk"),
     "mha_tiny": (mha_case(37, 150, 2, 48, 32, F32), "dense_mha_prefill"),
     "mha_dsv32": (mha_case(512, 512, 128, 192, 128), "dense_mha_prefill"),
     "mha_glm5": (mha_case(512, 512, 64, 256, 256), "dense_mha_prefill"),
@@ -98,6 +114,15 @@ class LoweringTest(parameterized.TestCase):
     calls, names = triton_kernel_names(_compat.lower_for_cuda(fn, *args))
     self.assertEqual(calls, 1)  # vmap becomes a grid axis, not a loop of kernels
     self.assertIn(kernel_name, names)
+
+  def test_indexer_gradient_lowers_to_its_three_kernels(self):
+    fn, args = indexer_case(128, 64, 128, 4096)
+    loss = lambda q, k, w, *rest: fn(q, k, w, *rest).max(axis=-1).sum()
+    calls, names = triton_kernel_names(
+        _compat.lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), *args))
+    self.assertEqual(calls, 3)
+    self.assertEqual(sorted(set(names) & {"indexer_logits", "indexer_logits_dq", "indexer_logits_dk"}),
+                     ["indexer_logits", "indexer_logits_dk", "indexer_logits_dq"])
 
   def test_masked_kernel_declares_the_causal_pairs(self):
     """An upper bound (skipped blocks are data-dependent) that the routing threshold reads."""
