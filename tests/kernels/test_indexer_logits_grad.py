@@ -26,6 +26,7 @@ F32, BF16, I32, FP8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.float8_e4m3fn
 RTOL = {F32: 1e-5, BF16: 2e-2}
 FP8_DQ_RTOL = 7e-2  # dq is stored in fp8 (3 mantissa bits), rounded once from fp32
 IMPLEMENTATIONS = {
+    "pallas_triton": indexer_logits,  # skipped without a CUDA GPU
     "pallas_interpret": functools.partial(indexer_logits, interpret=True),
     "reference": indexer_logits_reference,
 }
@@ -91,13 +92,18 @@ def vjp(fn, q, k, w, starts, ends, ct, **kwargs):
 
 class IndexerLogitsGradTest(chex.TestCase):
 
+  def fn(self, impl):
+    if impl == "pallas_triton" and not common.cuda_gpu_ready():
+      self.skipTest("the Pallas-Triton kernel needs a CUDA GPU (sm80+)")
+    return jax.jit(IMPLEMENTATIONS[impl])
+
   @parameterized.named_parameters(common.named_product(
       impl={name: name for name in IMPLEMENTATIONS},
       dtype={"float32": F32, "bfloat16": BF16}))
   def test_matches_float64(self, impl, dtype):
     T, G, I, S = 37, 4, 32, 70
     q, k, w, starts, ends, ct = inputs(0, T, G, I, S, dtype)
-    got = vjp(jax.jit(IMPLEMENTATIONS[impl]), q, k, w, starts, ends, ct)
+    got = vjp(self.fn(impl), q, k, w, starts, ends, ct)
     want = float64_grads(q, k, w, starts, ends, ct)
     for name, g, x, ref in zip(("dq", "dk", "dw"), got, (q, k, w), want):
       chex.assert_type(g, x.dtype)
@@ -125,7 +131,7 @@ class IndexerLogitsGradTest(chex.TestCase):
     T, G, I, S = 9, 4, 32, 40
     q, k, w, starts, ends, ct = inputs(2, T, G, I, S, F32)
     scale = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2.0, S), F32)
-    fn = jax.jit(IMPLEMENTATIONS[impl])
+    fn = self.fn(impl)
     clean = vjp(fn, q, k, w, starts, ends, ct, k_scale_S=scale)
     unscored = ~scored(starts, ends, S).any(axis=0)
     self.assertTrue(unscored[:S - 8].any() and unscored[S - 8:].all())
@@ -141,7 +147,7 @@ class IndexerLogitsGradTest(chex.TestCase):
     q, k, w, starts, ends, ct = inputs(4, T, G, I, S, F32)
     q8, w8 = quantize_indexer_queries(q, w)
     k8, scale = quantize_keys(k)
-    fn = jax.jit(IMPLEMENTATIONS[impl])
+    fn = self.fn(impl)
     logits, pullback = jax.vjp(lambda q, k, w, sc: fn(q, k, w, starts, ends, k_scale_S=sc),
                                q8, k8, w8, scale)
     dq, dk, dw, dscale = pullback(poisoned_cotangent(ct, logits))
@@ -163,7 +169,7 @@ class IndexerLogitsGradTest(chex.TestCase):
     rows[[3, 7, 11]] = rows[2]  # one row named four times
     rows[[5, 20]] = -1
     rows = jnp.asarray(rows, I32)
-    got = vjp(jax.jit(IMPLEMENTATIONS[impl]), q, pool, w, starts, ends, ct, key_rows_S=rows)
+    got = vjp(self.fn(impl), q, pool, w, starts, ends, ct, key_rows_S=rows)
     want = float64_grads(q, pool, w, starts, ends, ct, key_rows=rows)
     for name, g, ref in zip(("dq", "dpool", "dw"), got, want):
       self.assertLess(relative_error(g, ref), RTOL[dtype], name)
@@ -212,7 +218,7 @@ class IndexerLogitsGradTest(chex.TestCase):
     T, G, I, S = 16, 64, 128, 64
     q, k, w, _, _, ct = inputs(10, T, G, I, S, BF16)
     starts, ends = jnp.zeros((T,), I32), jnp.asarray(S - T + 1 + np.arange(T), I32)
-    got = vjp(jax.jit(IMPLEMENTATIONS["pallas_interpret"]), q, k, w, starts, ends, ct)
+    got = vjp(self.fn("pallas_interpret"), q, k, w, starts, ends, ct)
     want = float64_grads(q, k, w, starts, ends, ct)
     for name, g, ref in zip(("dq", "dk", "dw"), got, want):
       self.assertLess(relative_error(g, ref), RTOL[BF16], name)
