@@ -6,7 +6,9 @@
 Timing: one warm-up call (compile) excluded, then the median of ``--iters`` calls, each ended
 by ``block_until_ready``. FLOPs follow docs/design.md §2: sparse MQA 2*T*K*H*(D + d_v), dense
 MHA 2*H*(D + V) per causal (query, key) pair, indexer 2*T*S*G*I. GB/s counts each input and
-output array once (a lower bound on real traffic).
+output array once (a lower bound on real traffic). Ops with a backward (``GRAD_ARGNUMS``) get a
+second table: ``jax.grad`` of the sum of the finite outputs, forward and backward together, the
+kernel's custom VJP against XLA's autodiff of the reference; ``--check`` compares those gradients too.
 """
 
 from __future__ import annotations
@@ -107,6 +109,17 @@ def build(shape: Shape, interpret: bool, seed: int = 0):
   return kernel, reference, (q, k, v), flops, nbytes
 
 
+# Ops also timed forward + backward: the arguments jax.grad differentiates.
+GRAD_ARGNUMS = {"indexer_logits": (0, 1, 2)}
+
+
+def forward_backward(fn, argnums):
+  """jax.grad of the sum of ``fn``'s finite outputs: one forward and one backward pass."""
+  def loss(*args):
+    return sum(jnp.sum(jnp.where(jnp.isfinite(x), x, 0.0)) for x in jax.tree.leaves(fn(*args)))
+  return jax.grad(loss, argnums)
+
+
 def time_fn(fn, args, iters):
   fn = jax.jit(fn)
   return timing.timed(lambda: fn(*args), iters)  # the warm-up call compiles
@@ -133,6 +146,13 @@ def check(shapes, interpret, tol=2e-2):
     ok = err < tol
     failures += not ok
     print(f"{'OK  ' if ok else 'FAIL'} {shape.name}: rel err {err:.2e} (tol {tol:.0e})", flush=True)
+    if shape.kernel in GRAD_ARGNUMS:
+      grads = [jax.jit(forward_backward(f, GRAD_ARGNUMS[shape.kernel]))(*fn_args)
+               for f in (kernel, reference)]
+      err = rel_err(*grads)
+      failures += not err < tol
+      print(f"{'OK  ' if err < tol else 'FAIL'} {shape.name} gradients: rel err {err:.2e}",
+            flush=True)
   return failures
 
 
@@ -160,6 +180,19 @@ def main(argv=None):
     print(f"| {shape.name} | {t_kernel * 1e3:.3f} | {flops / t_kernel / 1e12:.1f} | "
           f"{nbytes / t_kernel / 1e9:.0f} | {t_ref * 1e3:.3f} | {flops / t_ref / 1e12:.1f} | "
           f"{t_kernel / t_ref:.2f} |", flush=True)
+  grad_shapes = [s for s in shapes if s.kernel in GRAD_ARGNUMS]
+  if grad_shapes:
+    print("\nforward + backward (jax.grad of the finite outputs' sum; TFLOP/s at 3x the forward "
+          "FLOPs)\n")
+    print("| shape | kernel ms | TFLOP/s | XLA ms | XLA TFLOP/s | kernel/XLA |")
+    print("|---|---|---|---|---|---|")
+    for shape in grad_shapes:
+      kernel, reference, fn_args, flops, _ = build(shape, interpret=not on_gpu)
+      t_kernel, t_ref = (time_fn(forward_backward(f, GRAD_ARGNUMS[shape.kernel]), fn_args, iters)
+                         for f in (kernel, reference))
+      print(f"| {shape.name} | {t_kernel * 1e3:.3f} | {3 * flops / t_kernel / 1e12:.1f} | "
+            f"{t_ref * 1e3:.3f} | {3 * flops / t_ref / 1e12:.1f} | {t_kernel / t_ref:.2f} |",
+            flush=True)
 
 
 if __name__ == "__main__":
