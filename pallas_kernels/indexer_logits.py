@@ -13,6 +13,9 @@ sequences share (a paged cache) and column s scores pool row ``key_rows_S[s]``; 
 whole-array input, and each program loads its ``block_s`` row ids, clamps invalid ones (-1)
 to row 0, gathers those rows (and their fp8 scales) and replaces the invalid columns by -inf,
 the sparse MQA kernel's gather. No per-sequence copy of the keys is ever made.
+
+``indexer_logits`` is a ``jax.custom_vjp``: the forward saves only its inputs, the backward
+recomputes the dots in two kernels of their own (:mod:`pallas_kernels.indexer_logits_backward`).
 """
 
 from __future__ import annotations
@@ -107,6 +110,12 @@ def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=N
     T = 0 or S = 0 gives an empty array. Every logit depends on its own key row only, and
     logits outside the window are replaced, so NaN or inf in a key (or key scale) outside a
     row's window, or in a pool row no column names, never reaches that row.
+
+  Gradients (autodiff; the kernel's custom VJP gives the same): relu' is 0 at 0, the
+  cotangent of a -inf logit is dropped (NaN there included), and a key that no row scores
+  gets exactly 0 and, NaN or not, adds nothing to dq and dw. fp8 keys and ``k_scale_S`` are
+  constants (zero cotangents); with ``key_rows_S`` the pool's rows get the sum over the
+  columns that name them.
 
   Raises:
     ValueError, TypeError: from :func:`validate_indexer_logits`, naming the argument.

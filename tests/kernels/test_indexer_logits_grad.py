@@ -161,7 +161,8 @@ class IndexerLogitsGradTest(chex.TestCase):
   @parameterized.named_parameters(common.named_product(
       impl={name: name for name in IMPLEMENTATIONS}, dtype={"float32": F32, "bfloat16": BF16}))
   def test_pool_rows_accumulate(self, impl, dtype):
-    """Pool mode: repeated row ids add up, -1 columns and unnamed pool rows get nothing."""
+    """Pool mode: repeated row ids add up; -1 columns and unnamed pool rows (NaN there
+    included) contribute and get nothing."""
     T, G, I, S, P = 9, 4, 32, 40, 64
     q, pool, w, starts, ends, ct = inputs(5, T, G, I, S, dtype, num_keys=P)
     rng = np.random.default_rng(6)
@@ -174,7 +175,12 @@ class IndexerLogitsGradTest(chex.TestCase):
     for name, g, ref in zip(("dq", "dpool", "dw"), got, want):
       self.assertLess(relative_error(g, ref), RTOL[dtype], name)
     unnamed = np.setdiff1d(np.arange(P), np.asarray(rows))
+    self.assertIn(0, unnamed)  # the row -1 columns read
     np.testing.assert_array_equal(np.asarray(got[1], np.float32)[unnamed], 0.0)
+    poisoned = vjp(self.fn(impl), q, pool.at[unnamed].set(np.nan), w, starts, ends, ct,
+                   key_rows_S=rows)
+    for g, c in zip(poisoned, got):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(c, np.float32))
 
   def test_sum_into_rows(self):
     rng = np.random.default_rng(7)
