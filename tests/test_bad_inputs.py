@@ -325,10 +325,6 @@ GRADIENT_CASES = {
     "dense_mha": (lambda q: _PALLAS.dense_mha(q, _DK, _DV, sm_scale=0.2, q_offset_B=_I32(0),
                                               kv_len_B=_I32(20))[0].sum(),
                   _DQ, "dense_mha_prefill", "dense_mha"),
-    "indexer_logits": (lambda w: jnp.where(jnp.isfinite(logits := _PALLAS.indexer_logits(
-        np.zeros((1, 3, 4, 32), np.float32), np.zeros((1, 50, 32), np.float32), w,
-        np.zeros((1, 3), np.int32), np.full((1, 3), 50, np.int32))), logits, 0).sum(),
-                       np.zeros((1, 3, 4), np.float32), "indexer_logits", "indexer_logits"),
 }
 
 

@@ -66,11 +66,8 @@ class PallasTritonBackend(Backend):
 
   def _indexer_logits(self, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=None,
                       key_rows_S=None):
-    return _without_derivative(
-        "indexer_logits", "pallas_kernels.indexer_logits",
-        lambda q, k, w, starts, ends, k_scale, rows: indexer_logits(
-            q, k, w, starts, ends, k_scale_S=k_scale, key_rows_S=rows, interpret=self.interpret),
-        q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S)
+    return indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=k_scale_S,
+                          key_rows_S=key_rows_S, interpret=self.interpret)
 
   def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
     return _without_derivative(
