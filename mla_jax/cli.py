@@ -330,9 +330,11 @@ def cmd_train(args) -> int:
 
   recipe = get_recipe(args.recipe)
   seed = recipe.seed if args.seed is None else args.seed
+  backend = get_backend(args.backend)
   print(f"recipe {recipe.name} ({recipe.description}), seed {seed}, "
-        f"{sum(stage.steps for stage, _ in recipe.stages)} steps")
-  trainer = run_recipe(recipe, out_dir=args.out, seed=seed, progress=not args.quiet)
+        f"{sum(stage.steps for stage, _ in recipe.stages)} steps, backend {backend.name}")
+  trainer = run_recipe(recipe, out_dir=args.out, seed=seed, progress=not args.quiet,
+                       backend=backend)
   final = trainer.evaluations[-1]
   by_width = ", ".join(f"<={w}: {a:.3f}" for w, a in final["accuracy_by_width"].items())
   print(f"final lookup accuracy {final['accuracy']:.3f} ({by_width}), lm loss "
@@ -467,6 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--out", metavar="DIR", help="checkpoint and history.json directory")
   train.add_argument("--seed", type=int_in(0, 2**32), default=None,
                      help="default: the recipe's seed")
+  train.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
+                     help="attention kernels for the forward and backward: xla (the jnp "
+                     "references), pallas (the Pallas-Triton kernels; interpret mode off an "
+                     "NVIDIA GPU, slow) or auto (pallas on an NVIDIA GPU, else xla)")
   train.add_argument("--quiet", action="store_true", help="no progress bars")
   train.set_defaults(func=cmd_train)
   return parser

@@ -8,7 +8,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from mla_jax.backends import XlaBackend
 from mla_jax.backends.pallas import PallasTritonBackend

@@ -5,8 +5,9 @@ Every recipe runs DeepSeek-V3.2's three stages on the key-value lookup task: a d
 only the indexer learns) and sparse training at the model's real top-k. ``recall`` starts
 with a short dense copy stage that forms the retrieval circuit (see ``training.data``).
 
-Training always runs on the XLA backend: the Pallas kernels have no backward yet, and a
-gradient through ``backend="pallas"`` raises ``NotImplementedError`` naming the kernel.
+``run_recipe(backend=...)`` trains on any backend: ``"xla"`` differentiates the jnp
+references, ``"pallas"`` runs the Pallas-Triton kernels and their backward kernels (in interpret
+mode off an NVIDIA GPU), ``"auto"`` picks the kernels on an NVIDIA GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
+from mla_jax.backends import Backend, get_backend
 from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig
 from mla_jax.models.config import ModelConfig, tiny_lm
 from mla_jax.models.lm import CausalLM
@@ -127,16 +129,18 @@ def get_recipe(name: str) -> Recipe:
 
 
 def run_recipe(recipe: Recipe, *, out_dir=None, seed: int | None = None,
-               progress: bool = True) -> Trainer:
+               progress: bool = True, backend: str | Backend = "auto") -> Trainer:
   """Builds the recipe's model from ``seed`` (default the recipe's) and trains every stage.
 
   Weights and data derive from the seed alone, so a run reproduces on the same software
-  stack. Returns the trainer: its model, per-step history and evaluations.
+  stack and backend. ``backend``: the attention kernels the forward and backward run
+  (``mla_jax.backends.get_backend``). Returns the trainer: its model, per-step history and
+  evaluations.
   """
   if not isinstance(recipe, Recipe):
     raise TypeError(f"recipe must be a Recipe, got {type(recipe).__name__}")
   seed = recipe.seed if seed is None else seed
-  model = CausalLM(recipe.model, rngs=nnx.Rngs(seed), backend="xla")
+  model = CausalLM(recipe.model, rngs=nnx.Rngs(seed), backend=get_backend(backend))
   trainer = Trainer(model, out_dir=out_dir, progress=progress)
   eval_batches = recipe.eval_batches(seed)
   for i, (stage, task) in enumerate(recipe.stages):
