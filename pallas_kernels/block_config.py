@@ -104,3 +104,28 @@ class DenseMHAKernelConfig:
     block_k = min(64, max(16, next_pow2(num_keys)))
     wide = max(d_qk, d_v) > 192
     return cls(block_q=block_q, block_k=block_k, num_warps=8 if wide else 4, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMQABackwardConfig:
+  """The two backward kernels of sparse MQA. ``dq``: programs as the forward's (``block_h``
+  heads of one token, the top-k walked ``block_k`` at a time). ``drows``: one program per
+  ``block_k`` slots of one token, the heads walked ``block_h`` at a time."""
+
+  dq: SparseMQAKernelConfig = SparseMQAKernelConfig()
+  drows: SparseMQAKernelConfig = SparseMQAKernelConfig()
+
+  def __post_init__(self):
+    for name in ("dq", "drows"):
+      if not isinstance(getattr(self, name), SparseMQAKernelConfig):
+        raise TypeError(f"SparseMQABackwardConfig.{name} must be a SparseMQAKernelConfig, "
+                        f"got {type(getattr(self, name)).__name__}")
+
+  @classmethod
+  def default_for(cls, num_heads: int, topk: int, d_v: int) -> SparseMQABackwardConfig:
+    block_h = min(32, max(16, next_pow2(num_heads)))
+    block_k = min(32, max(16, next_pow2(topk)))
+    wide = d_v >= 256
+    warps = 8 if wide else 4
+    return cls(dq=SparseMQAKernelConfig(block_h, block_k, warps, 2),
+               drows=SparseMQAKernelConfig(block_h, block_k, warps, 2))

@@ -1,0 +1,313 @@
+"""The backward of :func:`pallas_kernels.sparse_mqa.sparse_mqa`: two Pallas-Triton kernels and a
+deterministic sum of row gradients.
+
+With the probabilities recomputed from the forward's LSE, ``p = exp(scale * q.row - lse)``, the
+value cotangent ``dp = dout . row[:d_v]`` and ``delta = rowsum(dout * out) - dlse`` (the LSE
+cotangent enters as ``p * dlse``, since d lse / d logits = p):
+
+  ds[t, h, k]  = p * (dp - delta)
+  dq[t, h]     = scale * sum_k ds[t, h, k] row[t, k]
+  drow[t, k]   = scale * sum_h ds[t, h, k] q[t, h]  (+ sum_h p[t, h, k] dout[t, h] on [:d_v])
+
+* ``sparse_mqa_dq``: programs as the forward's (``block_h`` heads of one token), walking the
+  token's top-k slots ``block_k`` at a time.
+* ``sparse_mqa_drows``: one program per ``block_k`` slots of one token, walking the heads
+  ``block_h`` at a time; writes each (token, slot) row gradient, [T, K, L] float32.
+
+Both read rows as the forward does (clamped gather, invalid slots zeroed before any dot), in
+column chunks whose first ones are exactly the ``d_v`` value columns, so ``dp`` reuses the
+gathered chunks. Invalid slots and empty rows (LSE +inf) get ``p = ds = 0``.
+
+The row gradients reach ``dkv[S, L]`` through a stable sort by row index and a segmented scan
+read at each row's last slot: a fixed summation order, so ``dkv`` is the same bit for bit on
+every call. ``jax.ops.segment_sum`` would be a scatter-add, which XLA's GPU backend runs with
+atomics (in no fixed order) unless its deterministic-ops flag is set. [T, K, L] float32 is 4.7
+MB a token at DeepSeek-V3.2 widths, so tokens are taken in chunks whose row gradients fit
+``drows_max_bytes``, each chunk's sums added in order.
+
+fp8 rows (``Fp8LatentRows``) are constants, a quantized cache: their cotangents are zeros and
+no row gradient is computed; ``dq`` reads them dequantized, as the forward does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.block_config import SparseMQABackwardConfig, pow2_chunks
+from pallas_kernels.fp8_rows import Fp8LatentRows
+from pallas_kernels.sparse_mqa import _latent_chunks, _read_fp8_rows, _slot_block
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowLayout:
+  """How a kernel reads a slot block of rows: ``chunks`` are ``(start, width)`` power-of-two
+  column chunks of the L-wide row, the first ``num_values`` covering exactly ``[0, d_v)``;
+  ``read(row_refs, safe_K, valid_K)`` gives them, zeros at invalid slots, in the query dtype."""
+
+  chunks: tuple[tuple[int, int], ...]
+  num_values: int
+  read: Callable
+
+
+def _float_layout(width: int, d_v: int) -> _RowLayout:
+  chunks = pow2_chunks(d_v) + tuple((d_v + c0, cw) for c0, cw in pow2_chunks(width - d_v))
+
+  def read(row_refs, safe_K, valid_K):
+    (kv_ref,) = row_refs
+    # Invalid slots read row 0: zeros, or a NaN there would meet p = 0 in ds @ rows.
+    return [jnp.where(valid_K[:, None], kv_ref[safe_K, pl.ds(c0, cw)], 0) for c0, cw in chunks]
+
+  return _RowLayout(chunks, len(pow2_chunks(d_v)), read)
+
+
+def _fp8_layout(rows: Fp8LatentRows, dtype) -> _RowLayout:
+  latent_chunks = _latent_chunks(rows.latent_width, rows.tile)
+  rope_chunks = pow2_chunks(rows.rope.shape[-1])
+  chunks = (tuple((c0, cw) for c0, cw, _ in latent_chunks)
+            + tuple((rows.latent_width + c0, cw) for c0, cw in rope_chunks))
+
+  def read(row_refs, safe_K, valid_K):
+    latent, rope = _read_fp8_rows(*row_refs, safe_K, valid_K, latent_chunks=latent_chunks,
+                                  rope_chunks=rope_chunks, dtype=dtype)
+    return latent + rope
+
+  return _RowLayout(chunks, len(latent_chunks), read)
+
+
+# ---- in-kernel pieces shared by both kernels ------------------------------------------------
+
+def _load_heads(q_ref, dout_ref, lse_ref, delta_ref, heads, head_mask_H, layout):
+  """One head block's query and output-cotangent chunks, LSE and delta. Heads past H read
+  q = dout = 0 and LSE +inf (so p = 0): they add nothing."""
+  load = lambda ref, c0, cw: _compat.load(ref.at[heads, pl.ds(c0, cw)],
+                                          mask=head_mask_H[:, None], other=0)
+  q_chunks = [load(q_ref, c0, cw) for c0, cw in layout.chunks]
+  dout_chunks = [load(dout_ref, c0, cw) for c0, cw in layout.chunks[:layout.num_values]]
+  lse_H = _compat.load(lse_ref.at[heads], mask=head_mask_H, other=jnp.inf)
+  delta_H = _compat.load(delta_ref.at[heads], mask=head_mask_H, other=0)
+  return q_chunks, dout_chunks, lse_H, delta_H
+
+
+def _score_grads(q_chunks, dout_chunks, rows, valid_K, lse_H, delta_H, *, sm_scale, precision):
+  """``(p_HK, ds_HK)`` of a head block against a slot block, 0 at invalid slots and in empty
+  rows (LSE +inf)."""
+  dots_HK = lambda lhs, rhs: functools.reduce(operator.add, (
+      jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                          precision=precision) for a, b in zip(lhs, rhs)))
+  logits_HK = dots_HK(q_chunks, rows)
+  p_HK = jnp.where(valid_K[None, :], jnp.exp(logits_HK * sm_scale - lse_H[:, None]), 0.0)
+  dp_HK = dots_HK(dout_chunks, rows)
+  return p_HK, p_HK * (dp_HK - delta_H[:, None])
+
+
+def _sparse_mqa_dq_kernel(q_ref, *refs, layout, sm_scale, num_heads, num_rows, topk, config):
+  *row_refs, topk_ref, dout_ref, lse_ref, delta_ref, dq_ref = refs
+  block_h, block_k = config.block_h, config.block_k
+  head_mask_H = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32) < num_heads
+  dtype, precision = q_ref.dtype, _compat.dot_precision(q_ref.dtype)
+  q_chunks, dout_chunks, lse_H, delta_H = _load_heads(q_ref, dout_ref, lse_ref, delta_ref,
+                                                      slice(None), head_mask_H, layout)
+
+  def body(j, accs):
+    valid_K, safe_K = _slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
+    rows = layout.read(row_refs, safe_K, valid_K)
+    _, ds_HK = _score_grads(q_chunks, dout_chunks, rows, valid_K, lse_H, delta_H,
+                            sm_scale=sm_scale, precision=precision)
+    ds_HK = ds_HK.astype(dtype)
+    return tuple(acc_HC + jnp.dot(ds_HK, rows_KC, preferred_element_type=jnp.float32,
+                                  precision=precision)
+                 for acc_HC, rows_KC in zip(accs, rows))
+
+  accs = jax.lax.fori_loop(0, pl.cdiv(topk, block_k), body,
+                           tuple(jnp.zeros((block_h, cw), jnp.float32) for _, cw in layout.chunks))
+  for (c0, cw), acc_HC in zip(layout.chunks, accs):
+    _compat.store(dq_ref.at[:, pl.ds(c0, cw)], (acc_HC * sm_scale).astype(dq_ref.dtype),
+                  mask=head_mask_H[:, None])
+
+
+def _sparse_mqa_drows_kernel(q_ref, kv_ref, topk_ref, dout_ref, lse_ref, delta_ref, drows_ref, *,
+                             layout, sm_scale, num_heads, num_rows, topk, config):
+  block_h, block_k = config.block_h, config.block_k
+  j = pl.program_id(1)
+  valid_K, safe_K = _slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
+  rows = layout.read((kv_ref,), safe_K, valid_K)  # read once, used by every head block
+  dtype, precision = q_ref.dtype, _compat.dot_precision(q_ref.dtype)
+  # [H, K] x [H, C] -> [K, C]: the head block is the contraction.
+  dot_KC = lambda a_HK, b_HC: jax.lax.dot_general(
+      a_HK, b_HC, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+      precision=precision)
+
+  def body(i, accs):
+    h0 = pl.multiple_of(i * block_h, block_h)
+    head_mask_H = h0 + jnp.arange(block_h, dtype=jnp.int32) < num_heads
+    q_chunks, dout_chunks, lse_H, delta_H = _load_heads(
+        q_ref, dout_ref, lse_ref, delta_ref, pl.ds(h0, block_h), head_mask_H, layout)
+    p_HK, ds_HK = _score_grads(q_chunks, dout_chunks, rows, valid_K, lse_H, delta_H,
+                               sm_scale=sm_scale, precision=precision)
+    ds_HK, p_HK = (ds_HK * sm_scale).astype(dtype), p_HK.astype(dtype)
+    accs = [acc_KC + dot_KC(ds_HK, q_HC) for acc_KC, q_HC in zip(accs, q_chunks)]
+    for c, dout_HC in enumerate(dout_chunks):  # the value columns also carry p^T dout
+      accs[c] = accs[c] + dot_KC(p_HK, dout_HC)
+    return tuple(accs)
+
+  accs = jax.lax.fori_loop(0, pl.cdiv(num_heads, block_h), body,
+                           tuple(jnp.zeros((block_k, cw), jnp.float32) for _, cw in layout.chunks))
+  slot_mask_K1 = (j * block_k + jnp.arange(block_k, dtype=jnp.int32) < topk)[:, None]
+  for (c0, cw), acc_KC in zip(layout.chunks, accs):
+    _compat.store(drows_ref.at[:, pl.ds(c0, cw)], acc_KC, mask=slot_mask_K1)
+
+
+# ---- the calls ------------------------------------------------------------------------------
+
+def _whole(a):
+  return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # every row, every program
+
+
+def _dq(q_THL, kv_args, topk_TK, dout_THV, lse_TH, delta_TH, *, layout, sm_scale, num_rows,
+        config, interpret):
+  (T, H, L), K, d_v = q_THL.shape, topk_TK.shape[1], dout_THV.shape[-1]
+  block_h, block_k = config.block_h, config.block_k
+  padded_k = pl.cdiv(K, block_k) * block_k  # the top-k block overhangs; loads are masked
+  kernel = functools.partial(_sparse_mqa_dq_kernel, layout=layout, sm_scale=sm_scale,
+                             num_heads=H, num_rows=num_rows, topk=K, config=config)
+  row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in kv_args)
+  cost = pl.CostEstimate(
+      flops=2 * T * K * H * (2 * L + d_v), transcendentals=T * K * H,
+      bytes_accessed=q_THL.dtype.itemsize * T * H * (2 * L + d_v)
+      + row_bytes * T * K * pl.cdiv(H, block_h) + 4 * (T * K + 2 * T * H))
+  sq = _compat.SQUEEZED
+  return pl.pallas_call(
+      kernel,
+      grid=(T, pl.cdiv(H, block_h)),
+      in_specs=[
+          pl.BlockSpec((sq, block_h, L), lambda t, h: (t, h, 0)),
+          *(_whole(a) for a in kv_args),
+          pl.BlockSpec((sq, padded_k), lambda t, h: (t, 0)),
+          pl.BlockSpec((sq, block_h, d_v), lambda t, h: (t, h, 0)),
+          pl.BlockSpec((sq, block_h), lambda t, h: (t, h)),
+          pl.BlockSpec((sq, block_h), lambda t, h: (t, h)),
+      ],
+      out_specs=pl.BlockSpec((sq, block_h, L), lambda t, h: (t, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((T, H, L), q_THL.dtype),
+      compiler_params=_compat.compiler_params(config.num_warps, config.num_stages),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="sparse_mqa_dq",
+  )(q_THL, *kv_args, topk_TK, dout_THV, lse_TH, delta_TH)
+
+
+def sparse_mqa_drows(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale, config,
+                     interpret):
+  """Each (token, slot)'s row gradient, [T, K, L] float32; ``delta_TH`` is
+  ``rowsum(dout * out) - dlse``. Invalid slots hold zeros (the caller drops them)."""
+  (T, H, L), S, K, d_v = q_THL.shape, kv_SL.shape[0], topk_TK.shape[1], dout_THV.shape[-1]
+  block_h, block_k = config.block_h, config.block_k
+  padded_h = pl.cdiv(H, block_h) * block_h  # every head of the token; the head block overhangs
+  padded_k = pl.cdiv(K, block_k) * block_k
+  kernel = functools.partial(_sparse_mqa_drows_kernel, layout=_float_layout(L, d_v),
+                             sm_scale=sm_scale, num_heads=H, num_rows=S, topk=K, config=config)
+  itemsize = q_THL.dtype.itemsize
+  cost = pl.CostEstimate(
+      flops=4 * T * K * H * (L + d_v), transcendentals=T * K * H,
+      bytes_accessed=itemsize * (T * H * (L + d_v) * pl.cdiv(K, block_k) + T * K * L)
+      + 4 * (T * K * L + T * K + 2 * T * H))
+  sq = _compat.SQUEEZED
+  return pl.pallas_call(
+      kernel,
+      grid=(T, pl.cdiv(K, block_k)),
+      in_specs=[
+          pl.BlockSpec((sq, padded_h, L), lambda t, j: (t, 0, 0)),
+          _whole(kv_SL),
+          pl.BlockSpec((sq, padded_k), lambda t, j: (t, 0)),
+          pl.BlockSpec((sq, padded_h, d_v), lambda t, j: (t, 0, 0)),
+          pl.BlockSpec((sq, padded_h), lambda t, j: (t, 0)),
+          pl.BlockSpec((sq, padded_h), lambda t, j: (t, 0)),
+      ],
+      out_specs=pl.BlockSpec((sq, block_k, L), lambda t, j: (t, j, 0)),
+      out_shape=jax.ShapeDtypeStruct((T, K, L), jnp.float32),
+      compiler_params=_compat.compiler_params(config.num_warps, config.num_stages),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="sparse_mqa_drows",
+  )(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH)
+
+
+def _sum_into_rows(drows_TKL, topk_TK, num_rows):
+  """``dkv[s] = sum of drows[t, k] over the slots naming row s`` in a fixed order; invalid slots
+  add nothing.
+
+  A stable sort by row, then a segmented scan (a log-depth tree whose shape depends only on
+  the slot count) read at each row's last slot. Within a row the running sum never meets
+  another row's values, so a NaN row gradient stays in its row.
+  """
+  L = drows_TKL.shape[-1]
+  idx_N = topk_TK.reshape(-1)
+  row_N = jnp.where((idx_N >= 0) & (idx_N < num_rows), idx_N, num_rows)  # invalid: sorted last
+  order_N = jnp.argsort(row_N, stable=True)
+  row_N = row_N[order_N]
+
+  def combine(a, b):
+    (row_a, sum_a), (row_b, sum_b) = a, b
+    return row_b, jnp.where((row_a == row_b)[..., None], sum_a + sum_b, sum_b)
+
+  _, running_NL = jax.lax.associative_scan(combine, (row_N, drows_TKL.reshape(-1, L)[order_N]))
+  rows_S = jnp.arange(num_rows, dtype=row_N.dtype)
+  start_S = jnp.searchsorted(row_N, rows_S, side="left")
+  end_S = jnp.searchsorted(row_N, rows_S, side="right")
+  return jnp.where((end_S > start_S)[:, None], running_NL[jnp.maximum(end_S - 1, 0)], 0.0)
+
+
+def _dkv(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale, config,
+         drows_max_bytes, interpret):
+  (T, _, L), S, K = q_THL.shape, kv_SL.shape[0], topk_TK.shape[1]
+  chunk = max(1, min(T, drows_max_bytes // (K * L * 4)))
+
+  def chunk_dkv(t0, size):
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, size)
+    topk_CK = take(topk_TK)
+    drows_CKL = sparse_mqa_drows(take(q_THL), kv_SL, topk_CK, take(dout_THV), take(lse_TH),
+                                 take(delta_TH), sm_scale=sm_scale, config=config,
+                                 interpret=interpret)
+    return _sum_into_rows(drows_CKL, topk_CK, S)
+
+  num_full, rest = divmod(T, chunk)
+  if num_full == 1:
+    dkv_SL = chunk_dkv(0, chunk)
+  else:  # chunks added in token order: the result does not depend on scheduling
+    dkv_SL = jax.lax.fori_loop(1, num_full, lambda i, acc: acc + chunk_dkv(i * chunk, chunk),
+                               chunk_dkv(0, chunk))
+  if rest:
+    dkv_SL = dkv_SL + chunk_dkv(num_full * chunk, rest)
+  return dkv_SL.astype(kv_SL.dtype)
+
+
+def sparse_mqa_backward(q_THL, kv_SL, topk_TK, out_THV, lse_TH, dout_THV, dlse_TH, *,
+                        sm_scale: float, d_v: int, config: SparseMQABackwardConfig,
+                        drows_max_bytes: int, interpret: bool):
+  """``(dq_THL, dkv_SL)`` of sparse MQA from the forward's ``out`` and LSE and the cotangents
+  of both; ``dkv_SL`` is zeros (each part's dtype) for ``Fp8LatentRows``.
+
+  The arguments were validated by :func:`pallas_kernels.sparse_mqa.sparse_mqa`, which calls
+  this from its VJP; T, H, S and K are nonzero.
+  """
+  delta_TH = (jnp.sum(dout_THV.astype(jnp.float32) * out_THV.astype(jnp.float32), axis=-1)
+              - dlse_TH)
+  fp8 = isinstance(kv_SL, Fp8LatentRows)
+  kv_args = tuple(kv_SL) if fp8 else (kv_SL,)
+  layout = _fp8_layout(kv_SL, q_THL.dtype) if fp8 else _float_layout(q_THL.shape[-1], d_v)
+  num_rows = kv_SL.num_rows if fp8 else kv_SL.shape[0]
+  dq_THL = _dq(q_THL, kv_args, topk_TK, dout_THV, lse_TH, delta_TH, layout=layout,
+               sm_scale=sm_scale, num_rows=num_rows, config=config.dq, interpret=interpret)
+  if fp8:
+    return dq_THL, Fp8LatentRows(*(jnp.zeros_like(part) for part in kv_SL))
+  dkv_SL = _dkv(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, sm_scale=sm_scale,
+                config=config.drows, drows_max_bytes=drows_max_bytes, interpret=interpret)
+  return dq_THL, dkv_SL
