@@ -171,13 +171,24 @@ def _whole(a):
   return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # every row, every program
 
 
-def _dq(q_THL, kv_args, topk_TK, dout_THV, lse_TH, delta_TH, *, layout, sm_scale, num_rows,
-        config, interpret):
+def _layout(kv_SL, dtype, d_v) -> _RowLayout:
+  if isinstance(kv_SL, Fp8LatentRows):
+    return _fp8_layout(kv_SL, dtype)
+  return _float_layout(kv_SL.shape[1], d_v)
+
+
+def sparse_mqa_dq(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale, config,
+                  interpret=False):
+  """The query gradient [T, H, L] in the dtype of ``q_THL``; ``kv_SL`` an array or
+  ``Fp8LatentRows``, ``delta_TH`` is ``rowsum(dout * out) - dlse``."""
+  kv_args = tuple(kv_SL) if isinstance(kv_SL, Fp8LatentRows) else (kv_SL,)
+  num_rows = kv_args[0].shape[0]
   (T, H, L), K, d_v = q_THL.shape, topk_TK.shape[1], dout_THV.shape[-1]
   block_h, block_k = config.block_h, config.block_k
   padded_k = pl.cdiv(K, block_k) * block_k  # the top-k block overhangs; loads are masked
-  kernel = functools.partial(_sparse_mqa_dq_kernel, layout=layout, sm_scale=sm_scale,
-                             num_heads=H, num_rows=num_rows, topk=K, config=config)
+  kernel = functools.partial(_sparse_mqa_dq_kernel, layout=_layout(kv_SL, q_THL.dtype, d_v),
+                             sm_scale=sm_scale, num_heads=H, num_rows=num_rows, topk=K,
+                             config=config)
   row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in kv_args)
   cost = pl.CostEstimate(
       flops=2 * T * K * H * (2 * L + d_v), transcendentals=T * K * H,
@@ -205,14 +216,14 @@ def _dq(q_THL, kv_args, topk_TK, dout_THV, lse_TH, delta_TH, *, layout, sm_scale
 
 
 def sparse_mqa_drows(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale, config,
-                     interpret):
+                     interpret=False):
   """Each (token, slot)'s row gradient, [T, K, L] float32; ``delta_TH`` is
   ``rowsum(dout * out) - dlse``. Invalid slots hold zeros (the caller drops them)."""
   (T, H, L), S, K, d_v = q_THL.shape, kv_SL.shape[0], topk_TK.shape[1], dout_THV.shape[-1]
   block_h, block_k = config.block_h, config.block_k
   padded_h = pl.cdiv(H, block_h) * block_h  # every head of the token; the head block overhangs
   padded_k = pl.cdiv(K, block_k) * block_k
-  kernel = functools.partial(_sparse_mqa_drows_kernel, layout=_float_layout(L, d_v),
+  kernel = functools.partial(_sparse_mqa_drows_kernel, layout=_layout(kv_SL, q_THL.dtype, d_v),
                              sm_scale=sm_scale, num_heads=H, num_rows=S, topk=K, config=config)
   itemsize = q_THL.dtype.itemsize
   cost = pl.CostEstimate(
@@ -300,13 +311,9 @@ def sparse_mqa_backward(q_THL, kv_SL, topk_TK, out_THV, lse_TH, dout_THV, dlse_T
   """
   delta_TH = (jnp.sum(dout_THV.astype(jnp.float32) * out_THV.astype(jnp.float32), axis=-1)
               - dlse_TH)
-  fp8 = isinstance(kv_SL, Fp8LatentRows)
-  kv_args = tuple(kv_SL) if fp8 else (kv_SL,)
-  layout = _fp8_layout(kv_SL, q_THL.dtype) if fp8 else _float_layout(q_THL.shape[-1], d_v)
-  num_rows = kv_SL.num_rows if fp8 else kv_SL.shape[0]
-  dq_THL = _dq(q_THL, kv_args, topk_TK, dout_THV, lse_TH, delta_TH, layout=layout,
-               sm_scale=sm_scale, num_rows=num_rows, config=config.dq, interpret=interpret)
-  if fp8:
+  dq_THL = sparse_mqa_dq(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, sm_scale=sm_scale,
+                         config=config.dq, interpret=interpret)
+  if isinstance(kv_SL, Fp8LatentRows):
     return dq_THL, Fp8LatentRows(*(jnp.zeros_like(part) for part in kv_SL))
   dkv_SL = _dkv(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, sm_scale=sm_scale,
                 config=config.drows, drows_max_bytes=drows_max_bytes, interpret=interpret)

@@ -20,10 +20,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import _compat  # noqa: E402
 from pallas_kernels.block_config import (  # noqa: E402
-    DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQAKernelConfig,
+    DenseMHAKernelConfig, IndexerLogitsKernelConfig, SparseMQABackwardConfig,
+    SparseMQAKernelConfig,
 )
 from tests.kernels.cases import (  # noqa: E402
-    indexer_case, mha_case, sparse_case, sparse_fp8_case,
+    indexer_case, mha_case, sparse_bwd_case, sparse_case, sparse_fp8_case,
 )
 
 FP8 = jnp.float8_e4m3fn
@@ -54,6 +55,12 @@ KERNELS = {
     "masked_mha_glm5_qk256_v256_k2048": (
         mha_case(4096, 4096, 64, 256, 256, topk=2048),
         DenseMHAKernelConfig.default_for(4096, 4096, 256, 256)),
+    # The sparse MQA backward kernels (DeepSeek-V3.2 H 128, GLM-5 H 64; both 576/512 rows).
+    **{f"sparse_mqa_{kernel}_{model}_h{H}_576_512_k2048{'_fp8_rows' * fp8}": (
+        sparse_bwd_case(kernel, 4, H, 576, 512, 65536, 2048, fp8=fp8),
+        getattr(SparseMQABackwardConfig.default_for(H, 2048, 512), kernel))
+       for kernel, fp8 in (("dq", False), ("dq", True), ("drows", False))
+       for model, H in (("dsv32", 128), ("glm5", 64))},
 }
 
 

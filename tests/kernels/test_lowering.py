@@ -14,8 +14,8 @@ from absl.testing import parameterized
 from mla_jax.backends.pallas import PallasTritonBackend
 from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, mha_case, sds, sparse_case,
-                                 sparse_fp8_case)
+from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, mha_case, sds,
+                                 sparse_bwd_case, sparse_case, sparse_fp8_case)
 
 
 CASES = {
@@ -38,6 +38,18 @@ CASES = {
     "masked_mha_tiny": (mha_case(37, 150, 2, 48, 32, F32, topk=7), "masked_mha_prefill"),
     "masked_mha_dsv32": (mha_case(4096, 4096, 128, 192, 128, topk=2048), "masked_mha_prefill"),
     "masked_mha_glm5": (mha_case(4096, 4096, 64, 256, 256, topk=2048), "masked_mha_prefill"),
+    # The sparse MQA backward: DeepSeek-V3.2 (H 128) and GLM-5 (H 64) share the 576/512 rows.
+    "sparse_mqa_dq_tiny": (sparse_bwd_case("dq", 3, 5, 80, 64, 100, 7, F32), "sparse_mqa_dq"),
+    "sparse_mqa_dq_dsv32": (sparse_bwd_case("dq", 4, 128, 576, 512, 8192, 2048), "sparse_mqa_dq"),
+    "sparse_mqa_dq_glm5": (sparse_bwd_case("dq", 4, 64, 576, 512, 8192, 2048), "sparse_mqa_dq"),
+    "sparse_mqa_dq_dsv32_fp8": (sparse_bwd_case("dq", 4, 128, 576, 512, 8192, 2048, fp8=True),
+                                "sparse_mqa_dq"),
+    "sparse_mqa_drows_tiny": (sparse_bwd_case("drows", 3, 5, 80, 64, 100, 7, F32),
+                              "sparse_mqa_drows"),
+    "sparse_mqa_drows_dsv32": (sparse_bwd_case("drows", 4, 128, 576, 512, 8192, 2048),
+                               "sparse_mqa_drows"),
+    "sparse_mqa_drows_glm5": (sparse_bwd_case("drows", 4, 64, 576, 512, 8192, 2048),
+                              "sparse_mqa_drows"),
 }
 
 
