@@ -319,9 +319,10 @@ def sparse_mqa(
   _checks.kernel_config("sparse_mqa", config, SparseMQAKernelConfig)
   _checks.kernel_config("sparse_mqa", backward_config, SparseMQABackwardConfig,
                         name="backward_config")
-  if isinstance(drows_max_bytes, bool) or not isinstance(drows_max_bytes, int) \
-      or drows_max_bytes < 1:
-    raise ValueError(f"sparse_mqa: drows_max_bytes must be a positive int, got {drows_max_bytes!r}")
+  if isinstance(drows_max_bytes, bool) or not isinstance(drows_max_bytes, int):
+    raise TypeError(f"sparse_mqa: drows_max_bytes must be an int, got {drows_max_bytes!r}")
+  if drows_max_bytes < 1:
+    raise ValueError(f"sparse_mqa: drows_max_bytes must be positive, got {drows_max_bytes}")
   if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
     return empty
   H, K = q_THL.shape[1], topk_TK.shape[1]
