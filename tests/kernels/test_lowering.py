@@ -14,6 +14,7 @@ from absl.testing import parameterized
 from mla_jax.backends.pallas import PallasTritonBackend
 from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
+from pallas_kernels.sparse_mqa import sparse_mqa
 from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, mha_case, sds,
                                  sparse_bwd_case, sparse_case, sparse_fp8_case)
 
@@ -124,3 +125,17 @@ class LoweringTest(parameterized.TestCase):
     [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     self.assertEqual(eqn.params["name"], "sparse_mqa_attention")
     self.assertEqual(eqn.params["cost_estimate"].flops, 2 * 4 * 2048 * 128 * (576 + 512))
+
+  def test_sparse_mqa_gradient_lowers_to_its_kernels_without_scatter(self):
+    """The VJP of the batched op: forward, dq and drows kernels; the row gradients are summed
+    without a scatter (XLA's GPU scatter-add uses atomics, in no fixed order)."""
+    fn = jax.vmap(functools.partial(sparse_mqa, sm_scale=0.1, d_v=512))
+    grad = jax.grad(lambda q, kv, idx: sum(x.sum() for x in fn(q, kv, idx)), argnums=(0, 1))
+    hlo = _compat.lower_for_cuda(grad, sds((2, 8, 128, 576), BF16), sds((2, 4096, 576), BF16),
+                                 sds((2, 8, 2048), I32))
+    calls, names = triton_kernel_names(hlo)
+    self.assertEqual(calls, 3)
+    self.assertEqual(sorted(set(names) & {"sparse_mqa_attention", "sparse_mqa_dq",
+                                          "sparse_mqa_drows"}),
+                     ["sparse_mqa_attention", "sparse_mqa_dq", "sparse_mqa_drows"])
+    self.assertFalse("stablehlo.scatter" in hlo, "the row gradients go through a scatter")
