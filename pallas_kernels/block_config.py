@@ -123,9 +123,12 @@ class SparseMQABackwardConfig:
 
   @classmethod
   def default_for(cls, num_heads: int, topk: int, d_v: int) -> SparseMQABackwardConfig:
+    wide = d_v >= 256
     block_h = min(32, max(16, next_pow2(num_heads)))
     block_k = min(32, max(16, next_pow2(topk)))
-    wide = d_v >= 256
     warps = 8 if wide else 4
+    # At d_v 512 (sm_90a, 8 warps): dq at 32 x 32 takes 240 registers (255 with fp8 rows), no
+    # spills, and 64 heads spill. drows holds a block_k x 576 fp32 accumulator and the block's
+    # rows through the head loop: 32 slots take 254 registers, 16 take 166, 64 spill.
     return cls(dq=SparseMQAKernelConfig(block_h, block_k, warps, 2),
-               drows=SparseMQAKernelConfig(block_h, block_k, warps, 2))
+               drows=SparseMQAKernelConfig(block_h, 16 if wide else block_k, warps, 2))
