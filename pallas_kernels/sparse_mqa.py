@@ -14,6 +14,10 @@ stored, e4m3 latent, float32 tile scales and RoPE, and dequantized in the progra
 query dtype before the dots; each latent column chunk lies inside one scale tile and keeps its
 own accumulator, so no dequantized row is ever assembled or written back.
 
+Backward (``sparse_mqa_backward.py``): ``sparse_mqa`` is a ``jax.custom_vjp`` whose backward
+recomputes the probabilities from the saved LSE in two more kernels, one for dq and one for
+each (token, slot)'s row gradient, then sums the row gradients per row in a fixed order.
+
 Batching: the kernel is per sequence, with request-local indices into that sequence's rows.
 Batches (ragged prefill or decode) are ``jax.vmap`` of it, which Pallas turns into one more grid
 axis; ragged batches therefore need no index offsetting or padding of the top-k rows, and a
@@ -311,9 +315,9 @@ def sparse_mqa(
   cotangents) and the indices have none. ``backward_config`` defaults to
   ``SparseMQABackwardConfig.default_for``. ``drows_max_bytes`` bounds the per-slot row
   gradients, [T, K, L] float32, that the backward holds at once for one sequence: tokens are
-  taken in chunks that fit (the sort of a chunk's gradients holds a second copy; a vmapped
-  batch holds one per sequence). The row gradients are summed in a fixed order, so ``dkv`` is
-  bitwise reproducible.
+  taken in chunks that fit (sorting and summing a chunk's gradients takes a few more copies of
+  them; a vmapped batch holds one chunk per sequence). The row gradients are summed in a fixed
+  order, so ``dkv`` is bitwise reproducible.
   """
   sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
   _checks.kernel_config("sparse_mqa", config, SparseMQAKernelConfig)
