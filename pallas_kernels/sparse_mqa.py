@@ -16,7 +16,7 @@ own accumulator, so no dequantized row is ever assembled or written back.
 
 Backward (``sparse_mqa_backward.py``): ``sparse_mqa`` is a ``jax.custom_vjp`` whose backward
 recomputes the probabilities from the saved LSE in two more kernels, one for dq and one for
-each (token, slot)'s row gradient, then sums the row gradients per row in a fixed order.
+each (token, slot)'s row gradient, and a third sums the row gradients per row in a fixed order.
 
 Batching: the kernel is per sequence, with request-local indices into that sequence's rows.
 Batches (ragged prefill or decode) are ``jax.vmap`` of it, which Pallas turns into one more grid
@@ -294,8 +294,8 @@ def _sparse_mqa_fp8_kernel(
 
 
 # Row gradients held at once per sequence by the backward (sparse_mqa_backward.py): [T, K, L]
-# float32 is 4.7 MB a token at DeepSeek-V3.2 widths, so 512 MiB takes about 110 tokens a chunk.
-DROWS_MAX_BYTES = 512 << 20
+# float32 is 4.7 MB a token at DeepSeek-V3.2 widths, so 1 GiB takes 227 tokens a chunk.
+DROWS_MAX_BYTES = 1 << 30
 
 
 def sparse_mqa(
@@ -315,9 +315,8 @@ def sparse_mqa(
   cotangents) and the indices have none. ``backward_config`` defaults to
   ``SparseMQABackwardConfig.default_for``. ``drows_max_bytes`` bounds the per-slot row
   gradients, [T, K, L] float32, that the backward holds at once for one sequence: tokens are
-  taken in chunks that fit (sorting and summing a chunk's gradients takes a few more copies of
-  them; a vmapped batch holds one chunk per sequence). The row gradients are summed in a fixed
-  order, so ``dkv`` is bitwise reproducible.
+  taken in chunks that fit (a vmapped batch holds one chunk per sequence). The row gradients
+  are summed in a fixed order, so ``dkv`` is bitwise reproducible.
   """
   sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
   _checks.kernel_config("sparse_mqa", config, SparseMQAKernelConfig)

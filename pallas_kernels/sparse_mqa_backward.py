@@ -1,5 +1,4 @@
-"""The backward of :func:`pallas_kernels.sparse_mqa.sparse_mqa`: two Pallas-Triton kernels and a
-deterministic sum of row gradients.
+"""The backward of :func:`pallas_kernels.sparse_mqa.sparse_mqa`: three Pallas-Triton kernels.
 
 With the probabilities recomputed from the forward's LSE, ``p = exp(scale * q.row - lse)``, the
 value cotangent ``dp = dout . row[:d_v]`` and ``delta = rowsum(dout * out) - dlse`` (the LSE
@@ -13,17 +12,19 @@ cotangent enters as ``p * dlse``, since d lse / d logits = p):
   token's top-k slots ``block_k`` at a time.
 * ``sparse_mqa_drows``: one program per ``block_k`` slots of one token, walking the heads
   ``block_h`` at a time; writes each (token, slot) row gradient, [T, K, L] float32.
+* ``sparse_mqa_row_sum``: one program per row s of ``dkv[S, L]``, adding the row gradients of
+  the slots that name s, in slot order.
 
-Both read rows as the forward does (clamped gather, invalid slots zeroed before any dot), in
-column chunks whose first ones are exactly the ``d_v`` value columns, so ``dp`` reuses the
-gathered chunks. Invalid slots and empty rows (LSE +inf) get ``p = ds = 0``.
+dq and drows read rows as the forward does (clamped gather, invalid slots zeroed before any
+dot), in column chunks whose first ones are exactly the ``d_v`` value columns, so ``dp`` reuses
+the gathered chunks. Invalid slots and empty rows (LSE +inf) get ``p = ds = 0``.
 
-The row gradients reach ``dkv[S, L]`` through a stable sort by row index and a segmented scan
-read at each row's last slot: a fixed summation order, so ``dkv`` is the same bit for bit on
-every call. ``jax.ops.segment_sum`` would be a scatter-add, which XLA's GPU backend runs with
-atomics (in no fixed order) unless its deterministic-ops flag is set. [T, K, L] float32 is 4.7
-MB a token at DeepSeek-V3.2 widths, so tokens are taken in chunks whose row gradients fit
-``drows_max_bytes``, each chunk's sums added in order.
+The row sum is deterministic: a stable sort of the slot indices (int32, outside the kernels)
+gives each row its run of slots, which the row's program reads in place in a fixed order, so
+``dkv`` is the same bit for bit on every call. ``jax.ops.segment_sum`` would be a scatter-add,
+which XLA's GPU backend runs with atomics (in no fixed order) unless its deterministic-ops
+flag is set. [T, K, L] float32 is 4.7 MB a token at DeepSeek-V3.2 widths, so tokens are taken
+in chunks whose row gradients fit ``drows_max_bytes``, each chunk's sums added in order.
 
 fp8 rows (``Fp8LatentRows``) are constants, a quantized cache: their cotangents are zeros and
 no row gradient is computed; ``dq`` reads them dequantized, as the forward does.
@@ -251,29 +252,66 @@ def sparse_mqa_drows(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_sc
   )(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH)
 
 
-def _sum_into_rows(drows_TKL, topk_TK, num_rows):
-  """``dkv[s] = sum of drows[t, k] over the slots naming row s`` in a fixed order; invalid slots
-  add nothing.
+# The row sum reads a row's slots this many at a time (a [16, 512] float32 tile per step).
+ROW_SUM_SLOTS, ROW_SUM_WARPS, ROW_SUM_STAGES = 16, 4, 2
 
-  A stable sort by row, then a segmented scan (a log-depth tree whose shape depends only on
-  the slot count) read at each row's last slot. Within a row the running sum never meets
-  another row's values, so a NaN row gradient stays in its row.
-  """
-  L = drows_TKL.shape[-1]
+
+def _sparse_mqa_row_sum_kernel(start_ref, end_ref, order_ref, drows_ref, dkv_ref):
+  start, end = start_ref[0], end_ref[0]
+  chunks = pow2_chunks(drows_ref.shape[-1])
+
+  def body(i, accs):
+    p0 = start + i * ROW_SUM_SLOTS
+    in_row_N = p0 + jnp.arange(ROW_SUM_SLOTS, dtype=jnp.int32) < end
+    slot_N = _compat.load(order_ref.at[pl.ds(p0, ROW_SUM_SLOTS)], mask=in_row_N, other=0)
+    return tuple(
+        acc_C + jnp.where(in_row_N[:, None], drows_ref[slot_N, pl.ds(c0, cw)], 0.0).sum(axis=0)
+        for acc_C, (c0, cw) in zip(accs, chunks))
+
+  accs = jax.lax.fori_loop(0, (end - start + ROW_SUM_SLOTS - 1) // ROW_SUM_SLOTS, body,
+                           tuple(jnp.zeros((cw,), jnp.float32) for _, cw in chunks))
+  for (c0, cw), acc_C in zip(chunks, accs):
+    dkv_ref[pl.ds(c0, cw)] = acc_C
+
+
+def sparse_mqa_row_sum(drows_NL, order_N, start_S, end_S, *, interpret=False):
+  """``dkv[s] = sum of drows[order[p]] for p in [start[s], end[s])``, [S, L] float32: one
+  program per row, its slots read in order, ``ROW_SUM_SLOTS`` at a time (a fixed order: no
+  atomics)."""
+  (N, L), S = drows_NL.shape, start_S.shape[0]
+  sq = _compat.SQUEEZED
+  return pl.pallas_call(
+      _sparse_mqa_row_sum_kernel,
+      grid=(S,),
+      in_specs=[
+          pl.BlockSpec((1,), lambda s: (s,)),
+          pl.BlockSpec((1,), lambda s: (s,)),
+          _whole(order_N),
+          _whole(drows_NL),
+      ],
+      out_specs=pl.BlockSpec((sq, L), lambda s: (s, 0)),
+      out_shape=jax.ShapeDtypeStruct((S, L), jnp.float32),
+      compiler_params=_compat.compiler_params(ROW_SUM_WARPS, ROW_SUM_STAGES),
+      cost_estimate=pl.CostEstimate(flops=N * L, transcendentals=0,
+                                    bytes_accessed=4 * (N * L + S * L + N + 2 * S)),
+      interpret=interpret,
+      name="sparse_mqa_row_sum",
+  )(start_S, end_S, order_N, drows_NL)
+
+
+def _sum_into_rows(drows_TKL, topk_TK, num_rows, *, interpret):
+  """``dkv[s] = sum of drows[t, k] over the slots naming row s`` in a fixed order; invalid slots
+  add nothing. A stable sort of the slots by row gives each row its run of slots, which
+  ``sparse_mqa_row_sum`` reads in place."""
   idx_N = topk_TK.reshape(-1)
   row_N = jnp.where((idx_N >= 0) & (idx_N < num_rows), idx_N, num_rows)  # invalid: sorted last
-  order_N = jnp.argsort(row_N, stable=True)
-  row_N = row_N[order_N]
-
-  def combine(a, b):
-    (row_a, sum_a), (row_b, sum_b) = a, b
-    return row_b, jnp.where((row_a == row_b)[..., None], sum_a + sum_b, sum_b)
-
-  _, running_NL = jax.lax.associative_scan(combine, (row_N, drows_TKL.reshape(-1, L)[order_N]))
-  rows_S = jnp.arange(num_rows, dtype=row_N.dtype)
-  start_S = jnp.searchsorted(row_N, rows_S, side="left")
-  end_S = jnp.searchsorted(row_N, rows_S, side="right")
-  return jnp.where((end_S > start_S)[:, None], running_NL[jnp.maximum(end_S - 1, 0)], 0.0)
+  order_N = jnp.argsort(row_N, stable=True).astype(jnp.int32)
+  sorted_N = row_N[order_N]
+  rows_S = jnp.arange(num_rows, dtype=jnp.int32)
+  start_S = jnp.searchsorted(sorted_N, rows_S, side="left").astype(jnp.int32)
+  end_S = jnp.searchsorted(sorted_N, rows_S, side="right").astype(jnp.int32)
+  return sparse_mqa_row_sum(drows_TKL.reshape(idx_N.shape[0], -1), order_N, start_S, end_S,
+                            interpret=interpret)
 
 
 def _dkv(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale, config,
@@ -287,7 +325,7 @@ def _dkv(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale, config,
     drows_CKL = sparse_mqa_drows(take(q_THL), kv_SL, topk_CK, take(dout_THV), take(lse_TH),
                                  take(delta_TH), sm_scale=sm_scale, config=config,
                                  interpret=interpret)
-    return _sum_into_rows(drows_CKL, topk_CK, S)
+    return _sum_into_rows(drows_CKL, topk_CK, S, interpret=interpret)
 
   num_full, rest = divmod(T, chunk)
   if num_full == 1:

@@ -14,7 +14,7 @@ from pallas_kernels.dense_mha import dense_mha
 from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.indexer_logits import indexer_logits
 from pallas_kernels.sparse_mqa import sparse_mqa
-from pallas_kernels.sparse_mqa_backward import sparse_mqa_dq, sparse_mqa_drows
+from pallas_kernels.sparse_mqa_backward import sparse_mqa_dq, sparse_mqa_drows, sparse_mqa_row_sum
 
 sds = jax.ShapeDtypeStruct
 BF16, I32, F32, FP8 = jnp.bfloat16, jnp.int32, jnp.float32, jnp.float8_e4m3fn
@@ -70,3 +70,9 @@ def sparse_bwd_case(kernel, T, H, D, d_v, S, K, dtype=BF16, fp8=False):
     kv = sds((S, D), dtype)
   return fn, (sds((T, H, D), dtype), kv, sds((T, K), I32), sds((T, H, d_v), dtype),
               sds((T, H), F32), sds((T, H), F32))
+
+
+def sparse_row_sum_case(T, K, S, L=576):
+  """The backward's per-row sum of T x K row gradients (float32) into S rows."""
+  return sparse_mqa_row_sum, (sds((T * K, L), F32), sds((T * K,), I32), sds((S,), I32),
+                              sds((S,), I32))

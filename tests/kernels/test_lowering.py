@@ -16,7 +16,8 @@ from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.sparse_mqa import sparse_mqa
 from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, mha_case, sds,
-                                 sparse_bwd_case, sparse_case, sparse_fp8_case)
+                                 sparse_bwd_case, sparse_case, sparse_fp8_case,
+                                 sparse_row_sum_case)
 
 
 CASES = {
@@ -51,6 +52,8 @@ CASES = {
                                "sparse_mqa_drows"),
     "sparse_mqa_drows_glm5": (sparse_bwd_case("drows", 4, 64, 576, 512, 8192, 2048),
                               "sparse_mqa_drows"),
+    "sparse_mqa_row_sum_tiny": (sparse_row_sum_case(3, 7, 100, 80), "sparse_mqa_row_sum"),
+    "sparse_mqa_row_sum_dsv32": (sparse_row_sum_case(227, 2048, 8192), "sparse_mqa_row_sum"),
 }
 
 
@@ -127,15 +130,14 @@ class LoweringTest(parameterized.TestCase):
     self.assertEqual(eqn.params["cost_estimate"].flops, 2 * 4 * 2048 * 128 * (576 + 512))
 
   def test_sparse_mqa_gradient_lowers_to_its_kernels_without_scatter(self):
-    """The VJP of the batched op: forward, dq and drows kernels; the row gradients are summed
-    without a scatter (XLA's GPU scatter-add uses atomics, in no fixed order)."""
+    """The VJP of the batched op: forward, dq, drows and row-sum kernels; the row gradients are
+    summed without a scatter (XLA's GPU scatter-add uses atomics, in no fixed order)."""
     fn = jax.vmap(functools.partial(sparse_mqa, sm_scale=0.1, d_v=512))
     grad = jax.grad(lambda q, kv, idx: sum(x.sum() for x in fn(q, kv, idx)), argnums=(0, 1))
     hlo = _compat.lower_for_cuda(grad, sds((2, 8, 128, 576), BF16), sds((2, 4096, 576), BF16),
                                  sds((2, 8, 2048), I32))
     calls, names = triton_kernel_names(hlo)
-    self.assertEqual(calls, 3)
-    self.assertEqual(sorted(set(names) & {"sparse_mqa_attention", "sparse_mqa_dq",
-                                          "sparse_mqa_drows"}),
-                     ["sparse_mqa_attention", "sparse_mqa_dq", "sparse_mqa_drows"])
+    kernels = ["sparse_mqa_attention", "sparse_mqa_dq", "sparse_mqa_drows", "sparse_mqa_row_sum"]
+    self.assertEqual(calls, len(kernels))
+    self.assertEqual(sorted(set(names) & set(kernels)), kernels)
     self.assertFalse("stablehlo.scatter" in hlo, "the row gradients go through a scatter")
