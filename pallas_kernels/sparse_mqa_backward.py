@@ -224,7 +224,7 @@ def sparse_mqa_drows(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_sc
   block_h, block_k = config.block_h, config.block_k
   padded_h = pl.cdiv(H, block_h) * block_h  # every head of the token; the head block overhangs
   padded_k = pl.cdiv(K, block_k) * block_k
-  kernel = functools.partial(_sparse_mqa_drows_kernel, layout=_layout(kv_SL, q_THL.dtype, d_v),
+  kernel = functools.partial(_sparse_mqa_drows_kernel, layout=_float_layout(L, d_v),
                              sm_scale=sm_scale, num_heads=H, num_rows=S, topk=K, config=config)
   itemsize = q_THL.dtype.itemsize
   cost = pl.CostEstimate(
@@ -317,7 +317,8 @@ def _sum_into_rows(drows_TKL, topk_TK, num_rows, *, interpret):
 def _dkv(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale, config,
          drows_max_bytes, interpret):
   (T, _, L), S, K = q_THL.shape, kv_SL.shape[0], topk_TK.shape[1]
-  chunk = max(1, min(T, drows_max_bytes // (K * L * 4)))
+  # Under 2^31 elements a chunk, whatever the budget: the kernels address it with int32 offsets.
+  chunk = max(1, min(T, min(drows_max_bytes // 4, 2**31 - 1) // (K * L)))
 
   def chunk_dkv(t0, size):
     take = lambda a: jax.lax.dynamic_slice_in_dim(a, t0, size)
