@@ -39,7 +39,6 @@ CASES = (
 )
 BF16_CASES = ("t3_h5_k7_s20_repeats", "t4_h16_k40_s100_empty_rows")
 
-
 _GRAD_FNS: dict = {}  # one jitted gradient per implementation and statics, for all cases
 
 
