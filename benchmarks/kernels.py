@@ -4,7 +4,10 @@
     python benchmarks/kernels.py --smoke    # tiny shapes; automatic off-GPU (interpret mode)
 
 Timing: one warm-up call (compile) excluded, then the median of ``--iters`` calls, each ended
-by ``block_until_ready``. FLOPs follow docs/design.md §2: sparse MQA 2*T*K*H*(D + d_v), dense
+by ``block_until_ready``. ``*_fwd_bwd`` shapes time forward and VJP (dq and dkv; the XLA column
+is autodiff of the reference) and count the FLOPs the kernels do, the forward's plus
+2*T*K*H*(2D + d_v) for dq and 4*T*K*H*(D + d_v) for the row gradients.
+FLOPs follow docs/design.md §2: sparse MQA 2*T*K*H*(D + d_v), dense
 MHA 2*H*(D + V) per causal (query, key) pair, indexer 2*T*S*G*I. GB/s counts each input and
 output array once (a lower bound on real traffic). Ops with a backward (``GRAD_ARGNUMS``) get a
 second table: ``jax.grad`` of the sum of the finite outputs, forward and backward together, the
@@ -38,8 +41,16 @@ class Shape:
   dims: dict
 
 
-def _sparse(name, T, S, H=128, D=576, d_v=512, K=2048, B=1):
-  return Shape(name, "sparse_mqa", dict(T=T, S=S, H=H, D=D, d_v=d_v, K=K, B=B))
+def _sparse(name, T, S, H=128, D=576, d_v=512, K=2048, B=1, grad=False):
+  return Shape(name, "sparse_mqa", dict(T=T, S=S, H=H, D=D, d_v=d_v, K=K, B=B, grad=grad))
+
+
+def _forward_backward(fn):
+  """``fn``'s outputs and their VJP for the cotangents ``(dout, dlse)``: a training step."""
+  def step(q, kv, topk, dout, dlse):
+    outs, pull = jax.vjp(lambda q, kv: fn(q, kv, topk), q, kv)
+    return outs, pull((dout, dlse))
+  return step
 
 
 def _indexer(name, T, S, G=64, I=128, fp8=False):
@@ -58,6 +69,8 @@ SHAPES = {
         _sparse("dsv32_sparse_prefill_64k", T=1024, S=65536),
         _sparse("dsv32_decode_b1_32k", T=1, S=32768, B=1),
         _sparse("dsv32_decode_b64_32k", T=1, S=32768, B=64),
+        _sparse("dsv32_sparse_fwd_bwd_8k", T=1024, S=8192, grad=True),
+        _sparse("glm5_sparse_fwd_bwd_8k", T=1024, S=8192, H=64, grad=True),
         _indexer("dsv32_indexer_prefill_8k_bf16", T=1024, S=8192),
         _indexer("dsv32_indexer_prefill_8k_fp8", T=1024, S=8192, fp8=True),
         _mha("dsv32_mha_prefill_512", T=512, H=128, D=192, V=128),
@@ -67,6 +80,7 @@ SHAPES = {
     "smoke": [
         _sparse("tiny_sparse", T=8, S=256, H=4, D=80, d_v=64, K=64),
         _sparse("tiny_decode_b4", T=1, S=256, H=4, D=80, d_v=64, K=64, B=4),
+        _sparse("tiny_sparse_fwd_bwd", T=8, S=256, H=4, D=80, d_v=64, K=64, grad=True),
         _indexer("tiny_indexer", T=32, S=256, G=4, I=32),
         _mha("tiny_mha", T=64, H=2, D=48, V=32),
     ],
@@ -88,7 +102,13 @@ def build(shape: Shape, interpret: bool, seed: int = 0):
     reference = jax.vmap(functools.partial(sparse_mqa_reference, **kw))
     flops = 2 * B * T * K * H * (D + d_v)
     nbytes = 2 * (B * T * H * (D + d_v) + B * T * K * D) + 4 * B * T * (K + H)
-    return kernel, reference, (q, kv, topk), flops, nbytes
+    if not d["grad"]:
+      return kernel, reference, (q, kv, topk), flops, nbytes
+    # The backward recomputes the logits twice: dq 2TKH(2D + d_v), row gradients 4TKH(D + d_v).
+    flops += 2 * B * T * K * H * (2 * D + d_v) + 4 * B * T * K * H * (D + d_v)
+    nbytes += 2 * B * (T * H * (d_v + D) + S * D) + 4 * B * T * K * D  # dout, dq, dkv, row grads
+    args = (q, kv, topk, rand((B, T, H, d_v)), rand((B, T, H), jnp.float32))
+    return _forward_backward(kernel), _forward_backward(reference), args, flops, nbytes
   if shape.kernel == "indexer_logits":
     T, S, G, I = d["T"], d["S"], d["G"], d["I"]
     dt = jnp.float8_e4m3fn if d["fp8"] else jnp.bfloat16

@@ -94,9 +94,9 @@ def int32_scalar(op: str, name: str, x, *, minimum: int | None = None):
   return jnp.int32(int(x)) if isinstance(x, numbers.Integral) else jnp.asarray(x, jnp.int32)
 
 
-def kernel_config(op: str, config, cls) -> None:
+def kernel_config(op: str, config, cls, name: str = "config") -> None:
   if config is not None and not isinstance(config, cls):
-    raise TypeError(f"{op}: config must be a {cls.__name__} or None, got {type(config).__name__}")
+    raise TypeError(f"{op}: {name} must be a {cls.__name__} or None, got {type(config).__name__}")
 
 
 def no_attention(num_tokens: int, num_heads: int, width: int, dtype):

@@ -128,3 +128,31 @@ class IndexerLogitsBackwardKernelConfig:
     # With 4 warps at 64 x 64 both kernels spill on sm_90a (dq: the [64, 128] fp32 dq
     # accumulator beside the dots tile, 68 B; 144 B with fp8 keys widened to bf16).
     return cls(block_t=block_t, block_s=block_s, num_warps=8, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMQABackwardConfig:
+  """The two backward kernels of sparse MQA. ``dq``: programs as the forward's (``block_h``
+  heads of one token, the top-k walked ``block_k`` at a time). ``drows``: one program per
+  ``block_k`` slots of one token, the heads walked ``block_h`` at a time."""
+
+  dq: SparseMQAKernelConfig = SparseMQAKernelConfig()
+  drows: SparseMQAKernelConfig = SparseMQAKernelConfig()
+
+  def __post_init__(self):
+    for name in ("dq", "drows"):
+      if not isinstance(getattr(self, name), SparseMQAKernelConfig):
+        raise TypeError(f"SparseMQABackwardConfig.{name} must be a SparseMQAKernelConfig, "
+                        f"got {type(getattr(self, name)).__name__}")
+
+  @classmethod
+  def default_for(cls, num_heads: int, topk: int, d_v: int) -> SparseMQABackwardConfig:
+    wide = d_v >= 256
+    block_h = min(32, max(16, next_pow2(num_heads)))
+    block_k = min(32, max(16, next_pow2(topk)))
+    warps = 8 if wide else 4
+    # At d_v 512 (sm_90a, 8 warps): dq at 32 x 32 takes 240 registers (255 with fp8 rows), no
+    # spills, and 64 heads spill. drows holds a block_k x 576 fp32 accumulator and the block's
+    # rows through the head loop: 32 slots take 254 registers, 16 take 166, 64 spill.
+    return cls(dq=SparseMQAKernelConfig(block_h, block_k, warps, 2),
+               drows=SparseMQAKernelConfig(block_h, 16 if wide else block_k, warps, 2))

@@ -14,6 +14,10 @@ stored, e4m3 latent, float32 tile scales and RoPE, and dequantized in the progra
 query dtype before the dots; each latent column chunk lies inside one scale tile and keeps its
 own accumulator, so no dequantized row is ever assembled or written back.
 
+Backward (``sparse_mqa_backward.py``): ``sparse_mqa`` is a ``jax.custom_vjp`` whose backward
+recomputes the probabilities from the saved LSE in two more kernels, one for dq and one for
+each (token, slot)'s row gradient, and a third sums the row gradients per row in a fixed order.
+
 Batching: the kernel is per sequence, with request-local indices into that sequence's rows.
 Batches (ragged prefill or decode) are ``jax.vmap`` of it, which Pallas turns into one more grid
 axis; ragged batches therefore need no index offsetting or padding of the top-k rows, and a
@@ -29,7 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _checks, _compat
-from pallas_kernels.block_config import SparseMQAKernelConfig, pow2_chunks
+from pallas_kernels.block_config import (SparseMQABackwardConfig, SparseMQAKernelConfig,
+                                         pow2_chunks)
 from pallas_kernels.fp8_rows import Fp8LatentRows, dequantize_rows, validate_fp8_rows
 
 _FP8_QUERY_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -99,6 +104,10 @@ def sparse_mqa_reference(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int):
   or in its fp8 scales) cannot poison it. A non-finite value in a selected row makes that
   token's output non-finite.
 
+  Differentiable (plain autodiff; the XLA backend trains through it): unselected rows, invalid
+  slots and empty rows get exactly zero gradients, a row selected twice by a token gets both
+  slots' gradients, and fp8 rows are constants (zero cotangents).
+
   Raises:
     ValueError, TypeError: from :func:`validate_sparse_mqa`, naming the argument.
   """
@@ -108,8 +117,9 @@ def sparse_mqa_reference(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int):
   valid_TK = (topk_TK >= 0) & (topk_TK < _num_rows(kv_SL))
   safe_TK = jnp.where(valid_TK, topk_TK, 0)
   if isinstance(kv_SL, Fp8LatentRows):
-    gathered_TKL = dequantize_rows(Fp8LatentRows(*(part[safe_TK] for part in kv_SL)),
-                                   q_THL.dtype)
+    # A quantized cache is a constant: no cotangent reaches it, as in the kernel's VJP.
+    gathered_TKL = dequantize_rows(
+        Fp8LatentRows(*(jax.lax.stop_gradient(part)[safe_TK] for part in kv_SL)), q_THL.dtype)
   else:
     gathered_TKL = kv_SL[safe_TK]
   rows_TKL = jnp.where(valid_TK[..., None], gathered_TKL, 0)
@@ -216,6 +226,25 @@ def _latent_chunks(latent_width: int, tile: int):
                for c0, cw in pow2_chunks(tile))
 
 
+def _read_fp8_rows(values_ref, scales_ref, rope_ref, safe_K, valid_K, *, latent_chunks,
+                   rope_chunks, dtype):
+  """The gathered fp8 rows of one slot block as ``(latent, rope)`` lists of ``[block_k, width]``
+  chunks, dequantized into ``dtype``.
+
+  Dequantized before any dot; invalid slots read row 0 and become zeros whatever row 0 (values,
+  scale or RoPE) holds, so NaN there never meets a probability.
+  """
+  keep_K1 = valid_K[:, None]
+  latent = [
+      jnp.where(keep_K1, values_ref[safe_K, pl.ds(c0, cw)].astype(jnp.float32)
+                * scales_ref[safe_K, pl.ds(z, 1)], 0.0).astype(dtype)
+      for c0, cw, z in latent_chunks
+  ]
+  rope = [jnp.where(keep_K1, rope_ref[safe_K, pl.ds(c0, cw)].astype(dtype), 0)
+          for c0, cw in rope_chunks]
+  return latent, rope
+
+
 def _sparse_mqa_fp8_kernel(
     q_ref, values_ref, scales_ref, rope_ref, topk_ref, out_ref, lse_ref, *, sm_scale, num_heads,
     num_rows, topk, tile, config
@@ -235,16 +264,9 @@ def _sparse_mqa_fp8_kernel(
   def body(j, carry):
     m_H, l_H, accs = carry
     valid_K, safe_K = _slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
-    keep_K1 = valid_K[:, None]
-    # Dequantized before any dot; invalid slots read row 0 and become zeros whatever row 0
-    # (values, scale or RoPE) holds, so NaN there never meets a probability.
-    latent = [
-        jnp.where(keep_K1, values_ref[safe_K, pl.ds(c0, cw)].astype(jnp.float32)
-                  * scales_ref[safe_K, pl.ds(z, 1)], 0.0).astype(dtype)
-        for c0, cw, z in latent_chunks
-    ]
-    rope = [jnp.where(keep_K1, rope_ref[safe_K, pl.ds(c0, cw)].astype(dtype), 0)
-            for c0, cw in rope_chunks]
+    latent, rope = _read_fp8_rows(values_ref, scales_ref, rope_ref, safe_K, valid_K,
+                                  latent_chunks=latent_chunks, rope_chunks=rope_chunks,
+                                  dtype=dtype)
     logits_HK = None
     for q_HC, rows_KC in zip(q_latent + q_rope, latent + rope):
       part_HK = jax.lax.dot_general(
@@ -271,22 +293,80 @@ def _sparse_mqa_fp8_kernel(
   _compat.store(lse_ref, lse_H, mask=head_mask_H)
 
 
+# Row gradients held at once per sequence by the backward (sparse_mqa_backward.py): [T, K, L]
+# float32 is 4.7 MB a token at DeepSeek-V3.2 widths, so 1 GiB takes 227 tokens a chunk.
+DROWS_MAX_BYTES = 1 << 30
+
+
 def sparse_mqa(
     q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int,
     config: SparseMQAKernelConfig | None = None, interpret: bool = False,
+    backward_config: SparseMQABackwardConfig | None = None,
+    drows_max_bytes: int = DROWS_MAX_BYTES,
 ):
   """Pallas-Triton sparse MQA; the contract and checks of :func:`sparse_mqa_reference`.
 
   The returned LSE is natural-log (any exp2 trick stays inside the kernel). Empty rows give
   out 0 and LSE +inf. ``config`` defaults to ``SparseMQAKernelConfig.default_for``.
+
+  Differentiable with respect to ``q_THL`` and float ``kv_SL`` (a ``jax.custom_vjp`` whose
+  backward is Pallas-Triton too, :mod:`pallas_kernels.sparse_mqa_backward`), with the
+  reference's gradients: both outputs' cotangents count, fp8 rows are constants (zero
+  cotangents) and the indices have none. ``backward_config`` defaults to
+  ``SparseMQABackwardConfig.default_for``. ``drows_max_bytes`` bounds the per-slot row
+  gradients, [T, K, L] float32, that the backward holds at once for one sequence: tokens are
+  taken in chunks that fit (a vmapped batch holds one chunk per sequence). The row gradients
+  are summed in a fixed order, so ``dkv`` is bitwise reproducible.
   """
   sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
   _checks.kernel_config("sparse_mqa", config, SparseMQAKernelConfig)
+  _checks.kernel_config("sparse_mqa", backward_config, SparseMQABackwardConfig,
+                        name="backward_config")
+  if isinstance(drows_max_bytes, bool) or not isinstance(drows_max_bytes, int):
+    raise TypeError(f"sparse_mqa: drows_max_bytes must be an int, got {drows_max_bytes!r}")
+  if drows_max_bytes < 1:
+    raise ValueError(f"sparse_mqa: drows_max_bytes must be positive, got {drows_max_bytes}")
   if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
     return empty
+  H, K = q_THL.shape[1], topk_TK.shape[1]
+  config = config or SparseMQAKernelConfig.default_for(H, K, d_v)
+  backward_config = backward_config or SparseMQABackwardConfig.default_for(H, K, d_v)
+  return _differentiable(q_THL, kv_SL, topk_TK, sm_scale, d_v, config, backward_config,
+                         drows_max_bytes, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _differentiable(q_THL, kv_SL, topk_TK, sm_scale, d_v, config, backward_config,
+                    drows_max_bytes, interpret):
+  del backward_config, drows_max_bytes
+  return _forward(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v, config=config,
+                  interpret=interpret)
+
+
+def _differentiable_fwd(q_THL, kv_SL, topk_TK, sm_scale, d_v, config, backward_config,
+                        drows_max_bytes, interpret):
+  out_THV, lse_TH = _forward(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v, config=config,
+                             interpret=interpret)
+  return (out_THV, lse_TH), (q_THL, kv_SL, topk_TK, out_THV, lse_TH)
+
+
+def _differentiable_bwd(sm_scale, d_v, config, backward_config, drows_max_bytes, interpret,
+                        residuals, cotangents):
+  # Imported here: the backward module builds on this module's kernel helpers.
+  from pallas_kernels.sparse_mqa_backward import sparse_mqa_backward
+
+  del config
+  dq_THL, dkv_SL = sparse_mqa_backward(
+      *residuals, *cotangents, sm_scale=sm_scale, d_v=d_v, config=backward_config,
+      drows_max_bytes=drows_max_bytes, interpret=interpret)
+  return dq_THL, dkv_SL, None  # int32 indices: no cotangent
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+def _forward(q_THL, kv_SL, topk_TK, *, sm_scale, d_v, config, interpret):
   (T, H, L), S, K = q_THL.shape, _num_rows(kv_SL), topk_TK.shape[1]
-  if config is None:
-    config = SparseMQAKernelConfig.default_for(H, K, d_v)
   block_h, block_k = config.block_h, config.block_k
   padded_k = pl.cdiv(K, block_k) * block_k  # the top-k block overhangs; loads are masked
   static = dict(sm_scale=sm_scale, num_heads=H, num_rows=S, topk=K, config=config)

@@ -9,11 +9,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.block_config import SparseMQABackwardConfig
 from pallas_kernels.dense_mha import dense_mha
 from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.indexer_logits import indexer_logits
 from pallas_kernels.indexer_logits_backward import indexer_logits_dk, indexer_logits_dq
 from pallas_kernels.sparse_mqa import sparse_mqa
+from pallas_kernels.sparse_mqa_backward import sparse_mqa_dq, sparse_mqa_drows, sparse_mqa_row_sum
 
 sds = jax.ShapeDtypeStruct
 BF16, I32, F32, FP8 = jnp.bfloat16, jnp.int32, jnp.float32, jnp.float8_e4m3fn
@@ -66,3 +68,23 @@ def mha_case(T, S, H, D, V, dtype=BF16, topk=None):
   fn = lambda q, k, v, off, n, idx: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n,
                                               topk_TK=idx)
   return fn, args + (sds((T, topk), I32),)
+
+
+def sparse_bwd_case(kernel, T, H, D, d_v, S, K, dtype=BF16, fp8=False):
+  """One backward kernel of sparse MQA, ``"dq"`` or ``"drows"`` (float rows only), on the
+  residuals and cotangents it reads: fp8 rows (A = d_v, tiles of 128) when ``fp8``."""
+  config = getattr(SparseMQABackwardConfig.default_for(H, K, d_v), kernel)
+  op = {"dq": sparse_mqa_dq, "drows": sparse_mqa_drows}[kernel]
+  fn = lambda q, kv, *rest: op(q, kv, *rest, sm_scale=D**-0.5, config=config)
+  if fp8:
+    kv = Fp8LatentRows(sds((S, d_v), FP8), sds((S, d_v // 128), F32), sds((S, D - d_v), BF16))
+  else:
+    kv = sds((S, D), dtype)
+  return fn, (sds((T, H, D), dtype), kv, sds((T, K), I32), sds((T, H, d_v), dtype),
+              sds((T, H), F32), sds((T, H), F32))
+
+
+def sparse_row_sum_case(T, K, S, L=576):
+  """The backward's per-row sum of T x K row gradients (float32) into S rows."""
+  return sparse_mqa_row_sum, (sds((T * K, L), F32), sds((T * K,), I32), sds((S,), I32),
+                              sds((S,), I32))

@@ -23,6 +23,29 @@ def numpy_sparse_mqa(q, kv, topk, sm_scale, d_v):
   return out, lse
 
 
+def numpy_sparse_mqa_grad(q, kv, topk, sm_scale, d_v, dout, dlse):
+  """float64 ``(dq, dkv)`` of ``numpy_sparse_mqa`` for the cotangents ``(dout, dlse)`` of
+  ``(out, lse)``: a row a token selects twice gets both slots' gradients; invalid slots and
+  empty rows add nothing."""
+  q, kv, dout, dlse = (np.asarray(x, np.float64) for x in (q, kv, dout, dlse))
+  dq, dkv = np.zeros_like(q), np.zeros_like(kv)
+  for t in range(q.shape[0]):
+    rows = [i for i in np.asarray(topk[t]) if 0 <= i < kv.shape[0]]
+    if not rows:
+      continue
+    x, v = kv[rows], kv[rows, :d_v]
+    logits = q[t] @ x.T * sm_scale
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = p @ v
+    ds = p * (dout[t] @ v.T - (dout[t] * out).sum(-1, keepdims=True) + dlse[t][:, None])
+    dq[t] = sm_scale * ds @ x
+    dx = sm_scale * ds.T @ q[t]
+    dx[:, :d_v] += p.T @ dout[t]
+    np.add.at(dkv, rows, dx)
+  return dq, dkv
+
+
 def numpy_dequantize_rows(rows):
   """fp8 latent rows (``Fp8LatentRows``) in float64: each tile times its scale, then RoPE."""
   values = np.asarray(rows.values).astype(np.float64)

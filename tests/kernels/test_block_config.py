@@ -5,6 +5,7 @@ from absl.testing import parameterized
 
 from pallas_kernels.block_config import (
     DenseMHAKernelConfig, IndexerLogitsBackwardKernelConfig, IndexerLogitsKernelConfig,
+    SparseMQABackwardConfig,
     SparseMQAKernelConfig, pow2_chunks,
 )
 
@@ -42,3 +43,10 @@ class BlockConfigTest(parameterized.TestCase):
                    IndexerLogitsBackwardKernelConfig.default_for(0, 0),
                    DenseMHAKernelConfig.default_for(0, 0, 48, 32)):
       self.assertGreaterEqual(config.num_warps, 1)
+
+  def test_sparse_backward_config(self):
+    with pytest.raises(TypeError, match="drows"):
+      SparseMQABackwardConfig(drows=DenseMHAKernelConfig())
+    wide = SparseMQABackwardConfig.default_for(128, 2048, 512)
+    self.assertEqual((wide.dq.block_h, wide.dq.block_k, wide.drows.block_k), (32, 32, 16))
+    self.assertLen({wide, SparseMQABackwardConfig.default_for(0, 0, 64)}, 2)

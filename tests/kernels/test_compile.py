@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import tempfile
+import types
 
 import pytest
 
@@ -19,12 +20,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import _compat  # noqa: E402
+from pallas_kernels.sparse_mqa_backward import ROW_SUM_STAGES, ROW_SUM_WARPS  # noqa: E402
 from pallas_kernels.block_config import (  # noqa: E402
     DenseMHAKernelConfig, IndexerLogitsBackwardKernelConfig, IndexerLogitsKernelConfig,
-    SparseMQAKernelConfig,
+    SparseMQABackwardConfig, SparseMQAKernelConfig,
 )
 from tests.kernels.cases import (  # noqa: E402
-    indexer_case, indexer_grad_case, mha_case, sparse_case, sparse_fp8_case,
+    indexer_case, indexer_grad_case, mha_case, sparse_bwd_case, sparse_case, sparse_fp8_case,
+    sparse_row_sum_case,
 )
 
 FP8 = jnp.float8_e4m3fn
@@ -63,7 +66,20 @@ KERNELS = {
     "masked_mha_glm5_qk256_v256_k2048": (
         mha_case(4096, 4096, 64, 256, 256, topk=2048),
         DenseMHAKernelConfig.default_for(4096, 4096, 256, 256)),
+    # The sparse MQA backward kernels (DeepSeek-V3.2 H 128, GLM-5 H 64; both 576/512 rows).
+    **{f"sparse_mqa_{kernel}_{model}_h{H}_576_512_k2048{'_fp8_rows' * fp8}": (
+        sparse_bwd_case(kernel, 4, H, 576, 512, 65536, 2048, fp8=fp8),
+        getattr(SparseMQABackwardConfig.default_for(H, 2048, 512), kernel))
+       for kernel, fp8 in (("dq", False), ("dq", True), ("drows", False))
+       for model, H in (("dsv32", 128), ("glm5", 64))},
+    # The backward's row sum at the default chunk (227 tokens of 2048 slots) into 64K rows.
+    "sparse_mqa_row_sum_576_t227_k2048": (
+        sparse_row_sum_case(227, 2048, 65536),
+        types.SimpleNamespace(num_warps=ROW_SUM_WARPS, num_stages=ROW_SUM_STAGES)),
 }
+
+
+WITHOUT_DOTS = {"sparse_mqa_row_sum_576_t227_k2048"}  # sums only, no MMA expected
 
 
 def compile_kernel(case, config):
@@ -118,7 +134,8 @@ def test_compiles_without_spills(label):
   result = compile_kernel(case, config)
   print("\n" + report_line(label, config, result))
   assert result["spill_stores"] == 0 and result["spill_loads"] == 0, result
-  assert result["mma"] != "none", "the dots did not become tensor-core MMAs"
+  if label not in WITHOUT_DOTS:
+    assert result["mma"] != "none", "the dots did not become tensor-core MMAs"
 
 
 if __name__ == "__main__":

@@ -12,10 +12,13 @@ import jax
 from absl.testing import parameterized
 
 from mla_jax.backends.pallas import PallasTritonBackend
+from mla_jax.traces import walk_equations
 from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
+from pallas_kernels.sparse_mqa import sparse_mqa
 from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, indexer_grad_case, mha_case,
-                                 sds, sparse_case, sparse_fp8_case)
+                                 sds, sparse_bwd_case, sparse_case, sparse_fp8_case,
+                                 sparse_row_sum_case)
 
 
 CASES = {
@@ -54,6 +57,20 @@ CASES = {
     "masked_mha_tiny": (mha_case(37, 150, 2, 48, 32, F32, topk=7), "masked_mha_prefill"),
     "masked_mha_dsv32": (mha_case(4096, 4096, 128, 192, 128, topk=2048), "masked_mha_prefill"),
     "masked_mha_glm5": (mha_case(4096, 4096, 64, 256, 256, topk=2048), "masked_mha_prefill"),
+    # The sparse MQA backward: DeepSeek-V3.2 (H 128) and GLM-5 (H 64) share the 576/512 rows.
+    "sparse_mqa_dq_tiny": (sparse_bwd_case("dq", 3, 5, 80, 64, 100, 7, F32), "sparse_mqa_dq"),
+    "sparse_mqa_dq_dsv32": (sparse_bwd_case("dq", 4, 128, 576, 512, 8192, 2048), "sparse_mqa_dq"),
+    "sparse_mqa_dq_glm5": (sparse_bwd_case("dq", 4, 64, 576, 512, 8192, 2048), "sparse_mqa_dq"),
+    "sparse_mqa_dq_dsv32_fp8": (sparse_bwd_case("dq", 4, 128, 576, 512, 8192, 2048, fp8=True),
+                                "sparse_mqa_dq"),
+    "sparse_mqa_drows_tiny": (sparse_bwd_case("drows", 3, 5, 80, 64, 100, 7, F32),
+                              "sparse_mqa_drows"),
+    "sparse_mqa_drows_dsv32": (sparse_bwd_case("drows", 4, 128, 576, 512, 8192, 2048),
+                               "sparse_mqa_drows"),
+    "sparse_mqa_drows_glm5": (sparse_bwd_case("drows", 4, 64, 576, 512, 8192, 2048),
+                              "sparse_mqa_drows"),
+    "sparse_mqa_row_sum_tiny": (sparse_row_sum_case(3, 7, 100, 80), "sparse_mqa_row_sum"),
+    "sparse_mqa_row_sum_dsv32": (sparse_row_sum_case(227, 2048, 8192), "sparse_mqa_row_sum"),
 }
 
 
@@ -133,7 +150,20 @@ class LoweringTest(parameterized.TestCase):
 
   def test_declared_cost_estimate(self):
     fn, args = CASES["sparse_mqa_dsv32"][0]
-    jaxpr = jax.make_jaxpr(fn)(*args)
-    [eqn] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    jaxpr = jax.make_jaxpr(fn)(*args)  # the kernel sits inside the op's custom_vjp
+    [eqn] = [e for e, _ in walk_equations(jaxpr) if e.primitive.name == "pallas_call"]
     self.assertEqual(eqn.params["name"], "sparse_mqa_attention")
     self.assertEqual(eqn.params["cost_estimate"].flops, 2 * 4 * 2048 * 128 * (576 + 512))
+
+  def test_sparse_mqa_gradient_lowers_to_its_kernels_without_scatter(self):
+    """The VJP of the batched op: forward, dq, drows and row-sum kernels; the row gradients are
+    summed without a scatter (XLA's GPU scatter-add uses atomics, in no fixed order)."""
+    fn = jax.vmap(functools.partial(sparse_mqa, sm_scale=0.1, d_v=512))
+    grad = jax.grad(lambda q, kv, idx: sum(x.sum() for x in fn(q, kv, idx)), argnums=(0, 1))
+    hlo = _compat.lower_for_cuda(grad, sds((2, 8, 128, 576), BF16), sds((2, 4096, 576), BF16),
+                                 sds((2, 8, 2048), I32))
+    calls, names = triton_kernel_names(hlo)
+    kernels = ["sparse_mqa_attention", "sparse_mqa_dq", "sparse_mqa_drows", "sparse_mqa_row_sum"]
+    self.assertEqual(calls, len(kernels))
+    self.assertEqual(sorted(set(names) & set(kernels)), kernels)
+    self.assertFalse("stablehlo.scatter" in hlo, "the row gradients go through a scatter")
