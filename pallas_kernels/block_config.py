@@ -104,3 +104,16 @@ class DenseMHAKernelConfig:
     block_k = min(64, max(16, next_pow2(num_keys)))
     wide = max(d_qk, d_v) > 192
     return cls(block_q=block_q, block_k=block_k, num_warps=8 if wide else 4, num_stages=2)
+
+  @classmethod
+  def backward_for(cls, num_tokens: int, num_keys: int, d_qk: int, d_v: int) -> DenseMHAKernelConfig:
+    """The backward kernels' blocks (``pallas_kernels.dense_mha_backward``).
+
+    Each program holds fp32 gradient accumulators for its block ([block, Q] and, for dk/dv,
+    [block, V]) beside the q, k, v and dout blocks and two [block_q, block_k] tiles (p and ds),
+    so the blocks are half the forward's: 64 x 64 spills on sm_90a at Q 192-256.
+    """
+    block_q = min(32, max(16, next_pow2(num_tokens)))
+    block_k = min(32, max(16, next_pow2(num_keys)))
+    wide = max(d_qk, d_v) > 128
+    return cls(block_q=block_q, block_k=block_k, num_warps=8 if wide else 4, num_stages=2)
