@@ -206,21 +206,19 @@ def _masked_mha_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bits
 
 def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, *,
                        sm_scale: float, q_offset, kv_len, topk_TK=None,
-                       config: DenseMHAKernelConfig | None = None, interpret: bool = False):
+                       configs: tuple[DenseMHAKernelConfig, DenseMHAKernelConfig] | None = None,
+                       interpret: bool = False):
   """``(dq, dk, dv)`` of ``dense_mha`` (validated inputs, T, H, S > 0) given its outputs and
-  their cotangents; ``config`` sets the backward blocks (default
+  their cotangents; ``configs``: the blocks of the dq and the dk/dv kernel (default
   ``DenseMHAKernelConfig.backward_for``)."""
   (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
-  if config is None:
-    config = DenseMHAKernelConfig.backward_for(T, S, Q, V)
-  block_q, block_k = config.block_q, config.block_k
+  dq_config, dkv_config = configs or DenseMHAKernelConfig.backward_for(T, S, Q, V)
   # Rows that see nothing (LSE +inf) have p = 0: whatever their dlse, it meets no pair.
   delta_TH = jnp.einsum("thv,thv->th", dout_THV.astype(jnp.float32),
                         out_THV.astype(jnp.float32))
   delta_TH = jnp.where(jnp.isfinite(lse_TH), delta_TH - dlse_TH, 0.0)
-  padded_t, padded_s = pl.cdiv(T, block_q) * block_q, pl.cdiv(S, block_k) * block_k
   sq = _compat.SQUEEZED
-  static = dict(sm_scale=sm_scale, num_tokens=T, num_keys=S, config=config)
+  padded_t = pl.cdiv(T, dkv_config.block_q) * dkv_config.block_q  # dk/dv programs read all q
   if topk_TK is None:
     meta = jnp.stack([q_offset, kv_len])
     meta_spec = pl.BlockSpec((2,), lambda i, h: (0,))
@@ -229,28 +227,32 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
     dkv_kernel, dkv_name, dkv_side, dkv_specs = (
         _dense_mha_dkv_kernel, "dense_mha_dkv", (meta,), [meta_spec])
   else:
-    bits_WT, active_QN = fwd.mask_bits(fwd.visible_keys(T, S, q_offset, kv_len, topk_TK), config)
-    key_blocks_QN, num_key_blocks_Q = fwd.block_schedule(active_QN)
-    query_blocks_KN, num_query_blocks_K = fwd.block_schedule(active_QN.T)
-    W = bits_WT.shape[0]
+    # Each kernel tiles the pairs its own way: a bitmask and a block schedule for each.
+    visible_TS = fwd.visible_keys(T, S, q_offset, kv_len, topk_TK)
+    dq_bits_WT, dq_active_QN = fwd.mask_bits(visible_TS, dq_config)
+    dkv_bits_WT, dkv_active_QN = fwd.mask_bits(visible_TS, dkv_config)
+    key_blocks_QN, num_key_blocks_Q = fwd.block_schedule(dq_active_QN)
+    query_blocks_KN, num_query_blocks_K = fwd.block_schedule(dkv_active_QN.T)
     dq_kernel, dq_name, dq_side, dq_specs = (
-        _masked_mha_dq_kernel, "masked_mha_dq", (bits_WT, key_blocks_QN, num_key_blocks_Q), [
-            pl.BlockSpec((W, block_q), lambda i, h: (0, i)),
+        _masked_mha_dq_kernel, "masked_mha_dq", (dq_bits_WT, key_blocks_QN, num_key_blocks_Q), [
+            pl.BlockSpec((dq_bits_WT.shape[0], dq_config.block_q), lambda i, h: (0, i)),
             pl.BlockSpec((sq, key_blocks_QN.shape[1]), lambda i, h: (i, 0)),
             pl.BlockSpec((1,), lambda i, h: (i,)),
         ])
     dkv_kernel, dkv_name, dkv_side, dkv_specs = (
         _masked_mha_dkv_kernel, "masked_mha_dkv",
-        (bits_WT, query_blocks_KN, num_query_blocks_K), [
-            pl.BlockSpec((W, padded_t), lambda j, h: (0, 0)),
+        (dkv_bits_WT, query_blocks_KN, num_query_blocks_K), [
+            pl.BlockSpec((dkv_bits_WT.shape[0], padded_t), lambda j, h: (0, 0)),
             pl.BlockSpec((sq, query_blocks_KN.shape[1]), lambda j, h: (j, 0)),
             pl.BlockSpec((1,), lambda j, h: (j,)),
         ])
-  params = _compat.compiler_params(config.num_warps, config.num_stages)
   args = (q_THQ, k_SHQ, v_SHV, dout_THV, lse_TH, delta_TH)
+  static = dict(sm_scale=sm_scale, num_tokens=T, num_keys=S)
 
+  block_q, block_k = dq_config.block_q, dq_config.block_k
+  padded_s = pl.cdiv(S, block_k) * block_k
   dq_THQ = pl.pallas_call(
-      functools.partial(dq_kernel, **static),
+      functools.partial(dq_kernel, config=dq_config, **static),
       grid=(pl.cdiv(T, block_q), H),
       in_specs=[
           pl.BlockSpec((block_q, sq, Q), lambda i, h: (i, h, 0)),
@@ -263,11 +265,13 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
       ],
       out_specs=pl.BlockSpec((block_q, sq, Q), lambda i, h: (i, h, 0)),
       out_shape=jax.ShapeDtypeStruct((T, H, Q), q_THQ.dtype),
-      compiler_params=params, interpret=interpret, name=dq_name,
+      compiler_params=_compat.compiler_params(dq_config.num_warps, dq_config.num_stages),
+      interpret=interpret, name=dq_name,
   )(*args, *dq_side)
 
+  block_q, block_k = dkv_config.block_q, dkv_config.block_k
   dk_SHQ, dv_SHV = pl.pallas_call(
-      functools.partial(dkv_kernel, **static),
+      functools.partial(dkv_kernel, config=dkv_config, **static),
       grid=(pl.cdiv(S, block_k), H),
       in_specs=[
           pl.BlockSpec((padded_t, sq, Q), lambda j, h: (0, h, 0)),
@@ -286,6 +290,7 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
           jax.ShapeDtypeStruct((S, H, Q), k_SHQ.dtype),
           jax.ShapeDtypeStruct((S, H, V), v_SHV.dtype),
       ],
-      compiler_params=params, interpret=interpret, name=dkv_name,
+      compiler_params=_compat.compiler_params(dkv_config.num_warps, dkv_config.num_stages),
+      interpret=interpret, name=dkv_name,
   )(*args, *dkv_side)
   return dq_THQ, dk_SHQ, dv_SHV

@@ -54,3 +54,12 @@ def mha_case(T, S, H, D, V, dtype=BF16, topk=None):
   fn = lambda q, k, v, off, n, idx: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n,
                                               topk_TK=idx)
   return fn, args + (sds((T, topk), I32),)
+
+
+def mha_backward_case(T, S, H, D, V, dtype=BF16, topk=None):
+  """The backward kernels of ``mha_case``: ``fn`` is its VJP, the dq and the dk/dv calls."""
+  fn, args = mha_case(T, S, H, D, V, dtype, topk)
+  def vjp(q, k, v, dout, *rest):
+    _, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, *rest)[0], q, k, v)
+    return pullback(dout)
+  return vjp, args[:3] + (sds((T, H, V), dtype),) + args[3:]

@@ -176,7 +176,8 @@ class DenseMHAGradKernelTestBase(DenseMHAGradTestBase):
 
   @parameterized.named_parameters(("causal", False), ("masked", True))
   def test_backward_kernels_with_small_blocks(self, masked):
-    """16 x 16 backward tiles: many whole, diagonal and kv_len blocks per program."""
+    """Small backward tiles, tiled differently in the two kernels: many whole, diagonal and
+    kv_len blocks per program."""
     T, S, H, q_offset, kv_len = 37, 70, 2, 25, 66
     q, k, v, g_out, g_lse = make_inputs(3, T, S, H, 48, 32, F32)
     topk = np.asarray(random_topk(4, T, S, 12, q_offset)) if masked else None
@@ -185,7 +186,8 @@ class DenseMHAGradKernelTestBase(DenseMHAGradTestBase):
     q, k, v = map(jnp.asarray, (q, k, v))
     out, lse = self.fn()(q, k, v, **kw)
     dlse = jnp.where(jnp.isfinite(lse), g_lse, 0.0)
-    got = jax.jit(functools.partial(dense_mha_backward, config=DenseMHAKernelConfig(16, 16),
+    configs = (DenseMHAKernelConfig(32, 16), DenseMHAKernelConfig(16, 32))
+    got = jax.jit(functools.partial(dense_mha_backward, configs=configs,
                                     interpret=self.INTERPRET, **kw))(
         q, k, v, out, lse, jnp.asarray(g_out), dlse)
     self.assert_grads_match(got, q, k, v, g_out, g_lse,
