@@ -24,6 +24,12 @@ Beside it go, per query block, the ascending list of key blocks in which some qu
 of the block sees a key, and its length: the program walks that list only, so a key block that
 no query of the block selected is never loaded. Every visited block is masked (a top-k pattern
 is never whole), with the causal kernel's NaN rules.
+
+Both variants are differentiable: ``dense_mha`` is a ``jax.custom_vjp`` whose backward
+(:mod:`pallas_kernels.dense_mha_backward`) reuses these walks, the bitmask test and the block
+schedule from the saved LSE. ``dense_mha_reference`` is differentiated by plain autodiff (the
+XLA backend's training path); it zeroes non-finite keys and values before the dots, so a
+hidden NaN cannot reach a gradient through a zero cotangent.
 """
 
 from __future__ import annotations

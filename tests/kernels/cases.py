@@ -63,3 +63,9 @@ def mha_backward_case(T, S, H, D, V, dtype=BF16, topk=None):
     _, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, *rest)[0], q, k, v)
     return pullback(dout)
   return vjp, args[:3] + (sds((T, H, V), dtype),) + args[3:]
+
+
+def batched(case, B):
+  """``case`` vmapped over a leading batch of ``B`` (as the backends call the kernels)."""
+  fn, args = case
+  return jax.vmap(fn), tuple(sds((B, *a.shape), a.dtype) for a in args)

@@ -15,8 +15,8 @@ from mla_jax.backends.pallas import PallasTritonBackend
 from mla_jax.traces import walk_equations
 from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, mha_backward_case, mha_case,
-                                 sds, sparse_case, sparse_fp8_case)
+from tests.kernels.cases import (BF16, F32, FP8, I32, batched, indexer_case, mha_backward_case,
+                                 mha_case, sds, sparse_case, sparse_fp8_case)
 
 
 CASES = {
@@ -51,6 +51,10 @@ BACKWARD_CASES = {
                              "masked_mha"),
     "masked_mha_bwd_glm5": (mha_backward_case(4096, 4096, 64, 256, 256, topk=2048),
                             "masked_mha"),
+    # vmap (the backends' batch) becomes a grid axis of each kernel, not a loop of kernels.
+    "mha_bwd_batched": (batched(mha_backward_case(64, 100, 4, 192, 128), 3), "dense_mha"),
+    "masked_mha_bwd_batched": (batched(mha_backward_case(64, 100, 4, 192, 128, topk=16), 3),
+                               "masked_mha"),
 }
 
 
