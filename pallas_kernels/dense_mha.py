@@ -378,13 +378,18 @@ def _masked_variant(visible_TS, static):
   ]
 
 
+def causal_pairs(num_tokens: int, num_keys: int) -> int:
+  """The (query, key) pairs of a fresh causal prefill (q_offset 0, kv_len S)."""
+  return sum(min(t + 1, num_keys) for t in range(num_tokens))
+
+
 def _cost_estimate(q_THQ, k_SHQ, v_SHV, side_args, block_q: int) -> pl.CostEstimate:
   """Every causal pair of a fresh prefill (q_offset 0, kv_len S) at 2H(Q + V) FLOPs: exact for
   the causal kernel, an upper bound for the masked one (its skipped blocks depend on the data).
   Each program reads its query block, every key row once and its side inputs (the offsets, or
   the masked kernel's bitmask and key-block lists)."""
   (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
-  pairs = sum(min(t + 1, S) for t in range(T))
+  pairs = causal_pairs(T, S)
   side_bytes = sum(a.size * a.dtype.itemsize for a in side_args)
   return pl.CostEstimate(
       flops=2 * H * (Q + V) * pairs,

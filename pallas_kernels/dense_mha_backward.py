@@ -248,6 +248,12 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
         ])
   args = (q_THQ, k_SHQ, v_SHV, dout_THV, lse_TH, delta_TH)
   static = dict(sm_scale=sm_scale, num_tokens=T, num_keys=S)
+  # As the forward's estimate: every causal pair, an upper bound for the masked kernels. dq
+  # takes three dots a pair (s, dp, ds k), dk/dv four (s, dp, p^T dout, ds^T q).
+  pairs, itemsize = fwd.causal_pairs(T, S), q_THQ.dtype.itemsize
+  row_bytes = itemsize * H * (T * (2 * Q + V) + S * (2 * Q + 2 * V)) + 8 * T * H
+  estimate = lambda flops: pl.CostEstimate(flops=flops, transcendentals=H * pairs,
+                                           bytes_accessed=row_bytes)
 
   block_q, block_k = dq_config.block_q, dq_config.block_k
   padded_s = pl.cdiv(S, block_k) * block_k
@@ -266,7 +272,7 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
       out_specs=pl.BlockSpec((block_q, sq, Q), lambda i, h: (i, h, 0)),
       out_shape=jax.ShapeDtypeStruct((T, H, Q), q_THQ.dtype),
       compiler_params=_compat.compiler_params(dq_config.num_warps, dq_config.num_stages),
-      interpret=interpret, name=dq_name,
+      cost_estimate=estimate(2 * H * (2 * Q + V) * pairs), interpret=interpret, name=dq_name,
   )(*args, *dq_side)
 
   block_q, block_k = dkv_config.block_q, dkv_config.block_k
@@ -291,6 +297,6 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
           jax.ShapeDtypeStruct((S, H, V), v_SHV.dtype),
       ],
       compiler_params=_compat.compiler_params(dkv_config.num_warps, dkv_config.num_stages),
-      interpret=interpret, name=dkv_name,
+      cost_estimate=estimate(4 * H * (Q + V) * pairs), interpret=interpret, name=dkv_name,
   )(*args, *dkv_side)
   return dq_THQ, dk_SHQ, dv_SHV
