@@ -12,6 +12,10 @@ MHA 2*H*(D + V) per causal (query, key) pair, indexer 2*T*S*G*I. GB/s counts eac
 output array once (a lower bound on real traffic). Ops with a backward (``GRAD_ARGNUMS``) get a
 second table: ``jax.grad`` of the sum of the finite outputs, forward and backward together, the
 kernel's custom VJP against XLA's autodiff of the reference; ``--check`` compares those gradients too.
+The ``*_grad`` rows time the forward and
+backward of dense (or masked) MHA together (``jax.grad`` of a loss on out), against
+``jax.grad`` of the XLA reference; their FLOPs are 3.5x the forward's (the backward's five
+matmuls per pair, flash-attention's convention; the masked rows count every causal pair).
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ def _mha(name, T, H, D, V):
   return Shape(name, "dense_mha", dict(T=T, S=T, H=H, D=D, V=V))
 
 
+def _mha_grad(name, T, H, D, V, K=None):
+  """Forward + backward of causal MHA; given ``K``, the masked route with a causal top-k."""
+  return Shape(name, "mha_grad", dict(T=T, S=T, H=H, D=D, V=V, K=K))
+
+
 # Named shape sets, one definition per shape. Decode = T 1 per sequence, vmapped over the batch.
 SHAPES = {
     "full": [
@@ -76,6 +85,9 @@ SHAPES = {
         _mha("dsv32_mha_prefill_512", T=512, H=128, D=192, V=128),
         _mha("dsv32_mha_prefill_2048", T=2048, H=128, D=192, V=128),
         _mha("glm5_mha_prefill_2048", T=2048, H=64, D=256, V=256),
+        _mha_grad("dsv32_mha_grad_2048", T=2048, H=128, D=192, V=128),
+        _mha_grad("glm5_mha_grad_2048", T=2048, H=64, D=256, V=256),
+        _mha_grad("dsv32_masked_mha_grad_4096", T=4096, H=128, D=192, V=128, K=2048),
     ],
     "smoke": [
         _sparse("tiny_sparse", T=8, S=256, H=4, D=80, d_v=64, K=64),
@@ -83,6 +95,8 @@ SHAPES = {
         _sparse("tiny_sparse_fwd_bwd", T=8, S=256, H=4, D=80, d_v=64, K=64, grad=True),
         _indexer("tiny_indexer", T=32, S=256, G=4, I=32),
         _mha("tiny_mha", T=64, H=2, D=48, V=32),
+        _mha_grad("tiny_mha_grad", T=64, H=2, D=48, V=32),
+        _mha_grad("tiny_masked_mha_grad", T=64, H=2, D=48, V=32, K=16),
     ],
 }
 
@@ -119,6 +133,8 @@ def build(shape: Shape, interpret: bool, seed: int = 0):
     flops = 2 * T * S * G * I
     nbytes = jnp.dtype(dt).itemsize * (T * G * I + S * I) + 4 * (T * S + T * G)
     return kernel, indexer_logits_reference, args, flops, nbytes
+  if shape.kernel == "mha_grad":
+    return _build_mha_grad(d, rand, rng, interpret)
   T, S, H, D, V = d["T"], d["S"], d["H"], d["D"], d["V"]
   q, k, v = rand((T, H, D)), rand((S, H, D)), rand((S, H, V))
   kw = dict(sm_scale=D**-0.5, q_offset=jnp.int32(0), kv_len=jnp.int32(S))
@@ -138,6 +154,27 @@ def forward_backward(fn, argnums):
   def loss(*args):
     return sum(jnp.sum(jnp.where(jnp.isfinite(x), x, 0.0)) for x in jax.tree.leaves(fn(*args)))
   return jax.grad(loss, argnums)
+def _build_mha_grad(d, rand, rng, interpret):
+  T, S, H, D, V, K = d["T"], d["S"], d["H"], d["D"], d["V"], d["K"]
+  args = (rand((T, H, D)), rand((S, H, D)), rand((S, H, V)), rand((T, H, V)))
+  if K is not None:  # K random causal keys per query (all of them while t < K), -1 padded
+    scores = np.where(np.arange(S)[None, :] <= np.arange(T)[:, None], rng.random((T, S)), -1.0)
+    picks = np.argsort(-scores, axis=-1)[:, :K]
+    picks = np.where(np.take_along_axis(scores, picks, -1) < 0, -1, picks)
+    args += (jnp.asarray(picks, jnp.int32),)
+  kw = dict(sm_scale=D**-0.5, q_offset=jnp.int32(0), kv_len=jnp.int32(S))
+
+  def grad_of(attention):
+    def grads(q, k, v, dout, topk=None):
+      loss = lambda q, k, v: (attention(q, k, v, topk_TK=topk, **kw)[0].astype(jnp.float32)
+                              * dout).sum()
+      return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return grads
+
+  flops = 3.5 * 2 * H * (D + V) * T * (T + 1) // 2
+  nbytes = 2 * 2 * (T * H * (D + 2 * V) + S * H * (D + V)) + 4 * T * H  # inputs and grads
+  return (grad_of(functools.partial(dense_mha, interpret=interpret)),
+          grad_of(dense_mha_reference), args, flops, nbytes)
 
 
 def time_fn(fn, args, iters):

@@ -105,6 +105,25 @@ class DenseMHAKernelConfig:
     wide = max(d_qk, d_v) > 192
     return cls(block_q=block_q, block_k=block_k, num_warps=8 if wide else 4, num_stages=2)
 
+  @classmethod
+  def backward_for(cls, num_tokens: int, num_keys: int, d_qk: int,
+                   d_v: int) -> tuple[DenseMHAKernelConfig, DenseMHAKernelConfig]:
+    """The blocks of the two backward kernels (``pallas_kernels.dense_mha_backward``):
+    ``(dq_config, dkv_config)``.
+
+    Each program holds fp32 gradient accumulators for its own rows ([rows, Q], and [rows, V]
+    for dk/dv) beside the q, k, v and dout blocks and two [block_q, block_k] tiles (p and ds).
+    On sm_90a (tests/kernels/test_compile.py) 64 x 64 spills at Q 192; 64 own rows over
+    32-row steps compile to wgmma without spills at Q 192, V 128 (dq: block_q 64, dkv:
+    block_k 64), while 32-row programs use mma.sync. At Q = V = 256 (GLM-5) 64 own rows
+    spill in both kernels, so those use 32 x 32.
+    """
+    rows = 64 if max(d_qk, d_v) <= 192 else 32
+    step = 32
+    clamp = lambda block, n: min(block, max(16, next_pow2(n)))
+    warps = 8 if max(d_qk, d_v) > 128 else 4
+    return (cls(block_q=clamp(rows, num_tokens), block_k=clamp(step, num_keys), num_warps=warps),
+            cls(block_q=clamp(step, num_tokens), block_k=clamp(rows, num_keys), num_warps=warps))
 
 @dataclasses.dataclass(frozen=True)
 class IndexerLogitsBackwardKernelConfig:

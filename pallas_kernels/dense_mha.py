@@ -24,6 +24,12 @@ Beside it go, per query block, the ascending list of key blocks in which some qu
 of the block sees a key, and its length: the program walks that list only, so a key block that
 no query of the block selected is never loaded. Every visited block is masked (a top-k pattern
 is never whole), with the causal kernel's NaN rules.
+
+Both variants are differentiable: ``dense_mha`` is a ``jax.custom_vjp`` whose backward
+(:mod:`pallas_kernels.dense_mha_backward`) reuses these walks, the bitmask test and the block
+schedule from the saved LSE. ``dense_mha_reference`` is differentiated by plain autodiff (the
+XLA backend's training path); it zeroes non-finite keys and values before the dots, so a
+hidden NaN cannot reach a gradient through a zero cotangent.
 """
 
 from __future__ import annotations
@@ -146,17 +152,20 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
                                                   kv_len, topk_TK)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
+  # Non-finite keys and values are zeroed and the queries that see their row get the NaN weight
+  # instead: a hidden NaN times its zero cotangent would make every gradient NaN.
+  k_SHQ, bad_k_SH = _sanitize_values(k_SHQ)
+  v_SHV, bad_v_SH = _sanitize_values(v_SHV)
   logits_HTS = jnp.einsum(
       "thq,shq->hts", q_THQ, k_SHQ, preferred_element_type=jnp.float32
   ) * sm_scale
   visible_TS = visible_keys(q_THQ.shape[0], k_SHQ.shape[0], q_offset, kv_len, topk_TK)
-  v_SHV, bad_SH = _sanitize_values(v_SHV)
-  logits_HTS = jnp.where(bad_SH.T[:, None, :], jnp.nan, logits_HTS)  # the NaN weight
+  logits_HTS = jnp.where((bad_k_SH | bad_v_SH).T[:, None, :], jnp.nan, logits_HTS)
   logits_HTS = jnp.where(visible_TS[None], logits_HTS, -jnp.inf)
-  lse_HT = jax.nn.logsumexp(logits_HTS, axis=-1)
   any_visible_T = visible_TS.any(axis=-1)
-  safe_lse_HT = jnp.where(any_visible_T[None], lse_HT, 0.0)
-  probs_HTS = jnp.exp(logits_HTS - safe_lse_HT[..., None])
+  # Rows that see no key take the logsumexp of zeros: one of -infs has a NaN gradient.
+  lse_HT = jax.nn.logsumexp(jnp.where(any_visible_T[None, :, None], logits_HTS, 0.0), axis=-1)
+  probs_HTS = jnp.exp(logits_HTS - lse_HT[..., None])
   out_THV = jnp.einsum("hts,shv->thv", probs_HTS, v_SHV.astype(jnp.float32))
   lse_TH = jnp.where(any_visible_T[None], lse_HT, jnp.inf).T
   return out_THV.astype(q_THQ.dtype), lse_TH
@@ -246,12 +255,12 @@ def _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, *, sm_scale, num_t
   _compat.store(lse_ref, lse_Q, mask=row_mask_Q)
 
 
-def _dense_mha_kernel(
-    q_ref, k_ref, v_ref, meta_ref, out_ref, lse_ref, *, sm_scale, num_tokens, num_keys, config
-):
-  block_q, block_k = config.block_q, config.block_k
-  q_offset, kv_len = meta_ref[0], meta_ref[1]
-  rows_Q, _ = _query_rows(block_q, num_tokens)
+def _causal_walks(meta_ref, *, num_keys, block_q, block_k):
+  """The key-block loops (``_flash_walk``'s ``walks``) of the causal program of query block
+  ``program_id(0)``: the blocks it sees whole, then those on the diagonal or at ``kv_len``."""
+  # kv_len beyond S would let the diagonal mask pass the key block's zero-filled overhang.
+  q_offset, kv_len = meta_ref[0], jnp.minimum(meta_ref[1], num_keys)
+  rows_Q = pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32)
   positions_Q = q_offset + rows_Q
 
   def causal(start, cols_K):
@@ -262,41 +271,79 @@ def _dense_mha_kernel(
   first_position = q_offset + pl.program_id(0) * block_q
   last_visible = jnp.minimum(kv_len, first_position + block_q)
   num_blocks = jnp.clip(pl.cdiv(last_visible, block_k), 0, pl.cdiv(num_keys, block_k))
-  seen_by_all = jnp.minimum(jnp.minimum(first_position + 1, kv_len), num_keys)
+  seen_by_all = jnp.minimum(first_position + 1, kv_len)
   num_full = jnp.clip(jnp.maximum(seen_by_all, 0) // block_k, 0, num_blocks)
   in_order = lambda j: j
-  _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref,
-              [(0, num_full, in_order, None), (num_full, num_blocks, in_order, causal)],
-              sm_scale=sm_scale, num_tokens=num_tokens, num_keys=num_keys, block_k=block_k)
+  return [(0, num_full, in_order, None), (num_full, num_blocks, in_order, causal)]
+
+
+def _dense_mha_kernel(
+    q_ref, k_ref, v_ref, meta_ref, out_ref, lse_ref, *, sm_scale, num_tokens, num_keys, config
+):
+  walks = _causal_walks(meta_ref, num_keys=num_keys, block_q=config.block_q,
+                        block_k=config.block_k)
+  _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, sm_scale=sm_scale,
+              num_tokens=num_tokens, num_keys=num_keys, block_k=config.block_k)
 
 
 _WORD = 32  # keys per word of the selection bitmask
+
+
+def selected_pairs(bits_ref, rows, row_mask_Q, start, cols_K):
+  """[block_q, block_k] bool: query ``rows`` (a slice of the bitmask's token axis) selected key
+  ``cols_K`` (the key block from ``start``), read as bit ``s % 32`` of word ``s // 32``: one
+  coalesced load of the block's query rows per word."""
+  block_k = cols_K.shape[0]
+  first_word = start // _WORD
+  words = [_compat.load(bits_ref.at[first_word + w, rows], mask=row_mask_Q, other=0)
+           for w in range(max(1, block_k // _WORD))]
+  word_of_col_K = jnp.arange(block_k, dtype=jnp.int32) // _WORD
+  word_QK = words[0][:, None]
+  for w in range(1, len(words)):
+    word_QK = jnp.where((word_of_col_K == w)[None, :], words[w][:, None], word_QK)
+  bit_K = (cols_K % _WORD).astype(jnp.uint32)
+  return (jnp.right_shift(word_QK, bit_K[None, :]) & 1) == 1
+
+
+def _masked_walks(bits_ref, key_blocks_ref, num_blocks_ref, *, num_tokens, block_q):
+  """The one key-block loop of the masked program of query block ``program_id(0)``: only the
+  key blocks in which some of its queries selected a key, in ascending order."""
+  _, row_mask_Q = _query_rows(block_q, num_tokens)
+  selected = functools.partial(selected_pairs, bits_ref, pl.ds(0, block_q), row_mask_Q)
+  return [(0, num_blocks_ref[0], lambda n: key_blocks_ref[n], selected)]
 
 
 def _masked_mha_kernel(
     q_ref, k_ref, v_ref, bits_ref, key_blocks_ref, num_blocks_ref, out_ref, lse_ref, *, sm_scale,
     num_tokens, num_keys, config
 ):
+  walks = _masked_walks(bits_ref, key_blocks_ref, num_blocks_ref, num_tokens=num_tokens,
+                        block_q=config.block_q)
+  _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, sm_scale=sm_scale,
+              num_tokens=num_tokens, num_keys=num_keys, block_k=config.block_k)
+
+
+def block_schedule(active_XN):
+  """Per row of the bool tile map ``active_XN``: its active columns ascending, then the others
+  (never read); and how many are active."""
+  order_XN = jnp.argsort(~active_XN, axis=-1, stable=True).astype(jnp.int32)
+  return order_XN, active_XN.sum(axis=-1, dtype=jnp.int32)
+
+
+def mask_bits(visible_TS, config: DenseMHAKernelConfig):
+  """``(bits_WT, active_QN)``: the bitmask of ``visible_TS`` (see :func:`mask_operands`) and the
+  [query blocks, key blocks] map of the tiles in which some query sees a key."""
   block_q, block_k = config.block_q, config.block_k
-  _, row_mask_Q = _query_rows(block_q, num_tokens)
-  words_per_block = max(1, block_k // _WORD)
-  word_of_col_K = jnp.arange(block_k, dtype=jnp.int32) // _WORD
-
-  def selected(start, cols_K):
-    """Bit ``s % 32`` of word ``s // 32`` of each query's row: one coalesced load per word."""
-    first_word = start // _WORD
-    words = [_compat.load(bits_ref.at[first_word + w], mask=row_mask_Q, other=0)
-             for w in range(words_per_block)]
-    word_QK = words[0][:, None]
-    for w in range(1, words_per_block):
-      word_QK = jnp.where((word_of_col_K == w)[None, :], words[w][:, None], word_QK)
-    bit_K = (cols_K % _WORD).astype(jnp.uint32)
-    return (jnp.right_shift(word_QK, bit_K[None, :]) & 1) == 1
-
-  # Only the key blocks in which some query of this block selected a key, in ascending order.
-  _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref,
-              [(0, num_blocks_ref[0], lambda n: key_blocks_ref[n], selected)],
-              sm_scale=sm_scale, num_tokens=num_tokens, num_keys=num_keys, block_k=block_k)
+  T, S = visible_TS.shape
+  num_q_blocks, num_k_blocks = pl.cdiv(T, block_q), pl.cdiv(S, block_k)
+  num_words = pl.cdiv(num_k_blocks * block_k, _WORD)
+  padded_TS = jnp.pad(visible_TS, ((0, num_q_blocks * block_q - T), (0, num_words * _WORD - S)))
+  powers = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))
+  # Distinct powers of two: their sum is their bitwise or.
+  bits_TW = (padded_TS[:T].reshape(T, num_words, _WORD) * powers).sum(-1, dtype=jnp.uint32)
+  tiles = padded_TS[:, :num_k_blocks * block_k].reshape(num_q_blocks, block_q, num_k_blocks,
+                                                        block_k)
+  return bits_TW.T, tiles.any(axis=(1, 3))
 
 
 def mask_operands(visible_TS, config: DenseMHAKernelConfig):
@@ -308,19 +355,8 @@ def mask_operands(visible_TS, config: DenseMHAKernelConfig):
   some query of the block sees a key, ascending, then the others (never read);
   ``num_blocks_Q``: how many of the former there are.
   """
-  block_q, block_k = config.block_q, config.block_k
-  T, S = visible_TS.shape
-  num_q_blocks, num_k_blocks = pl.cdiv(T, block_q), pl.cdiv(S, block_k)
-  num_words = pl.cdiv(num_k_blocks * block_k, _WORD)
-  padded_TS = jnp.pad(visible_TS, ((0, num_q_blocks * block_q - T), (0, num_words * _WORD - S)))
-  powers = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))
-  # Distinct powers of two: their sum is their bitwise or.
-  bits_TW = (padded_TS[:T].reshape(T, num_words, _WORD) * powers).sum(-1, dtype=jnp.uint32)
-  tiles = padded_TS[:, :num_k_blocks * block_k].reshape(num_q_blocks, block_q, num_k_blocks,
-                                                        block_k)
-  active_QN = tiles.any(axis=(1, 3))
-  key_blocks_QN = jnp.argsort(~active_QN, axis=-1, stable=True).astype(jnp.int32)
-  return bits_TW.T, key_blocks_QN, active_QN.sum(axis=-1, dtype=jnp.int32)
+  bits_WT, active_QN = mask_bits(visible_TS, config)
+  return (bits_WT, *block_schedule(active_QN))
 
 
 def _causal_variant(q_offset, kv_len, static):
@@ -342,13 +378,18 @@ def _masked_variant(visible_TS, static):
   ]
 
 
+def causal_pairs(num_tokens: int, num_keys: int) -> int:
+  """The (query, key) pairs of a fresh causal prefill (q_offset 0, kv_len S)."""
+  return sum(min(t + 1, num_keys) for t in range(num_tokens))
+
+
 def _cost_estimate(q_THQ, k_SHQ, v_SHV, side_args, block_q: int) -> pl.CostEstimate:
   """Every causal pair of a fresh prefill (q_offset 0, kv_len S) at 2H(Q + V) FLOPs: exact for
   the causal kernel, an upper bound for the masked one (its skipped blocks depend on the data).
   Each program reads its query block, every key row once and its side inputs (the offsets, or
   the masked kernel's bitmask and key-block lists)."""
   (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
-  pairs = sum(min(t + 1, S) for t in range(T))
+  pairs = causal_pairs(T, S)
   side_bytes = sum(a.size * a.dtype.itemsize for a in side_args)
   return pl.CostEstimate(
       flops=2 * H * (Q + V) * pairs,
@@ -366,16 +407,28 @@ def dense_mha(
 
   Without ``topk_TK``: the kernel ``dense_mha_prefill``. With it (the MASKED_MHA route):
   ``masked_mha_prefill``, which visits only the key blocks in which some query of a query
-  block sees a selected key.
+  block sees a selected key. Differentiable in q, k and v through out and LSE (a
+  ``jax.custom_vjp``): the backward kernels of :mod:`pallas_kernels.dense_mha_backward` run
+  from the saved LSE with their own blocks (``DenseMHAKernelConfig.backward_for``).
   """
   sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len,
                                                   topk_TK)
   _checks.kernel_config("dense_mha", config, DenseMHAKernelConfig)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
-  (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
+  (T, _, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
   if config is None:
     config = DenseMHAKernelConfig.default_for(T, S, Q, V)
+  return _attention((sm_scale, config, interpret), q_THQ, k_SHQ, v_SHV, q_offset, kv_len,
+                    topk_TK)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK):
+  """``dense_mha`` on validated, non-empty inputs; ``static`` = (sm_scale, config, interpret).
+  Differentiable in q, k and v (and through out and LSE both); the integer inputs get none."""
+  sm_scale, config, interpret = static
+  (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
   static = dict(sm_scale=sm_scale, num_tokens=T, num_keys=S, config=config)
   if topk_TK is None:
     kernel, name, side_args, side_specs = _causal_variant(q_offset, kv_len, static)
@@ -407,3 +460,24 @@ def dense_mha(
       interpret=interpret,
       name=name,
   )(q_THQ, k_SHQ, v_SHV, *side_args)
+
+
+def _attention_fwd(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK):
+  out_THV, lse_TH = _attention(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK)
+  return (out_THV, lse_TH), (q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, out_THV, lse_TH)
+
+
+def _attention_bwd(static, residuals, cotangents):
+  # Imported here: the backward kernels build on this module's walks and mask helpers.
+  from pallas_kernels.dense_mha_backward import dense_mha_backward
+
+  sm_scale, _, interpret = static
+  q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, out_THV, lse_TH = residuals
+  dout_THV, dlse_TH = cotangents
+  grads = dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH,
+                             sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len,
+                             topk_TK=topk_TK, interpret=interpret)
+  return (*grads, None, None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -24,11 +24,10 @@ from flax import nnx
 import mla_jax as m
 from mla_jax import checks, cli
 from mla_jax.checkpoints import CheckpointError, load_pretrained, save_pretrained
-from mla_jax.backends.pallas import PallasTritonBackend
-from mla_jax.models.config import MoEConfig, ModelConfig, tiny_lm
+from mla_jax.models.config import MoEConfig, tiny_lm
 from mla_jax.models.lm import ModelCache
 from pallas_kernels.dense_mha import dense_mha, dense_mha_reference
-from tests.helpers import fresh_cache, lm, make_pair
+from tests.helpers import lm, make_pair
 
 NAN, INF = float("nan"), float("inf")
 TOPK = m.tiny().indexer.topk
@@ -312,29 +311,6 @@ KERNEL_CASES = {
 def test_kernels_through_a_backend(build, error, match):
   with pytest.raises(error, match=match):
     build()
-
-
-_PALLAS = PallasTritonBackend(interpret=True)
-_NO_BACKWARD = "the Pallas kernel {} \\(pallas_kernels.{}\\) has no backward yet; train with " \
-    "backend='xla'"
-
-# (loss of a float input through a Pallas op, that input, kernel name, function name)
-GRADIENT_CASES = {
-    "sparse_mqa": (lambda q: _PALLAS.sparse_mqa(q, _KV, _TOPK, sm_scale=0.1, d_v=64)[0].sum(),
-                   _Q, "sparse_mqa_attention", "sparse_mqa"),
-    "dense_mha": (lambda q: _PALLAS.dense_mha(q, _DK, _DV, sm_scale=0.2, q_offset_B=_I32(0),
-                                              kv_len_B=_I32(20))[0].sum(),
-                  _DQ, "dense_mha_prefill", "dense_mha"),
-}
-
-
-@pytest.mark.parametrize("loss, x, kernel, function", GRADIENT_CASES.values(),
-                         ids=GRADIENT_CASES.keys())
-def test_a_gradient_through_a_pallas_kernel_is_refused_by_name(loss, x, kernel, function):
-  """Refused while the gradient is traced (eager or under jit), before any kernel runs."""
-  for grad in (jax.grad(loss), jax.jit(jax.grad(loss))):
-    with pytest.raises(NotImplementedError, match=_NO_BACKWARD.format(kernel, function)):
-      grad(jnp.asarray(x))
 
 
 # ---- the model ------------------------------------------------------------------------------

@@ -88,3 +88,18 @@ def sparse_row_sum_case(T, K, S, L=576):
   """The backward's per-row sum of T x K row gradients (float32) into S rows."""
   return sparse_mqa_row_sum, (sds((T * K, L), F32), sds((T * K,), I32), sds((S,), I32),
                               sds((S,), I32))
+
+
+def mha_backward_case(T, S, H, D, V, dtype=BF16, topk=None):
+  """The backward kernels of ``mha_case``: ``fn`` is its VJP, the dq and the dk/dv calls."""
+  fn, args = mha_case(T, S, H, D, V, dtype, topk)
+  def vjp(q, k, v, dout, *rest):
+    _, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, *rest)[0], q, k, v)
+    return pullback(dout)
+  return vjp, args[:3] + (sds((T, H, V), dtype),) + args[3:]
+
+
+def batched(case, B):
+  """``case`` vmapped over a leading batch of ``B`` (as the backends call the kernels)."""
+  fn, args = case
+  return jax.vmap(fn), tuple(sds((B, *a.shape), a.dtype) for a in args)

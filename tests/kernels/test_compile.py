@@ -26,8 +26,8 @@ from pallas_kernels.block_config import (  # noqa: E402
     SparseMQABackwardConfig, SparseMQAKernelConfig,
 )
 from tests.kernels.cases import (  # noqa: E402
-    indexer_case, indexer_grad_case, mha_case, sparse_bwd_case, sparse_case, sparse_fp8_case,
-    sparse_row_sum_case,
+    indexer_case, indexer_grad_case, mha_backward_case, mha_case, sparse_bwd_case, sparse_case,
+    sparse_fp8_case, sparse_row_sum_case,
 )
 
 FP8 = jnp.float8_e4m3fn
@@ -82,14 +82,28 @@ KERNELS = {
 WITHOUT_DOTS = {"sparse_mqa_row_sum_576_t227_k2048"}  # sums only, no MMA expected
 
 
-def compile_kernel(case, config):
-  """TTIR -> PTX (pip triton) -> cubin (ptxas-blackwell -v); returns a resource dict."""
+# The backward kernels: name -> (lowering case, backward config, kernel name).
+_MHA_BWD = dict(dsv32=(4096, 128, 192, 128), glm5=(4096, 64, 256, 256))
+BACKWARD_KERNELS = {
+    f"{kernel}_{model}_qk{D}_v{V}": (
+        mha_backward_case(S, S, H, D, V, topk=2048 if kernel.startswith("masked") else None),
+        DenseMHAKernelConfig.backward_for(S, S, D, V)[kernel.endswith("dkv")], kernel)
+    for model, (S, H, D, V) in _MHA_BWD.items()
+    for kernel in ("dense_mha_dq", "dense_mha_dkv", "masked_mha_dq", "masked_mha_dkv")
+}
+
+
+def compile_kernel(case, config, kernel=None):
+  """TTIR -> PTX (pip triton) -> cubin (ptxas-blackwell -v); returns a resource dict.
+
+  ``kernel`` names the one to compile when the case lowers several (a backward pass).
+  """
   os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.getcwd(), ".triton_cache"))
   os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
   fn, args = case
   with _compat.capture_ttir() as modules:
     _compat.lower_for_cuda(fn, *args)
-  [(name, ttir)] = modules
+  [(name, ttir)] = [m for m in modules if kernel in (None, m[0])]
   with tempfile.TemporaryDirectory() as tmp:
     ttir_path, ptx_path = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.ptx")
     with open(ttir_path, "w") as f:
@@ -138,7 +152,19 @@ def test_compiles_without_spills(label):
     assert result["mma"] != "none", "the dots did not become tensor-core MMAs"
 
 
+@pytest.mark.parametrize("label", list(BACKWARD_KERNELS))
+def test_backward_compiles_without_spills(label):
+  case, config, kernel = BACKWARD_KERNELS[label]
+  result = compile_kernel(case, config, kernel)
+  print("\n" + report_line(label, config, result))
+  assert result["name"] == kernel
+  assert result["spill_stores"] == 0 and result["spill_loads"] == 0, result
+  assert result["mma"] != "none", "the dots did not become tensor-core MMAs"
+
+
 if __name__ == "__main__":
   print(REPORT_HEADER)
   for label, (case, config) in KERNELS.items():
     print(report_line(label, config, compile_kernel(case, config)), flush=True)
+  for label, (case, config, kernel) in BACKWARD_KERNELS.items():
+    print(report_line(label, config, compile_kernel(case, config, kernel)), flush=True)

@@ -16,9 +16,9 @@ from mla_jax.traces import walk_equations
 from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.sparse_mqa import sparse_mqa
-from tests.kernels.cases import (BF16, F32, FP8, I32, indexer_case, indexer_grad_case, mha_case,
-                                 sds, sparse_bwd_case, sparse_case, sparse_fp8_case,
-                                 sparse_row_sum_case)
+from tests.kernels.cases import (BF16, F32, FP8, I32, batched, indexer_case, indexer_grad_case,
+                                 mha_backward_case, mha_case, sds, sparse_bwd_case, sparse_case,
+                                 sparse_fp8_case, sparse_row_sum_case)
 
 
 CASES = {
@@ -73,6 +73,22 @@ CASES = {
     "sparse_mqa_row_sum_dsv32": (sparse_row_sum_case(227, 2048, 8192), "sparse_mqa_row_sum"),
 }
 
+# The backward: one VJP is the forward and two kernels (dq; dk and dv).
+BACKWARD_CASES = {
+    "mha_bwd_tiny": (mha_backward_case(37, 150, 2, 48, 32, F32), "dense_mha"),
+    "mha_bwd_dsv32": (mha_backward_case(512, 512, 128, 192, 128), "dense_mha"),
+    "mha_bwd_glm5": (mha_backward_case(512, 512, 64, 256, 256), "dense_mha"),
+    "masked_mha_bwd_tiny": (mha_backward_case(37, 150, 2, 48, 32, F32, topk=7), "masked_mha"),
+    "masked_mha_bwd_dsv32": (mha_backward_case(4096, 4096, 128, 192, 128, topk=2048),
+                             "masked_mha"),
+    "masked_mha_bwd_glm5": (mha_backward_case(4096, 4096, 64, 256, 256, topk=2048),
+                            "masked_mha"),
+    # vmap (the backends' batch) becomes a grid axis of each kernel, not a loop of kernels.
+    "mha_bwd_batched": (batched(mha_backward_case(64, 100, 4, 192, 128), 3), "dense_mha"),
+    "masked_mha_bwd_batched": (batched(mha_backward_case(64, 100, 4, 192, 128, topk=16), 3),
+                               "masked_mha"),
+}
+
 
 def triton_kernel_names(hlo_text):
   assert "mosaic_gpu" not in hlo_text, "kernel went to Mosaic GPU: compiler_params missing?"
@@ -89,6 +105,14 @@ class LoweringTest(parameterized.TestCase):
     calls, names = triton_kernel_names(_compat.lower_for_cuda(fn, *args))
     self.assertEqual(calls, 1)
     self.assertIn(kernel_name, names)
+
+  @parameterized.named_parameters((name, *case) for name, case in BACKWARD_CASES.items())
+  def test_backward_lowers_to_triton_calls(self, case, prefix):
+    fn, args = case
+    calls, names = triton_kernel_names(_compat.lower_for_cuda(fn, *args))
+    self.assertEqual(calls, 3)
+    for suffix in ("prefill", "dq", "dkv"):
+      self.assertIn(f"{prefix}_{suffix}", names)
 
   @parameterized.named_parameters(
       ("sparse_mqa", "sparse_mqa", "sparse_mqa_attention"),
@@ -144,7 +168,9 @@ class LoweringTest(parameterized.TestCase):
   def test_masked_kernel_declares_the_causal_pairs(self):
     """An upper bound (skipped blocks are data-dependent) that the routing threshold reads."""
     fn, args = CASES["masked_mha_dsv32"][0]
-    [eqn] = [e for e in jax.make_jaxpr(fn)(*args).eqns if e.primitive.name == "pallas_call"]
+    # The kernel sits inside dense_mha's custom_vjp.
+    [eqn] = [e for e, _ in walk_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+             if e.primitive.name == "pallas_call"]
     self.assertEqual(eqn.params["name"], "masked_mha_prefill")
     self.assertEqual(eqn.params["cost_estimate"].flops, 2 * 128 * (192 + 128) * 4096 * 4097 // 2)
 
