@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mla_jax import plan as plan_lib
+from mla_jax import sharding
 from mla_jax.checkpoints import (CheckpointError, config_from_hf, config_to_hf, load_pretrained,
                                  open_checkpoint, save_pretrained, write_safetensors)
 from mla_jax.models.config import deepseek_v32_lm
@@ -271,6 +273,26 @@ def test_copies_of_the_shared_tensors_must_equal_the_main_ones(tmp_path):
       "model.layers.2.embed_tokens.weight"]
   write_safetensors(tensors, tmp_path / "ckpt" / "model.safetensors", {"format": "pt"})
   _assert_same_params(_model(), load_pretrained(tmp_path / "ckpt", dtype=jnp.float32))
+
+
+def test_mtp_layer_loads_and_runs_sharded(tmp_path):
+  source = _model()
+  save_pretrained(source, tmp_path / "ckpt")
+  mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
+  model = load_pretrained(tmp_path / "ckpt", dtype=jnp.float32, backend="xla", mesh=mesh)
+  block = model.mtp[0].block
+  # The partition rules cover the MTP layer by its HF names, experts over 'expert'.
+  assert block.self_attn.q_b_proj.weight[...].sharding.spec == P("tensor", None)
+  assert block.mlp.experts.down_proj[...].sharding.spec == P("expert", None, "tensor")
+  assert model.mtp[0].eh_proj.weight[...].sharding.spec == P(None, None)
+  caches = model.init_mtp_cache(2, 16)
+  assert caches[0].latent_BSL.sharding.spec == P("data", None, None)
+  ids = _ids((2, 5), seed=5)
+  _, hidden = _main_hidden(source, ids)
+  lens = jnp.full((2,), 4, jnp.int32)
+  sharded = _mtp(model, 0, hidden[:, :-1], ids[:, 1:], caches, lens)[0]
+  plain = _mtp(source, 0, hidden[:, :-1], ids[:, 1:], source.init_mtp_cache(2, 16), lens)[0]
+  np.testing.assert_allclose(np.asarray(sharded), np.asarray(plain), rtol=1e-5, atol=1e-5)
 
 
 def test_a_shared_mtp_indexer_entry_is_refused():
