@@ -109,9 +109,10 @@ def _build_model(args, config, mesh):
     from mla_jax.checkpoints import load_pretrained
 
     compute = _COMPUTE_DTYPES[args.compute_dtype] if args.compute_dtype else None
+    # Plain decoding never runs the MTP layers: leave their memory (and load time) out.
     return load_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype or "bf16"],
                            compute_dtype=compute, attention=args.attention,
-                           backend=args.backend, mesh=mesh)
+                           backend=args.backend, mesh=mesh, mtp=False)
   return CausalLM(config, rngs=nnx.Rngs(args.seed), backend=args.backend, mesh=mesh,
                   param_dtype=_DTYPES[args.dtype or "float32"])
 
