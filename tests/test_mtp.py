@@ -23,6 +23,7 @@ from mla_jax.models.lm import CausalLM
 from mla_jax.quant import BlockScaledWeight
 from mla_jax.routing import PrefillRoute
 from mla_jax.traces import summarize
+from pallas_kernels.fp8_rows import Fp8LatentRows
 from tests.checkpoint_models import random_model, small_config, write_fp8_checkpoint
 
 ROUTES = {route.scope for route in PrefillRoute}
@@ -144,6 +145,19 @@ def test_step_by_step_equals_all_at_once_with_ragged_lengths():
   for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(full_caches[0])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(caches[0].lengths_B), [5, 3])
+
+
+def test_fp8_mtp_cache_stays_close_to_float32():
+  model = _model()
+  ids = _ids((1, 6), seed=4)
+  _, hidden = _main_hidden(model, ids)
+  lens = jnp.full((1,), 5, jnp.int32)
+  args = (hidden[:, :-1], ids[:, 1:])
+  exact = np.asarray(_mtp(model, 0, *args, model.init_mtp_cache(1, 16), lens)[0])
+  fp8_caches = model.init_mtp_cache(1, 16, "fp8")
+  logits, _, fp8_caches = _mtp(model, 0, *args, fp8_caches, lens)
+  assert isinstance(fp8_caches[0].latent_BSL, Fp8LatentRows)  # e4m3 rows (held as bits)
+  assert np.abs(np.asarray(logits) - exact).max() < 0.05 * np.abs(exact).max()
 
 
 def test_bad_mtp_inputs_are_refused_by_name():
