@@ -26,7 +26,7 @@ from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE, resolve_grouped_matmul
-from mla_jax.models.mtp import MTPLayer
+from mla_jax.models.mtp import MTPLayer, check_mtp_inputs
 from mla_jax.routing import PrefillRoute
 from mla_jax.step_plan import StepPlan, cached_bound, plan_step, step_route
 
@@ -422,23 +422,8 @@ class CausalLM(nnx.Module):
       [B, T, D] before ``shared_head.norm`` (what the next draft step feeds back), and
       ``mtp_caches`` with layer ``index``'s cache updated.
     """
-    if not checks.is_int(index) or not 0 <= index < len(self.mtp):
-      raise ValueError(f"MTP layer index must be an int in [0, {len(self.mtp)}) (the model "
-                       f"has {len(self.mtp)} MTP layer(s)), got {index!r}")
-    if (not isinstance(mtp_caches, tuple) or len(mtp_caches) != len(self.mtp)
-        or not all(isinstance(c, LayerCache) for c in mtp_caches)):
-      raise ValueError(f"mtp_caches must be init_mtp_cache's tuple of {len(self.mtp)} "
-                       f"LayerCache(s), got {type(mtp_caches).__name__}")
+    check_mtp_inputs(self.config, index, hidden_BTD, next_ids_BT, mtp_caches)
     cache = mtp_caches[index]
-    if getattr(next_ids_BT, "ndim", None) != 2 or not jnp.issubdtype(next_ids_BT.dtype,
-                                                                     jnp.integer):
-      raise ValueError(f"next_ids must be an int array [batch, tokens], got "
-                       f"{getattr(next_ids_BT, 'dtype', type(next_ids_BT).__name__)} of shape "
-                       f"{getattr(next_ids_BT, 'shape', None)}")
-    d = self.config.mla.hidden_size
-    if getattr(hidden_BTD, "shape", None) != (*next_ids_BT.shape, d):
-      raise ValueError(f"hidden must be [batch, tokens, {d}] = {(*next_ids_BT.shape, d)} to "
-                       f"pair with next_ids, got shape {getattr(hidden_BTD, 'shape', None)}")
     checks.ids_in_vocab(next_ids_BT, self.config.vocab_size)
     b, t = next_ids_BT.shape
     new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)

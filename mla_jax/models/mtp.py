@@ -29,6 +29,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import checks
+from mla_jax.cache import LayerCache
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.step_plan import StepPlan
 
@@ -63,3 +65,25 @@ class MTPLayer(nnx.Module):
         [self.enorm(embed_BTD), self.hnorm(hidden_BTD.astype(embed_BTD.dtype))], axis=-1))
     h_BTD, attn = self.block.forward(x_BTD, cache, plan, new_lens_B=new_lens_B)
     return h_BTD, attn.cache
+
+
+def check_mtp_inputs(config, index, hidden_BTD, next_ids_BT, mtp_caches) -> None:
+  """``CausalLM.mtp_forward``'s arguments, each refused by name (shapes and types; the new
+  lengths and the plan are checked where the main model checks its own)."""
+  count = config.num_mtp_layers
+  if not checks.is_int(index) or not 0 <= index < count:
+    raise ValueError(f"MTP layer index must be an int in [0, {count}) (the model has {count} "
+                     f"MTP layer(s)), got {index!r}")
+  if (not isinstance(mtp_caches, tuple) or len(mtp_caches) != count
+      or not all(isinstance(c, LayerCache) for c in mtp_caches)):
+    raise ValueError(f"mtp_caches must be init_mtp_cache's tuple of {count} LayerCache(s), "
+                     f"got {type(mtp_caches).__name__}")
+  if getattr(next_ids_BT, "ndim", None) != 2 or not jnp.issubdtype(next_ids_BT.dtype,
+                                                                   jnp.integer):
+    raise ValueError(f"next_ids must be an int array [batch, tokens], got "
+                     f"{getattr(next_ids_BT, 'dtype', type(next_ids_BT).__name__)} of shape "
+                     f"{getattr(next_ids_BT, 'shape', None)}")
+  d = config.mla.hidden_size
+  if getattr(hidden_BTD, "shape", None) != (*next_ids_BT.shape, d):
+    raise ValueError(f"hidden must be [batch, tokens, {d}] = {(*next_ids_BT.shape, d)} to "
+                     f"pair with next_ids, got shape {getattr(hidden_BTD, 'shape', None)}")
