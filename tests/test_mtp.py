@@ -86,6 +86,9 @@ def test_structure_follows_the_config():
                                           rngs=nnx.Rngs(0)))
   assert len(plain.mtp) == 0 and plain.init_mtp_cache(1, 8) == ()
   assert set(hf_shapes(nnx.state(model))) - set(hf_shapes(nnx.state(plain))) == names
+  # One group per layer instead of the scanned groups: the same HF names and shapes.
+  unscanned = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), scan_layers=False))
+  assert hf_shapes(nnx.state(unscanned)) == hf_shapes(nnx.state(model))
 
 
 def test_return_hidden_is_what_the_head_reads():

@@ -18,6 +18,8 @@ The rules are those of transformers 5.24.0's ``DeepseekV3Config``, ``DeepseekV32
 
 ``indexer_rope_interleave`` is an mla_jax (and vLLM) extension that HF ignores: the indexer
 pairing defaults by model type (DeepSeek NeoX, GLM interleaved) and the key overrides it.
+So is ``num_nextn_predict_layers`` (DeepSeek's and GLM's releases write it; HF runs no MTP
+layer): ``ModelConfig.num_mtp_layers``, 0 when missing or null.
 """
 
 from __future__ import annotations
