@@ -347,3 +347,12 @@ def test_deepseek_v32_with_its_mtp_layer_as_shapes_and_in_the_plan():
   assert with_mtp.total_param_bytes - plain.total_param_bytes == mtp_bytes
   assert with_mtp.param_bytes > plain.param_bytes
   assert with_mtp.token_bytes - plain.token_bytes == 576 * 2 + 128 * 2  # one more bf16 layer
+
+
+def test_cli_plan_counts_mtp_layers(capsys):
+  from mla_jax import cli
+
+  assert cli.main(["plan", "--mesh", "tensor=8", "--mtp-layers", "1", "--context", "4096"]) == 0
+  out = capsys.readouterr().out
+  expected = plan_lib.make_plan("deepseek_v32", "tensor=8", context=4096, mtp_layers=1)
+  assert f"deepseek_v32 with 1 MTP layer(s): {expected.total_param_bytes / 2**30:,.1f} GiB" in out
