@@ -129,7 +129,8 @@ def test_mtp_math_matches_float64_numpy():
 
 
 def test_step_by_step_equals_all_at_once_with_ragged_lengths():
-  """T pairs in one call, or one pair per call on the growing cache (a draft loop's shape)."""
+  """T pairs in one call, one pair per call on the growing cache (a draft loop's shape), or
+  rolled back and written again (a rejected draft)."""
   model = _model()
   ids = _ids((2, 6), seed=3)
   _, hidden = _main_hidden(model, ids)
@@ -148,6 +149,13 @@ def test_step_by_step_equals_all_at_once_with_ragged_lengths():
   for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(full_caches[0])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(caches[0].lengths_B), [5, 3])
+  # Roll back to 2 pairs (a rejected draft) and write the rest again over the stale rows.
+  rolled = (dataclasses.replace(full_caches[0], lengths_B=jnp.full((2,), 2, jnp.int32)),)
+  again, _, rolled = _mtp(model, 0, hidden[:, 2:], next_ids[:, 2:], rolled, lens - 2)
+  np.testing.assert_allclose(np.asarray(again[0]), np.asarray(full[0, 2:]), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(again[1, :1]), np.asarray(full[1, 2:3]), rtol=1e-4,
+                             atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(rolled[0].lengths_B), [5, 3])
 
 
 def test_fp8_mtp_cache_stays_close_to_float32():

@@ -83,7 +83,7 @@ def _layout(path: tuple, groups: tuple[LayerGroup, ...]) -> ParamLayout:
   if names[-1] in _QUANTIZED_SUFFIXES:
     suffix = _QUANTIZED_SUFFIXES[names.pop()]
   if names[0] == MTP:
-    layer, rest = (groups[-1].end if groups else 0) + int(names[1]), names[2:]
+    layer, rest = groups[-1].end + int(names[1]), names[2:]  # after the main layers
     rest, leading = _layer_params(rest[1:] if rest[0] == "block" else rest, ())
     return ParamLayout(path, ".".join(["model", "layers", str(layer), *rest]) + suffix, leading)
   if names[:2] != ["model", "groups"]:

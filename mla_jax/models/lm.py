@@ -319,7 +319,9 @@ class CausalLM(nnx.Module):
 
     MTP row p holds the pair (main hidden state at p, token at p + 1), so a speculative
     decoder keeps these lengths equal to the main cache's (or one behind while the token
-    after the last cached one is not known yet) and rolls them back the same way.
+    after the last cached one is not known yet) and rolls them back the same way
+    (``dataclasses.replace(cache, lengths_B=...)``; rows past the length are overwritten by
+    later writes). With the main cache's capacity one ``step_plan`` serves both.
     """
     dtype = resolve_cache_dtype(dtype)
     batch_size, capacity = cache_shape(self.config.mla, batch_size, capacity)
