@@ -109,9 +109,10 @@ def _build_model(args, config, mesh):
     from mla_jax.checkpoints import load_pretrained
 
     compute = _COMPUTE_DTYPES[args.compute_dtype] if args.compute_dtype else None
+    # Plain decoding never runs the MTP layers: leave their memory (and load time) out.
     return load_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype or "bf16"],
                            compute_dtype=compute, attention=args.attention,
-                           backend=args.backend, mesh=mesh)
+                           backend=args.backend, mesh=mesh, mtp=False)
   return CausalLM(config, rngs=nnx.Rngs(args.seed), backend=args.backend, mesh=mesh,
                   param_dtype=_DTYPES[args.dtype or "float32"])
 
@@ -304,8 +305,9 @@ def cmd_plan(args) -> int:
   from mla_jax import plan
 
   plans = [plan.make_plan(args.model, mesh, args.dtype, args.batch, args.context,
-                          args.cache_dtype) for mesh in args.mesh]
-  print(f"{args.model}: {plans[0].total_param_bytes / 2**30:,.1f} GiB of {args.dtype} "
+                          args.cache_dtype, args.mtp_layers) for mesh in args.mesh]
+  mtp = f" with {args.mtp_layers} MTP layer(s)" if args.mtp_layers else ""
+  print(f"{args.model}{mtp}: {plans[0].total_param_bytes / 2**30:,.1f} GiB of {args.dtype} "
         f"parameters in total; per device (busiest), from nnx.eval_shape and the rules below:")
   print(plan.format_plans(plans))
   print(f"fits: parameters + caches <= {plan.FIT_FRACTION:.0%} of the GPU's memory "
@@ -456,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16")
   plan.add_argument("--batch", type=int_in(1), default=1)
   plan.add_argument("--context", type=int_in(1), default=131072, help="tokens per sequence")
+  plan.add_argument("--mtp-layers", type=int_in(0), default=0,
+                    help="MTP layers to count, parameters and caches (the releases ship 1; "
+                         "default 0: plain decoding)")
   plan.add_argument("--page-size", type=int_in(1), default=64,
                     help="tokens per page of the paged-cache table (default 64)")
   plan.add_argument("--lower", action="store_true",

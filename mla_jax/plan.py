@@ -103,17 +103,24 @@ def param_bytes(state, mesh) -> tuple[int, int]:
 
 
 def token_bytes(config: ModelConfig, cache_dtype: str) -> int:
-  """Bytes of one cached token over all layers: a latent row in every layer, an indexer key
-  in every layer that scores its own keys (IndexShare's shared layers reuse a top-k)."""
+  """Bytes of one cached token over all layers, MTP layers included: a latent row in every
+  layer, an indexer key in every layer that scores its own keys (IndexShare's shared layers
+  reuse a top-k; an MTP layer always scores its own)."""
   latent, key = CACHE_BYTES[cache_dtype]
+  layers = config.num_layers + config.num_mtp_layers
   indexed = 0 if config.mla.indexer is None else sum(
-      not config.shares_topk(i) for i in range(config.num_layers))
-  return config.num_layers * latent + indexed * key
+      not config.shares_topk(i) for i in range(layers))
+  return layers * latent + indexed * key
 
 
 def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
-              context: int = 4096, cache_dtype: str = "bf16") -> Plan:
-  """Bytes per device for a named full-size model (``FULL_SIZE``) on an abstract mesh."""
+              context: int = 4096, cache_dtype: str = "bf16", mtp_layers: int = 0) -> Plan:
+  """Bytes per device for a named full-size model (``FULL_SIZE``) on an abstract mesh.
+
+  ``mtp_layers``: MTP layers to count beside the model, their parameters and caches (the
+  DeepSeek-V3.2, GLM-5 and DeepSeek-V3 releases ship 1; 0 plans plain decoding, as
+  ``load_pretrained(..., mtp=False)`` loads it).
+  """
   if model not in FULL_SIZE:
     raise ValueError(f"model must be one of {sorted(FULL_SIZE)}, got {model!r}")
   if dtype not in ("bf16", "fp8"):
@@ -123,8 +130,10 @@ def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
   for name, value in (("batch", batch), ("context", context)):
     if not checks.is_int(value) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if not checks.is_int(mtp_layers) or mtp_layers < 0:
+    raise ValueError(f"mtp_layers must be an int >= 0, got {mtp_layers!r}")
   batch, context = int(batch), int(context)
-  config = FULL_SIZE[model]()
+  config = dataclasses.replace(FULL_SIZE[model](), num_mtp_layers=int(mtp_layers))
   if context > config.mla.max_position_embeddings:
     raise ValueError(f"context {context} exceeds {model}'s max_position_embeddings "
                      f"{config.mla.max_position_embeddings}")

@@ -99,7 +99,7 @@ def test_handwritten_glm52_style_config_with_mtp_keys(tmp_path):
       "index_topk_pattern": None, "indexer_types": ["full", "shared", "full", "full"],
       "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 0,
   }
-  assert config_from_hf(hf) == expected
+  assert config_from_hf(hf) == dataclasses.replace(expected, num_mtp_layers=1)
   source = random_model(expected, seed=2, round_to=ml_dtypes.bfloat16)
   tensors = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in hf_params(source).items()}
   assert not any(".1.self_attn.indexer." in k for k in tensors)  # shared: no indexer weights
@@ -107,7 +107,9 @@ def test_handwritten_glm52_style_config_with_mtp_keys(tmp_path):
   tensors["model.layers.3.self_attn.indexer.wk.weight"] = np.ones((7,), ml_dtypes.bfloat16)
   write_safetensors(tensors, tmp_path / "model.safetensors", {"format": "pt"})
   (tmp_path / "config.json").write_text(json.dumps(hf))
-  loaded = load_pretrained(tmp_path, dtype=jnp.float32)
+  with pytest.raises(CheckpointError, match=r"model\.layers\.3\.hnorm\.weight"):
+    load_pretrained(tmp_path, dtype=jnp.float32)  # not a loadable MTP layer
+  loaded = load_pretrained(tmp_path, dtype=jnp.float32, mtp=False)  # skipped, as HF does
   _assert_same_params(source, loaded)
   np.testing.assert_array_equal(_logits(loaded, _ids()), _logits(source, _ids()))
 

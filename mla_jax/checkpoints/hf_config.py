@@ -18,6 +18,8 @@ The rules are those of transformers 5.24.0's ``DeepseekV3Config``, ``DeepseekV32
 
 ``indexer_rope_interleave`` is an mla_jax (and vLLM) extension that HF ignores: the indexer
 pairing defaults by model type (DeepSeek NeoX, GLM interleaved) and the key overrides it.
+So is ``num_nextn_predict_layers`` (DeepSeek's and GLM's releases write it; HF runs no MTP
+layer): ``ModelConfig.num_mtp_layers``, 0 when missing or null.
 """
 
 from __future__ import annotations
@@ -337,11 +339,13 @@ def _frequency_types(f: _Fields, n: int) -> list[str]:
   return ["full" if max(l - offset + 1, 0) % freq == 0 else "shared" for l in range(n)]
 
 
-def _indexer_types(f: _Fields, n: int) -> tuple[str, ...] | None:
+def _indexer_types(f: _Fields, n: int, mtp: int) -> tuple[str, ...] | None:
   """Per layer 'full' or 'shared'; None when every layer runs its indexer.
 
   GLM: ``indexer_types`` > ``index_topk_pattern`` > ``index_topk_freq``/offset, as in HF; a
   lower-priority form that is given and disagrees is a warning. DeepSeek-V3.2: all full.
+  Entries past the ``n`` layers describe the ``mtp`` MTP layers, which always run their own
+  indexer: one listed 'shared' is refused.
   """
   scalar_keys = ("index_topk_freq", "index_skip_topk_offset")
   if f.model_type == "deepseek_v32":
@@ -375,7 +379,12 @@ def _indexer_types(f: _Fields, n: int) -> tuple[str, ...] | None:
   if len(types) < n:
     raise CheckpointError(f"config field {source!r}: the indexer schedule has {len(types)} "
                           f"entries for {n} layers")
-  types = tuple(types[:n])  # trailing entries describe MTP layers, which are not loaded
+  for i, kind in enumerate(types[n:n + mtp]):
+    if kind == "shared":
+      raise CheckpointError(f"config field {source!r} marks MTP layer {n + i} 'shared', but an "
+                            "MTP layer has no full layer of its own pass to share top-k with "
+                            "(mla_jax runs its own indexer)")
+  types = tuple(types[:n])
   return None if set(types) == {"full"} else types
 
 
@@ -446,9 +455,23 @@ def config_from_hf(hf: dict, *, attention: str = "mqa-only") -> ModelConfig:
     raise CheckpointError(f"invalid config: {e}") from None
 
 
+def _mtp_layers(f: _Fields) -> int:
+  """``num_nextn_predict_layers`` (DeepSeek's and GLM's releases: 1); missing or null: 0.
+
+  HF's config classes do not declare it (HF runs no MTP layer), so it is read as is."""
+  mtp = f.hf.get("num_nextn_predict_layers")
+  if mtp is None:
+    return 0
+  if not _is_int(mtp) or mtp < 0:
+    raise CheckpointError(f"config field 'num_nextn_predict_layers' must be an int >= 0, got "
+                          f"{mtp!r}")
+  return mtp
+
+
 def _model_config(f: _Fields, attention: str) -> ModelConfig:
   _check_supported(f)
   n = f.positive_int("num_hidden_layers")
+  mtp = _mtp_layers(f)
   kinds = _mlp_layer_kinds(f, n)
   dense = kinds.count("dense")
   if kinds != _dense_prefix(dense, n):
@@ -458,7 +481,7 @@ def _model_config(f: _Fields, attention: str) -> ModelConfig:
   moe = _moe(f) if dense < n else None
   indexer = indexer_types = None
   if f.model_type != "deepseek_v3":
-    indexer, indexer_types = _indexer(f), _indexer_types(f, n)
+    indexer, indexer_types = _indexer(f), _indexer_types(f, n, mtp)
   max_positions = f.positive_int("max_position_embeddings")
   mla = MLAConfig(hidden_size=f.positive_int("hidden_size"),
                   num_heads=f.positive_int("num_attention_heads"),
@@ -472,7 +495,7 @@ def _model_config(f: _Fields, attention: str) -> ModelConfig:
   return ModelConfig(mla=mla, vocab_size=f.positive_int("vocab_size"), num_layers=n,
                      intermediate_size=f.positive_int("intermediate_size"), moe=moe,
                      first_k_dense_replace=dense if moe is not None else 0,
-                     attention=attention, indexer_types=indexer_types,
+                     attention=attention, indexer_types=indexer_types, num_mtp_layers=mtp,
                      rms_norm_eps=_number("'rms_norm_eps'", f.get("rms_norm_eps"),
                                           positive=True))
 

@@ -92,6 +92,8 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict:
       "rope_parameters": _rope_parameters(config), "tie_word_embeddings": False,
       "first_k_dense_replace": min(dense, n),
   }
+  if config.num_mtp_layers:
+    hf["num_nextn_predict_layers"] = config.num_mtp_layers
   if model_type == "deepseek_v3":
     hf["rope_interleave"] = True
   else:
@@ -108,7 +110,9 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict:
     hf.update(index_n_heads=mla.indexer.num_heads, index_head_dim=mla.indexer.head_dim,
               index_topk=mla.indexer.topk, indexer_rope_interleave=mla.indexer.rope_interleave)
     if model_type == "glm_moe_dsa":
-      hf["indexer_types"] = list(config.indexer_types or ("full",) * n)
+      # GLM's releases list the MTP layers too, each running its own indexer.
+      hf["indexer_types"] = (list(config.indexer_types or ("full",) * n) +
+                             ["full"] * config.num_mtp_layers)
   reloaded = config_from_hf(hf, attention=config.attention)
   if mla.indexer is not None:  # the Hadamard flag is rederived on load, by design
     reloaded = dataclasses.replace(reloaded, mla=dataclasses.replace(

@@ -2,9 +2,13 @@
 
 Before anything is read the loader checks every tensor against the model and reports all
 missing, unexpected and mis-shaped ones in one ``CheckpointError`` (the mesh and the splits
-are checked before that, when the abstract model is built). Multi-token-prediction layers
-(``model.layers.{L}.*`` with L >= num_hidden_layers: layer 61 of DeepSeek-V3.2, 78 of GLM-5)
-are skipped, as HF's model does.
+are checked before that, when the abstract model is built).
+
+Multi-token-prediction layers (``model.layers.{L}.*`` with L >= num_hidden_layers: layer 61
+of DeepSeek-V3.2, 78 of GLM-5; ``num_nextn_predict_layers`` of them) load into
+``CausalLM.mtp`` like the main layers (fp8 weights included), unless ``mtp=False`` skips them
+as HF's model does. Their copies of the embedding and the LM head are checked to equal the
+main tensors and not held again (``mla_jax.models.mtp``); saving writes them back.
 
 Each parameter is then made with ``jax.make_array_from_callback``: every device's piece is
 read from the memory-mapped files as a slice of the HF tensors it covers, so a process reads
@@ -18,6 +22,7 @@ matmuls) or dequantized slice by slice while loading.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -34,6 +39,7 @@ from mla_jax.checkpoints.hf_config import config_from_hf, fp8_block_size
 from mla_jax.checkpoints.mapping import expected_tensors, fill_parameters
 from mla_jax.checkpoints.reading import TensorHandle, open_checkpoint, read_json_object
 from mla_jax.models.config import ATTENTION_KINDS
+from mla_jax.models import hf_layout
 from mla_jax.models.hf_layout import param_layouts
 from mla_jax.models.lm import CausalLM, state_shardings
 
@@ -74,6 +80,26 @@ def _is_mtp(name: str, num_layers: int) -> bool:
   return m is not None and int(m.group(1)) >= num_layers
 
 
+_COMPARE_BYTES = 64 << 20  # per slice, to bound the host memory of the comparison
+
+
+def _check_shared_copies(path: Path, available: dict[str, TensorHandle],
+                         copies: dict[str, str]) -> None:
+  """Each MTP layer's stored copy of the embedding or head equals the main tensor bitwise
+  (compared slice by slice), since the model holds the main one only."""
+  for copy, original in copies.items():
+    a, b = available[copy], available[original]
+    same = a.st_dtype == b.st_dtype and a.shape == b.shape and len(a.shape) == 2
+    if same:
+      rows = max(1, _COMPARE_BYTES * a.shape[0] // max(a.nbytes, 1))
+      same = all(a[r:r + rows, :].tobytes() == b[r:r + rows, :].tobytes()
+                 for r in range(0, a.shape[0], rows))
+    if not same:
+      raise CheckpointError(f"{path}: {copy} differs from {original}; mla_jax's MTP layers "
+                            "share the main model's embedding and LM head (DeepSeek-V3 §2.2) "
+                            "and cannot hold another; load with mtp=False to skip them")
+
+
 def _is_float8(handle: TensorHandle) -> bool:
   return handle.st_dtype.startswith("F8_")
 
@@ -100,9 +126,9 @@ def _keep_fp8(path: Path, model: CausalLM, available: dict[str, TensorHandle],
 
 
 def _check_tensors(path: Path, expected: dict, available: dict[str, TensorHandle],
-                   block: tuple[int, int]) -> dict[str, str]:
+                   block: tuple[int, int], missing_hint: str = "") -> dict[str, str]:
   """Each parameter stored as fp8 but held in a wider dtype -> its scale's name; raises
-  listing every mismatch."""
+  listing every mismatch (and ``missing_hint`` when some tensor is missing)."""
   missing, wrong, scales = [], [], {}
   for name, target in sorted(expected.items()):
     if name not in available:
@@ -140,6 +166,8 @@ def _check_tensors(path: Path, expected: dict, available: dict[str, TensorHandle
       lines += [f"    {item}" for item in items[:_MAX_LISTED]]
       if len(items) > _MAX_LISTED:
         lines.append(f"    ... and {len(items) - _MAX_LISTED} more")
+  if missing and missing_hint:
+    lines.append(f"  {missing_hint}")
   if lines:
     raise CheckpointError(f"{path}: checkpoint does not match the model:\n" + "\n".join(lines))
   return scales
@@ -205,7 +233,7 @@ def read_config(path: Path) -> dict:
 
 def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
                     attention: str = "mqa-only", backend: str | Backend = "auto",
-                    mesh=None) -> CausalLM:
+                    mesh=None, mtp: bool = True) -> CausalLM:
   """A ``CausalLM`` from an HF directory (``config.json`` + safetensors, single or sharded).
 
   Args:
@@ -226,6 +254,10 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
     mesh: a ``jax.sharding.Mesh`` (``mla_jax.sharding.make_mesh``): parameters are placed by
       the partition rules, each process reading only its own devices' pieces, and the model
       computes sharded. None: the first local device.
+    mtp: load the ``num_nextn_predict_layers`` MTP layers (``CausalLM.mtp``, for speculative
+      decoding). False skips their tensors, memory and the check of their embedding and
+      head copies (one full read of each), and gives ``config.num_mtp_layers == 0``: enough
+      for plain decoding.
 
   Raises:
     CheckpointError: a bad config, file or tensor set; every tensor mismatch is listed
@@ -240,22 +272,33 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
   if not path.is_dir():
     raise CheckpointError(f"{path} is not a directory")
   hf = read_config(path)
+  if not isinstance(mtp, bool):
+    raise ValueError(f"mtp must be a bool, got {mtp!r}")
   try:
     config = config_from_hf(hf, attention=attention)
     block = fp8_block_size(hf)
   except CheckpointError as e:
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+  mtp_layers = config.num_mtp_layers
+  if not mtp:
+    config = dataclasses.replace(config, num_mtp_layers=0)
   backend = get_backend(backend)
   # Shapes only; on a mesh this also refuses heads, experts or dimensions that do not split.
   abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                              param_dtype=param_dtype, mesh=mesh))
   tensors = open_checkpoint(path)
+  # Layers past the MTP ones the config counts are skipped, as HF skips the MTP layers.
   available = {name: handle for name, handle in tensors.items()
-               if not _is_mtp(name, config.num_layers)}
+               if not _is_mtp(name, config.num_layers + config.num_mtp_layers)}
+  copies = {c: o for c, o in hf_layout.mtp_shared_copies(config).items() if c in available}
+  stored_copies = {c: available.pop(c) for c in copies}
   if keep_fp8:
     _keep_fp8(path, abstract, available, block)
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-  scales = _check_tensors(path, expected_tensors(params), available, block)
+  hint = (f"config.json says num_nextn_predict_layers={mtp_layers}; load_pretrained(..., "
+          "mtp=False) skips the MTP layers" if config.num_mtp_layers else "")
+  scales = _check_tensors(path, expected_tensors(params), available, block, hint)
+  _check_shared_copies(path, {**available, **stored_copies}, copies)
   shardings = _shardings(params, mesh, block)
 
   def read(name, tail):

@@ -23,8 +23,12 @@ Read = Callable[[str, tuple[slice, ...]], np.ndarray]
 
 
 def model_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
-  """Saving: HF tensor name -> host array, in the parameters' own dtypes."""
-  return hf_layout.hf_params(model)
+  """Saving: HF tensor name -> host array, in the parameters' own dtypes, with the copies of
+  the embedding and head that MTP layers store in HF checkpoints (``mtp_shared_copies``)."""
+  tensors = hf_layout.hf_params(model)
+  for copy, original in hf_layout.mtp_shared_copies(model.config).items():
+    tensors[copy] = tensors[original]
+  return tensors
 
 
 def expected_tensors(params: nnx.State) -> dict[str, jax.ShapeDtypeStruct]:

@@ -55,6 +55,9 @@ class ModelConfig:
   ``DeepseekV32Attention`` (the reference engine's choice), ``"dense-capable"`` is
   ``MLAAttention``. ``indexer_types`` (GLM-5.2's IndexShare) marks each layer "full" (runs
   its indexer) or "shared" (reuses the previous full layer's top-k); None means all full.
+  ``num_mtp_layers`` multi-token-prediction layers (``mla_jax.models.mtp``, HF's
+  ``num_nextn_predict_layers``) follow as layers ``num_layers + i``: each has its MLP by the
+  same rule and always its own indexer (it has no full layer of its own pass to share with).
   """
 
   mla: MLAConfig
@@ -66,6 +69,7 @@ class ModelConfig:
   attention: str = "mqa-only"
   rms_norm_eps: float = 1e-6
   indexer_types: tuple[str, ...] | None = None
+  num_mtp_layers: int = 0
 
   def __post_init__(self):
     _require(isinstance(self.mla, MLAConfig), "mla", self.mla, "an MLAConfig")
@@ -78,6 +82,8 @@ class ModelConfig:
     _require(self.attention in ATTENTION_KINDS, "attention", self.attention,
              f"one of {ATTENTION_KINDS}")
     _positive_float("rms_norm_eps", self.rms_norm_eps)
+    _require(_int_at_least(self.num_mtp_layers, 0), "num_mtp_layers", self.num_mtp_layers,
+             "an int >= 0")
     if self.indexer_types is not None:
       types = self.indexer_types
       _require(isinstance(types, tuple) and len(types) == self.num_layers
@@ -88,7 +94,9 @@ class ModelConfig:
                "None for a model without an indexer")
 
   def shares_topk(self, layer: int) -> bool:
-    return self.indexer_types is not None and self.indexer_types[layer] == "shared"
+    """Layer ``layer`` reuses a full layer's top-k (never an MTP layer, ``>= num_layers``)."""
+    return (self.indexer_types is not None and layer < self.num_layers
+            and self.indexer_types[layer] == "shared")
 
   def uses_moe(self, layer: int) -> bool:
     return self.moe is not None and layer >= self.first_k_dense_replace

@@ -7,6 +7,12 @@ runs them). Checkpoints keep HF's names, one tensor per layer and expert:
     model.groups.1.unit.layers.0.mlp.experts.gate_proj      [reps, E, F, D]
       element [r, e]  <->  model.layers.{first + r * unit_len}.mlp.experts.{e}.gate_proj.weight
 
+Multi-token-prediction layers (``CausalLM.mtp``, not stacked) take the HF layer numbers
+after the main layers, their decoder block's parameters without a prefix, as HF stores them:
+
+    mtp.0.eh_proj.weight                         <->  model.layers.{N}.eh_proj.weight
+    mtp.0.block.mlp.experts.down_proj [E, D, F]  <->  model.layers.{N}.mlp.experts.{e}.down_proj.weight
+
 ``param_layouts`` describes every parameter this way; loading, saving and the partition
 rules all go through it, so the mapping exists once.
 """
@@ -25,6 +31,7 @@ from mla_jax.models.config import LayerGroup
 from mla_jax.quant import SCALE_INV, VALUES
 
 LAYER, EXPERT = "layer", "expert"
+MTP = "mtp"  # CausalLM's attribute holding the MTP layers
 _QUANTIZED_SUFFIXES = {VALUES: "", SCALE_INV: "_scale_inv"}
 
 
@@ -62,21 +69,40 @@ class ParamLayout:
     return itertools.product(*(range(n) for n in shape[:len(self.leading)]))
 
 
+def _layer_params(rest: list[str], leading: tuple[str, ...]) -> tuple[list[str], tuple]:
+  """A decoder layer's names below ``model.layers.{L}`` and the stacked axes they add."""
+  if rest[:2] == ["mlp", "experts"]:  # stacked [E, ...]; HF: one ``.weight`` per expert
+    return ["mlp", "experts", "{expert}", *rest[2:], "weight"], leading + (EXPERT,)
+  return rest, leading
+
+
 def _layout(path: tuple, groups: tuple[LayerGroup, ...]) -> ParamLayout:
   names = [str(p) for p in path]
   # A block-scaled fp8 weight holds two parameters: HF's ``X`` and ``X_scale_inv``.
   suffix = ""
   if names[-1] in _QUANTIZED_SUFFIXES:
     suffix = _QUANTIZED_SUFFIXES[names.pop()]
+  if names[0] == MTP:
+    layer, rest = groups[-1].end + int(names[1]), names[2:]  # after the main layers
+    rest, leading = _layer_params(rest[1:] if rest[0] == "block" else rest, ())
+    return ParamLayout(path, ".".join(["model", "layers", str(layer), *rest]) + suffix, leading)
   if names[:2] != ["model", "groups"]:
     return ParamLayout(path, ".".join(names) + suffix)
-  group, position, rest = groups[int(names[2])], int(names[5]), names[6:]
-  leading = (LAYER,)
-  if rest[:2] == ["mlp", "experts"]:  # stacked [E, ...]; HF: one ``.weight`` per expert
-    rest = ["mlp", "experts", "{expert}", *rest[2:], "weight"]
-    leading += (EXPERT,)
+  group, position = groups[int(names[2])], int(names[5])
+  rest, leading = _layer_params(names[6:], (LAYER,))
   template = ".".join(["model", "layers", "{layer}", *rest]) + suffix
   return ParamLayout(path, template, leading, group, position)
+
+
+def mtp_shared_copies(config) -> dict[str, str]:
+  """The copies of the embedding and the LM head that DeepSeek's and GLM's checkpoints store
+  in every MTP layer -> the main model's tensor each duplicates (the model holds only that
+  one: ``mla_jax.models.mtp``)."""
+  copies = {}
+  for layer in range(config.num_layers, config.num_layers + config.num_mtp_layers):
+    copies[f"model.layers.{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+    copies[f"model.layers.{layer}.shared_head.head.weight"] = "lm_head.weight"
+  return copies
 
 
 def _groups(flat: dict) -> tuple[LayerGroup, ...]:

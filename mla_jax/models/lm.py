@@ -26,6 +26,7 @@ from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE, resolve_grouped_matmul
+from mla_jax.models.mtp import MTPLayer, check_mtp_inputs
 from mla_jax.routing import PrefillRoute
 from mla_jax.step_plan import StepPlan, cached_bound, plan_step, step_route
 
@@ -202,10 +203,28 @@ class _Parts(nnx.Module):
                        **layer_kwargs)
     self.lm_head = Linear(config.mla.hidden_size, config.vocab_size, rngs=rngs,
                           param_dtype=param_dtype)
+    # Drawn after the main model's keys, so adding MTP layers changes none of its weights.
+    mtp_key = rngs.params()
+    self.mtp = nnx.List([_mtp_layer(config, config.num_layers + i,
+                                    nnx.Rngs(params=jax.random.fold_in(mtp_key, i)),
+                                    param_dtype, layer_kwargs)
+                         for i in range(config.num_mtp_layers)])
+
+
+def _mtp_layer(config: ModelConfig, layer_idx: int, rngs: nnx.Rngs, param_dtype,
+               layer_kwargs) -> MTPLayer:
+  block = DecoderLayer(config, layer_idx, rngs=rngs, param_dtype=param_dtype, **layer_kwargs)
+  return MTPLayer(config.mla.hidden_size, block, eps=config.rms_norm_eps, rngs=rngs,
+                  param_dtype=param_dtype)
 
 
 class CausalLM(nnx.Module):
   """``logits, caches = lm(ids_BT, caches)``; see ``MLAAttentionBase.__call__`` for routing.
+
+  With ``config.num_mtp_layers`` the model also holds its multi-token-prediction layers
+  (``lm.mtp``, ``mla_jax.models.mtp``; empty without), run by ``mtp_forward`` on caches of
+  their own (``init_mtp_cache``); ``lm(..., return_hidden=True)`` returns the hidden states
+  they read.
 
   ``backend`` is the attention kernels; with ``mesh`` the model is created already sharded by
   ``mla_jax.sharding``'s rules: each device computes and holds only its own shards, and no
@@ -241,7 +260,7 @@ class CausalLM(nnx.Module):
     build = lambda k: _Parts(config, k, param_dtype, scan_layers, backend=backend, mesh=mesh,
                              grouped_matmul=grouped_matmul, attention_class=attention_class)
     parts = build(key) if mesh is None else _build_sharded(build, key, mesh)
-    self.model, self.lm_head = parts.model, parts.lm_head
+    self.model, self.lm_head, self.mtp = parts.model, parts.lm_head, parts.mtp
 
   @property
   def layer_groups(self) -> tuple[LayerGroup, ...]:
@@ -255,7 +274,8 @@ class CausalLM(nnx.Module):
   def _attention_modules(self) -> list[MLAAttentionBase]:
     """One attention module per unit position of every group (their static attributes are
     every layer's; no parameter is touched)."""
-    return [layer.self_attn for stack in self.model.groups for layer in stack.unit.layers]
+    return ([layer.self_attn for stack in self.model.groups for layer in stack.unit.layers] +
+            [layer.block.self_attn for layer in self.mtp])
 
   def layer_module(self, index: int) -> DecoderLayer:
     """Layer ``index`` as a module of its own (its parameters sliced out of its group)."""
@@ -290,6 +310,30 @@ class CausalLM(nnx.Module):
       raise ValueError(f"batch_size {batch_size} cannot be split over mesh axis 'data' of "
                        f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
     return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), self.mesh))()
+
+  def init_mtp_cache(self, batch_size: int, capacity: int,
+                     dtype=jnp.float32) -> tuple[LayerCache, ...]:
+    """Empty caches of the MTP layers: one ``LayerCache`` per layer (``()`` without any),
+    each with indexer keys in a DSA model; ``dtype`` as in ``init_cache`` (``"fp8"``
+    included). They are placed like ``init_cache``'s on the model's mesh.
+
+    MTP row p holds the pair (main hidden state at p, token at p + 1), so a speculative
+    decoder keeps these lengths equal to the main cache's (or one behind while the token
+    after the last cached one is not known yet) and rolls them back the same way
+    (``dataclasses.replace(cache, lengths_B=...)``; rows past the length are overwritten by
+    later writes). With the main cache's capacity one ``step_plan`` serves both.
+    """
+    dtype = resolve_cache_dtype(dtype)
+    batch_size, capacity = cache_shape(self.config.mla, batch_size, capacity)
+    build = lambda: tuple(empty_layer_cache(self.config.mla, batch_size, capacity, dtype)
+                          for _ in self.mtp)
+    if self.mesh is None or not self.mtp:
+      return build()
+    if batch_size % sharding.axis_size(self.mesh, sharding.DATA):
+      raise ValueError(f"batch_size {batch_size} cannot be split over mesh axis 'data' of "
+                       f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
+    shardings = tuple(layer_cache_shardings(c, self.mesh) for c in jax.eval_shape(build))
+    return jax.jit(build, out_shardings=shardings)()
 
   def step_plan(self, num_new_tokens: int, num_cached_tokens: int | None, *, capacity: int,
                 kv_rows: int | None = None, force_mqa: bool = False,
@@ -334,8 +378,11 @@ class CausalLM(nnx.Module):
     checks.ids_in_vocab(ids_BT, self.config.vocab_size)
 
   def __call__(self, ids_BT, caches: ModelCache, *, new_lens_B=None, plan: StepPlan | None = None,
-               num_cached_tokens=None, force_mqa: bool = False, kv_rows: int | None = None):
-    """Float32 logits [B, T, vocab] and the updated caches.
+               num_cached_tokens=None, force_mqa: bool = False, kv_rows: int | None = None,
+               return_hidden: bool = False):
+    """Float32 logits [B, T, vocab] and the updated caches; with ``return_hidden`` also the
+    final hidden states [B, T, D] in the model's dtype: the output of ``model.norm`` that
+    ``lm_head`` reads and the MTP layers take (``mtp_forward``).
 
     ``plan``: this step's ``StepPlan`` (``step_plan``). Without one it is built from the
     static settings: ``num_cached_tokens`` bounds the cached lengths (None: read from concrete
@@ -352,8 +399,48 @@ class CausalLM(nnx.Module):
     elif (num_cached_tokens, force_mqa, kv_rows) != (None, False, None):
       raise ValueError("pass either a plan or the static settings it is built from "
                        "(num_cached_tokens, force_mqa, kv_rows), not both")
-    logits_BTV, caches, _ = self._forward(ids_BT, caches, plan, new_lens_B)
-    return logits_BTV, caches
+    logits_BTV, caches, _, hidden_BTD = self._forward(ids_BT, caches, plan, new_lens_B)
+    return (logits_BTV, caches, hidden_BTD) if return_hidden else (logits_BTV, caches)
+
+  def mtp_forward(self, index: int, hidden_BTD, next_ids_BT, mtp_caches, *, new_lens_B=None,
+                  plan: StepPlan | None = None):
+    """MTP layer ``index`` on T pairs: ``(logits_BTV, mtp_hidden_BTD, mtp_caches)``.
+
+    Args:
+      index: which MTP layer (a static int in ``[0, config.num_mtp_layers)``).
+      hidden_BTD: at row t, the hidden state of position p = ``lengths_B[b] + t`` of the
+        layer's cache: the main model's (``lm(..., return_hidden=True)``) or, for a further
+        draft step, a previous ``mtp_forward``'s ``mtp_hidden_BTD``.
+      next_ids_BT: at row t, the token at position p + 1 (int ids).
+      mtp_caches: ``init_mtp_cache``'s tuple; only layer ``index``'s entry is read and
+        written: its T new rows go after its ``lengths_B``, which grow by ``new_lens_B``.
+      new_lens_B: valid pairs per sequence (right padding beyond); default all T.
+      plan: the step's ``StepPlan`` from ``step_plan`` (it covers the MTP layers: an
+        MQA-only model's plan never routes them dense). None: built from the cache's
+        concrete lengths, as ``__call__`` does.
+
+    Returns:
+      float32 logits [B, T, vocab] for the token at p + 2, the layer's output hidden states
+      [B, T, D] before ``shared_head.norm`` (what the next draft step feeds back), and
+      ``mtp_caches`` with layer ``index``'s cache updated.
+    """
+    check_mtp_inputs(self.config, index, hidden_BTD, next_ids_BT, mtp_caches)
+    cache = mtp_caches[index]
+    checks.ids_in_vocab(next_ids_BT, self.config.vocab_size)
+    b, t = next_ids_BT.shape
+    new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
+    checks.new_tokens(new_lens_B, cache.lengths_B, num_tokens=t, capacity=cache.capacity,
+                      max_positions=self.config.mla.max_position_embeddings)
+    if plan is None:
+      plan = self.step_plan(t, cached_bound(None, cache.lengths_B), capacity=cache.capacity)
+    elif plan.cached_bound is not None:
+      checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
+    layer = self.mtp[index]
+    embed_BTD = sharding.constrain(self.model.embed_tokens(next_ids_BT), self.mesh)
+    h_BTD, cache = layer(embed_BTD, hidden_BTD, cache, plan,
+                         new_lens_B=new_lens_B.astype(jnp.int32))
+    logits_BTV = self.lm_head(layer.shared_head.norm(h_BTD)).astype(jnp.float32)
+    return logits_BTV, h_BTD, mtp_caches[:index] + (cache,) + mtp_caches[index + 1:]
 
   def forward_train(self, ids_BT, lens_B, *, indexer_loss: str | None = None):
     """A training forward from an empty cache: ``(logits [B, T, vocab], indexer loss)``.
@@ -372,8 +459,8 @@ class CausalLM(nnx.Module):
     caches = self.init_cache(batch, width)
     self._check_ids(ids_BT, caches)
     plan = self.step_plan(width, 0, capacity=width, kv_rows=width, indexer_loss=indexer_loss)
-    logits_BTV, _, loss = self._forward(ids_BT, caches, plan,
-                                        self._new_lens(ids_BT, caches, lens_B))
+    logits_BTV, _, loss, _ = self._forward(ids_BT, caches, plan,
+                                           self._new_lens(ids_BT, caches, lens_B))
     return logits_BTV, loss
 
   def _new_lens(self, ids_BT, caches, new_lens_B):
@@ -387,7 +474,8 @@ class CausalLM(nnx.Module):
     return new_lens_B
 
   def _forward(self, ids_BT, caches, plan: StepPlan, new_lens_B):
-    """The layer scans: logits, the new caches and the summed indexer losses."""
+    """The layer scans: logits, the new caches, the summed indexer losses and the final
+    (normed) hidden states."""
     b, t = ids_BT.shape
     if plan.cached_bound is not None:
       checks.within_cached_bound(caches.lengths_B, plan.cached_bound)
@@ -401,8 +489,9 @@ class CausalLM(nnx.Module):
                                                         new_lens_B=new_lens_B)
       new_groups.append(group_caches)
       loss = loss + group_loss
-    logits_BTV = self.lm_head(self.model.norm(h_BTD)).astype(jnp.float32)
-    return logits_BTV, ModelCache(tuple(new_groups), caches.layout), loss
+    h_BTD = self.model.norm(h_BTD)
+    logits_BTV = self.lm_head(h_BTD).astype(jnp.float32)
+    return logits_BTV, ModelCache(tuple(new_groups), caches.layout), loss, h_BTD
 
 
 def check_mesh(config: ModelConfig, mesh) -> None:
@@ -442,12 +531,15 @@ def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   stacked-layer axes, which ``lengths_B`` [reps, B] counts.
   """
 
-  def layer(c: LayerCache) -> LayerCache:
-    batch_axis = c.lengths_B.ndim - 1
-    return jax.tree.map(lambda a: jax.sharding.NamedSharding(
-        mesh, sharding.cache_spec(batch_axis, a.ndim)), c)
+  return ModelCache(tuple(tuple(layer_cache_shardings(c, mesh) for c in unit)
+                         for unit in cache.groups), cache.layout)
 
-  return ModelCache(tuple(tuple(layer(c) for c in unit) for unit in cache.groups), cache.layout)
+
+def layer_cache_shardings(c: LayerCache, mesh) -> LayerCache:
+  """One layer's (or one stacked group position's) cache shardings; see ``cache_shardings``."""
+  batch_axis = c.lengths_B.ndim - 1
+  return jax.tree.map(lambda a: jax.sharding.NamedSharding(
+      mesh, sharding.cache_spec(batch_axis, a.ndim)), c)
 
 
 def _build_sharded(build, key, mesh):
