@@ -4,18 +4,18 @@
     python benchmarks/kernels.py --smoke    # tiny shapes; automatic off-GPU (interpret mode)
 
 Timing: one warm-up call (compile) excluded, then the median of ``--iters`` calls, each ended
-by ``block_until_ready``. ``*_fwd_bwd`` shapes time forward and VJP (dq and dkv; the XLA column
-is autodiff of the reference) and count the FLOPs the kernels do, the forward's plus
-2*T*K*H*(2D + d_v) for dq and 4*T*K*H*(D + d_v) for the row gradients.
-FLOPs follow docs/design.md §2: sparse MQA 2*T*K*H*(D + d_v), dense
-MHA 2*H*(D + V) per causal (query, key) pair, indexer 2*T*S*G*I. GB/s counts each input and
-output array once (a lower bound on real traffic). Ops with a backward (``GRAD_ARGNUMS``) get a
-second table: ``jax.grad`` of the sum of the finite outputs, forward and backward together, the
-kernel's custom VJP against XLA's autodiff of the reference; ``--check`` compares those gradients too.
-The ``*_grad`` rows time the forward and
-backward of dense (or masked) MHA together (``jax.grad`` of a loss on out), against
-``jax.grad`` of the XLA reference; their FLOPs are 3.5x the forward's (the backward's five
-matmuls per pair, flash-attention's convention; the masked rows count every causal pair).
+by ``block_until_ready``. FLOPs follow docs/design.md §2: sparse MQA 2*T*K*H*(D + d_v), dense
+MHA 2*H*(D + V) per causal (query, key) pair (the masked kernel is charged every causal pair
+too), indexer 2*T*S*G*I. GB/s counts each input and output array once (a lower bound on real
+traffic).
+
+``*_fwd_bwd`` shapes time a training step's attention: the forward and the VJP of every float
+input for fixed random cotangents on every output (out and LSE), through the kernel's custom
+VJP (its backward kernels) against XLA's autodiff of the reference. Their FLOPs add what the
+backward kernels compute: sparse MQA 2*T*K*H*(2D + d_v) for dq and 4*T*K*H*(D + d_v) for the
+row gradients (both recompute the logits); MHA 2.5x the forward (five matmuls per pair
+instead of two, flash attention's convention); the indexer 4*T*S*G*I (dq and dk each
+recompute the dots). ``--check`` compares the gradients as well as the forward outputs.
 """
 
 from __future__ import annotations
@@ -43,31 +43,20 @@ class Shape:
   name: str
   kernel: str  # "sparse_mqa" | "indexer_logits" | "dense_mha"
   dims: dict
+  grad: bool = False  # time forward + backward (module docstring)
 
 
 def _sparse(name, T, S, H=128, D=576, d_v=512, K=2048, B=1, grad=False):
-  return Shape(name, "sparse_mqa", dict(T=T, S=S, H=H, D=D, d_v=d_v, K=K, B=B, grad=grad))
+  return Shape(name, "sparse_mqa", dict(T=T, S=S, H=H, D=D, d_v=d_v, K=K, B=B), grad)
 
 
-def _forward_backward(fn):
-  """``fn``'s outputs and their VJP for the cotangents ``(dout, dlse)``: a training step."""
-  def step(q, kv, topk, dout, dlse):
-    outs, pull = jax.vjp(lambda q, kv: fn(q, kv, topk), q, kv)
-    return outs, pull((dout, dlse))
-  return step
+def _indexer(name, T, S, G=64, I=128, fp8=False, grad=False):
+  return Shape(name, "indexer_logits", dict(T=T, S=S, G=G, I=I, fp8=fp8), grad)
 
 
-def _indexer(name, T, S, G=64, I=128, fp8=False):
-  return Shape(name, "indexer_logits", dict(T=T, S=S, G=G, I=I, fp8=fp8))
-
-
-def _mha(name, T, H, D, V):
-  return Shape(name, "dense_mha", dict(T=T, S=T, H=H, D=D, V=V))
-
-
-def _mha_grad(name, T, H, D, V, K=None):
-  """Forward + backward of causal MHA; given ``K``, the masked route with a causal top-k."""
-  return Shape(name, "mha_grad", dict(T=T, S=T, H=H, D=D, V=V, K=K))
+def _mha(name, T, H, D, V, K=None, grad=False):
+  """Causal MHA over T tokens; given ``K``, the masked kernel with a causal top-k of K."""
+  return Shape(name, "dense_mha", dict(T=T, S=T, H=H, D=D, V=V, K=K), grad)
 
 
 # Named shape sets, one definition per shape. Decode = T 1 per sequence, vmapped over the batch.
@@ -82,99 +71,93 @@ SHAPES = {
         _sparse("glm5_sparse_fwd_bwd_8k", T=1024, S=8192, H=64, grad=True),
         _indexer("dsv32_indexer_prefill_8k_bf16", T=1024, S=8192),
         _indexer("dsv32_indexer_prefill_8k_fp8", T=1024, S=8192, fp8=True),
+        _indexer("dsv32_indexer_fwd_bwd_8k_bf16", T=1024, S=8192, grad=True),
         _mha("dsv32_mha_prefill_512", T=512, H=128, D=192, V=128),
         _mha("dsv32_mha_prefill_2048", T=2048, H=128, D=192, V=128),
         _mha("glm5_mha_prefill_2048", T=2048, H=64, D=256, V=256),
-        _mha_grad("dsv32_mha_grad_2048", T=2048, H=128, D=192, V=128),
-        _mha_grad("glm5_mha_grad_2048", T=2048, H=64, D=256, V=256),
-        _mha_grad("dsv32_masked_mha_grad_4096", T=4096, H=128, D=192, V=128, K=2048),
+        _mha("dsv32_mha_fwd_bwd_2048", T=2048, H=128, D=192, V=128, grad=True),
+        _mha("glm5_mha_fwd_bwd_2048", T=2048, H=64, D=256, V=256, grad=True),
+        _mha("dsv32_masked_mha_fwd_bwd_4096", T=4096, H=128, D=192, V=128, K=2048, grad=True),
     ],
     "smoke": [
         _sparse("tiny_sparse", T=8, S=256, H=4, D=80, d_v=64, K=64),
         _sparse("tiny_decode_b4", T=1, S=256, H=4, D=80, d_v=64, K=64, B=4),
         _sparse("tiny_sparse_fwd_bwd", T=8, S=256, H=4, D=80, d_v=64, K=64, grad=True),
         _indexer("tiny_indexer", T=32, S=256, G=4, I=32),
+        _indexer("tiny_indexer_fwd_bwd", T=32, S=256, G=4, I=32, grad=True),
         _mha("tiny_mha", T=64, H=2, D=48, V=32),
-        _mha_grad("tiny_mha_grad", T=64, H=2, D=48, V=32),
-        _mha_grad("tiny_masked_mha_grad", T=64, H=2, D=48, V=32, K=16),
+        _mha("tiny_mha_fwd_bwd", T=64, H=2, D=48, V=32, grad=True),
+        _mha("tiny_masked_mha_fwd_bwd", T=64, H=2, D=48, V=32, K=16, grad=True),
     ],
 }
 
 
-def build(shape: Shape, interpret: bool, seed: int = 0):
-  """Returns (kernel_fn, reference_fn, args, flops, bytes)."""
-  d, rng = shape.dims, np.random.default_rng(seed)
-  rand = lambda shp, dt=jnp.bfloat16: jnp.asarray(rng.standard_normal(shp), jnp.float32).astype(dt)
+def _causal_topk(rng, T, K):
+  """K random causal keys per query (all of them while t < K), -1 padded."""
+  scores = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], rng.random((T, T)), -1.0)
+  picks = np.argsort(-scores, axis=-1)[:, :K]
+  return jnp.asarray(np.where(np.take_along_axis(scores, picks, -1) < 0, -1, picks), jnp.int32)
+
+
+def _forward(shape: Shape, interpret: bool, rng, rand):
+  """``(kernel_fn, reference_fn, args, float_argnums, flops, backward_flops, bytes)``."""
+  d = shape.dims
   if shape.kernel == "sparse_mqa":
     B, T, S, H, D, d_v, K = d["B"], d["T"], d["S"], d["H"], d["D"], d["d_v"], d["K"]
-    q, kv = rand((B, T, H, D)), rand((B, S, D))
     # Random indices with ~1% invalid (-1), so the masking path is exercised too.
     topk = rng.integers(0, S, (B, T, K))
     topk = jnp.asarray(np.where(rng.random((B, T, K)) < 0.01, -1, topk), jnp.int32)
     kw = dict(sm_scale=D**-0.5, d_v=d_v)
-    kernel = jax.vmap(functools.partial(sparse_mqa, interpret=interpret, **kw))
-    reference = jax.vmap(functools.partial(sparse_mqa_reference, **kw))
     flops = 2 * B * T * K * H * (D + d_v)
+    backward = 2 * B * T * K * H * (2 * D + d_v) + 4 * B * T * K * H * (D + d_v)
     nbytes = 2 * (B * T * H * (D + d_v) + B * T * K * D) + 4 * B * T * (K + H)
-    if not d["grad"]:
-      return kernel, reference, (q, kv, topk), flops, nbytes
-    # The backward recomputes the logits twice: dq 2TKH(2D + d_v), row gradients 4TKH(D + d_v).
-    flops += 2 * B * T * K * H * (2 * D + d_v) + 4 * B * T * K * H * (D + d_v)
-    nbytes += 2 * B * (T * H * (d_v + D) + S * D) + 4 * B * T * K * D  # dout, dq, dkv, row grads
-    args = (q, kv, topk, rand((B, T, H, d_v)), rand((B, T, H), jnp.float32))
-    return _forward_backward(kernel), _forward_backward(reference), args, flops, nbytes
+    return (jax.vmap(functools.partial(sparse_mqa, interpret=interpret, **kw)),
+            jax.vmap(functools.partial(sparse_mqa_reference, **kw)),
+            (rand((B, T, H, D)), rand((B, S, D)), topk), (0, 1), flops, backward, nbytes)
   if shape.kernel == "indexer_logits":
     T, S, G, I = d["T"], d["S"], d["G"], d["I"]
     dt = jnp.float8_e4m3fn if d["fp8"] else jnp.bfloat16
-    q, k, w = rand((T, G, I), dt), rand((S, I), dt), rand((T, G), jnp.float32)
     ends = jnp.asarray(S - T + 1 + np.arange(T), jnp.int32)
-    args = (q, k, w, jnp.zeros((T,), jnp.int32), ends)
-    kernel = functools.partial(indexer_logits, interpret=interpret)
+    args = (rand((T, G, I), dt), rand((S, I), dt), rand((T, G), jnp.float32),
+            jnp.zeros((T,), jnp.int32), ends)
     flops = 2 * T * S * G * I
     nbytes = jnp.dtype(dt).itemsize * (T * G * I + S * I) + 4 * (T * S + T * G)
-    return kernel, indexer_logits_reference, args, flops, nbytes
-  if shape.kernel == "mha_grad":
-    return _build_mha_grad(d, rand, rng, interpret)
-  T, S, H, D, V = d["T"], d["S"], d["H"], d["D"], d["V"]
-  q, k, v = rand((T, H, D)), rand((S, H, D)), rand((S, H, V))
+    return (functools.partial(indexer_logits, interpret=interpret), indexer_logits_reference,
+            args, (0, 1, 2), flops, 2 * flops, nbytes)
+  T, S, H, D, V, K = d["T"], d["S"], d["H"], d["D"], d["V"], d["K"]
   kw = dict(sm_scale=D**-0.5, q_offset=jnp.int32(0), kv_len=jnp.int32(S))
-  kernel = functools.partial(dense_mha, interpret=interpret, **kw)
-  reference = functools.partial(dense_mha_reference, **kw)
+  args = (rand((T, H, D)), rand((S, H, D)), rand((S, H, V)))
+  if K is not None:
+    kw["topk_TK"] = _causal_topk(rng, T, K)
   flops = 2 * H * (D + V) * T * (T + 1) // 2
   nbytes = 2 * (T * H * (D + V) + S * H * (D + V)) + 4 * T * H
-  return kernel, reference, (q, k, v), flops, nbytes
+  return (functools.partial(dense_mha, interpret=interpret, **kw),
+          functools.partial(dense_mha_reference, **kw), args, (0, 1, 2), flops, 2.5 * flops,
+          nbytes)
 
 
-# Ops also timed forward + backward: the arguments jax.grad differentiates.
-GRAD_ARGNUMS = {"indexer_logits": (0, 1, 2)}
-
-
-def forward_backward(fn, argnums):
-  """jax.grad of the sum of ``fn``'s finite outputs: one forward and one backward pass."""
+def forward_backward(fn, argnums, cotangents):
+  """The gradient of ``sum(out * cotangent)`` over ``fn``'s finite outputs with respect to
+  ``argnums``: one forward and one backward pass, the VJP for those cotangents."""
   def loss(*args):
-    return sum(jnp.sum(jnp.where(jnp.isfinite(x), x, 0.0)) for x in jax.tree.leaves(fn(*args)))
+    return sum(jnp.sum(jnp.where(jnp.isfinite(o), o.astype(jnp.float32) * c, 0.0))
+               for o, c in zip(jax.tree.leaves(fn(*args)), cotangents))
   return jax.grad(loss, argnums)
-def _build_mha_grad(d, rand, rng, interpret):
-  T, S, H, D, V, K = d["T"], d["S"], d["H"], d["D"], d["V"], d["K"]
-  args = (rand((T, H, D)), rand((S, H, D)), rand((S, H, V)), rand((T, H, V)))
-  if K is not None:  # K random causal keys per query (all of them while t < K), -1 padded
-    scores = np.where(np.arange(S)[None, :] <= np.arange(T)[:, None], rng.random((T, S)), -1.0)
-    picks = np.argsort(-scores, axis=-1)[:, :K]
-    picks = np.where(np.take_along_axis(scores, picks, -1) < 0, -1, picks)
-    args += (jnp.asarray(picks, jnp.int32),)
-  kw = dict(sm_scale=D**-0.5, q_offset=jnp.int32(0), kv_len=jnp.int32(S))
 
-  def grad_of(attention):
-    def grads(q, k, v, dout, topk=None):
-      loss = lambda q, k, v: (attention(q, k, v, topk_TK=topk, **kw)[0].astype(jnp.float32)
-                              * dout).sum()
-      return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    return grads
 
-  flops = 3.5 * 2 * H * (D + V) * T * (T + 1) // 2
-  nbytes = 2 * 2 * (T * H * (D + 2 * V) + S * H * (D + V)) + 4 * T * H  # inputs and grads
-  return (grad_of(functools.partial(dense_mha, interpret=interpret)),
-          grad_of(dense_mha_reference), args, flops, nbytes)
+def build(shape: Shape, interpret: bool, seed: int = 0):
+  """Returns (kernel_fn, reference_fn, args, flops, bytes) for one shape."""
+  rng = np.random.default_rng(seed)
+  rand = lambda shp, dt=jnp.bfloat16: jnp.asarray(rng.standard_normal(shp), jnp.float32).astype(dt)
+  kernel, reference, args, argnums, flops, backward, nbytes = _forward(shape, interpret, rng, rand)
+  if not shape.grad:
+    return kernel, reference, args, flops, nbytes
+  outs = jax.tree.leaves(jax.eval_shape(reference, *args))
+  cotangents = [rand(o.shape, jnp.float32) for o in outs]
+  grad_bytes = sum(args[i].size * args[i].dtype.itemsize for i in argnums)
+  return (forward_backward(kernel, argnums, cotangents),
+          forward_backward(reference, argnums, cotangents), args, flops + backward,
+          nbytes + grad_bytes + sum(4 * o.size for o in outs))
 
 
 def time_fn(fn, args, iters):
@@ -203,13 +186,6 @@ def check(shapes, interpret, tol=2e-2):
     ok = err < tol
     failures += not ok
     print(f"{'OK  ' if ok else 'FAIL'} {shape.name}: rel err {err:.2e} (tol {tol:.0e})", flush=True)
-    if shape.kernel in GRAD_ARGNUMS:
-      grads = [jax.jit(forward_backward(f, GRAD_ARGNUMS[shape.kernel]))(*fn_args)
-               for f in (kernel, reference)]
-      err = rel_err(*grads)
-      failures += not err < tol
-      print(f"{'OK  ' if err < tol else 'FAIL'} {shape.name} gradients: rel err {err:.2e}",
-            flush=True)
   return failures
 
 
@@ -237,19 +213,6 @@ def main(argv=None):
     print(f"| {shape.name} | {t_kernel * 1e3:.3f} | {flops / t_kernel / 1e12:.1f} | "
           f"{nbytes / t_kernel / 1e9:.0f} | {t_ref * 1e3:.3f} | {flops / t_ref / 1e12:.1f} | "
           f"{t_kernel / t_ref:.2f} |", flush=True)
-  grad_shapes = [s for s in shapes if s.kernel in GRAD_ARGNUMS]
-  if grad_shapes:
-    print("\nforward + backward (jax.grad of the finite outputs' sum; TFLOP/s at 3x the forward "
-          "FLOPs)\n")
-    print("| shape | kernel ms | TFLOP/s | XLA ms | XLA TFLOP/s | kernel/XLA |")
-    print("|---|---|---|---|---|---|")
-    for shape in grad_shapes:
-      kernel, reference, fn_args, flops, _ = build(shape, interpret=not on_gpu)
-      t_kernel, t_ref = (time_fn(forward_backward(f, GRAD_ARGNUMS[shape.kernel]), fn_args, iters)
-                         for f in (kernel, reference))
-      print(f"| {shape.name} | {t_kernel * 1e3:.3f} | {3 * flops / t_kernel / 1e12:.1f} | "
-            f"{t_ref * 1e3:.3f} | {3 * flops / t_ref / 1e12:.1f} | {t_kernel / t_ref:.2f} |",
-            flush=True)
 
 
 if __name__ == "__main__":
