@@ -33,3 +33,19 @@ def module_backends():
     return backends
   backends.append(pytest.param(PallasTritonBackend(interpret=True), id="pallas_interpret"))
   return backends
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+  """Keeps ``--dist loadgroup`` grouping on pytest 9.2: xdist 3.8 groups by an ``@group``
+  suffix it writes to ``item._nodeid``, which pytest 9.2 no longer reads (the id lives in
+  ``item._id``), so every xdist_group was spread over the workers and its module fixtures
+  (servers, compiled engines, the recall probe) were built once per worker."""
+  if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
+    return
+  for item in items:
+    names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+             for mark in item.iter_markers("xdist_group")}
+    suffix = "@" + "_".join(sorted(names))
+    if names and hasattr(item, "_id") and not item.nodeid.endswith(suffix):
+      item._id = type(item._id).parse(item.nodeid + suffix)

@@ -3,6 +3,7 @@ its top-k set. It equals SPARSE_MQA up to rounding, is taken only inside its win
 dense-capable layer on a backend that declares it, and never appears in an MQA-only program."""
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -23,7 +24,7 @@ from mla_jax.step_plan import StepPlan
 from mla_jax.traces import summarize
 from pallas_kernels import dense_mha_reference, sparse_mqa_reference
 from pallas_kernels.dense_mha import dense_mha
-from tests.helpers import XlaNoDenseBackend, fresh_cache, make_pair, tiny_no_indexer
+from tests.helpers import XlaNoDenseBackend, call, fresh_cache, make_pair, tiny_no_indexer
 from tests.test_traces import _generation_programs
 
 TOPK = m.tiny().indexer.topk
@@ -61,12 +62,15 @@ def _both_forms(seed, *, T, S, H=4, A=16, R=8, N=8, V=8, K=6):
 
 
 def _masked_and_sparse(f, topk_TK, scale=0.3):
-  masked, masked_lse = dense_mha_reference(f["q_THQ"], f["k_SHQ"], f["v_SHV"], sm_scale=scale,
-                                           q_offset=f["offset"], kv_len=f["k_SHQ"].shape[0],
-                                           topk_TK=topk_TK)
-  lat, sparse_lse = sparse_mqa_reference(f["q_THL"], f["kv_SL"], topk_TK, sm_scale=scale,
-                                         d_v=f["A"])
-  sparse = jnp.einsum("tha,hva->thv", lat, f["w_uv_HVA"])
+  return _both_routes(**{**f, "topk_TK": topk_TK}, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("offset", "A", "scale"))  # eager: many dispatches
+def _both_routes(*, topk_TK, q_THQ, k_SHQ, v_SHV, q_THL, kv_SL, w_uv_HVA, offset, A, scale):
+  masked, masked_lse = dense_mha_reference(q_THQ, k_SHQ, v_SHV, sm_scale=scale, q_offset=offset,
+                                           kv_len=k_SHQ.shape[0], topk_TK=topk_TK)
+  lat, sparse_lse = sparse_mqa_reference(q_THL, kv_SL, topk_TK, sm_scale=scale, d_v=A)
+  sparse = jnp.einsum("tha,hva->thv", lat, w_uv_HVA)
   return masked, masked_lse, sparse, sparse_lse
 
 
@@ -119,12 +123,11 @@ def test_pallas_masked_layer_equals_sparse_mqa():
   cached, new = 5, 20
   assert dense.prefill_route(new, cached) is PrefillRoute.MASKED_MHA
   cache = fresh_cache(dense.config, 2)
-  cache = mqa(mt.random_hidden(8, (2, cached, dense.config.hidden_size)), cache,
-              num_cached_tokens=0).cache
+  cache = call(mqa, mt.random_hidden(8, (2, cached, dense.config.hidden_size)), cache).cache
   x = mt.random_hidden(9, (2, new, dense.config.hidden_size))
   new_lens = jnp.array([new, new - 6], jnp.int32)
-  masked = dense(x, cache, new_lens_B=new_lens, num_cached_tokens=cached)
-  sparse = mqa(x, cache, new_lens_B=new_lens, num_cached_tokens=cached)
+  masked = call(dense, x, cache, new_lens=new_lens)
+  sparse = call(mqa, x, cache, new_lens=new_lens)
   real = np.arange(new)[None, :] < np.asarray(new_lens)[:, None]
   assert mt.relative_error(np.asarray(masked.out_BTD)[real], np.asarray(sparse.out_BTD)[real]) < 1e-5
 
@@ -145,12 +148,12 @@ def test_masked_layer_equals_sparse_mqa(rope_interleave, cached, new, ragged):
   cache = fresh_cache(config, b)
   if cached:
     prefix = mt.random_hidden(7, (b, cached, config.hidden_size))
-    cache = mqa(prefix, cache, num_cached_tokens=0).cache
+    cache = call(mqa, prefix, cache).cache
   x = mt.random_hidden(cached + new, (b, new, config.hidden_size))
   new_lens = jnp.array([new, new - 3 if ragged else new], jnp.int32)
-  masked = dense(x, cache, new_lens_B=new_lens, num_cached_tokens=cached)
-  sparse = mqa(x, cache, new_lens_B=new_lens, num_cached_tokens=cached)
-  forced = dense(x, cache, new_lens_B=new_lens, num_cached_tokens=cached, force_mqa=True)
+  masked = call(dense, x, cache, new_lens=new_lens)  # jitted: eager dispatch cost the most
+  sparse = call(mqa, x, cache, new_lens=new_lens)
+  forced = call(dense, x, cache, new_lens=new_lens, force_mqa=True)
   real = np.arange(new)[None, :] < np.asarray(new_lens)[:, None]
   assert bool((masked.topk_BTK == sparse.topk_BTK).all())
   for other in (sparse, forced):
@@ -167,8 +170,10 @@ def test_masked_model_equals_sparse_mqa(indexer_types):
   length = 3 * TOPK
   assert set(model.prefill_routes(length, 0)) == {PrefillRoute.MASKED_MHA}
   ids = jnp.asarray(np.random.default_rng(5).integers(0, 256, size=(2, length)), jnp.int32)
-  masked, _ = model(ids, model.init_cache(2, 64), num_cached_tokens=0)
-  sparse, _ = model(ids, model.init_cache(2, 64), num_cached_tokens=0, force_mqa=True)
+  forward = nnx.jit(lambda mdl, i, c, force: mdl(i, c, num_cached_tokens=0, force_mqa=force)[0],
+                    static_argnums=3)
+  masked = forward(model, ids, model.init_cache(2, 64), False)
+  sparse = forward(model, ids, model.init_cache(2, 64), True)
   assert mt.relative_error(masked, sparse) < 1e-5
 
 

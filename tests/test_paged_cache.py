@@ -3,6 +3,8 @@ and cache format: pages in a shuffled order, ragged prefill then decode, and bot
 and the sparse MQA reading physical rows straight from the pool (no per-sequence copy of the
 keys or the latent rows in the traced program)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from mla_jax.cache import resolve_cache_dtype
 from mla_jax.paged_cache import PagedLayerCache, empty_pools
 from mla_jax.traces import walk_equations
 from tests.conftest import module_backends
+from tests.helpers import call
 from tests.kernels.indexer_logits_base import pool_inputs
 
 PAGE, PAGES_PER_SEQ, POOL_PAGES = 16, 6, 20
@@ -31,6 +34,14 @@ def _paged_cache(config, cache_dtype, rng) -> PagedLayerCache:
   return PagedLayerCache(latent, keys, table, jnp.zeros((1, 2), jnp.int32), PAGE)
 
 
+@functools.partial(nnx.jit, static_argnames="cached")
+def _paged_step(layer, x_BTD, paged, lens_B, cached):
+  """The layer over layer 0 of ``paged`` (a view is no pytree: it is made inside the jit)."""
+  out_BTD, view, _, _ = layer(x_BTD, paged.layer_view(jnp.int32(0)), new_lens_B=lens_B,
+                              num_cached_tokens=cached)
+  return out_BTD, view.buffers
+
+
 @pytest.mark.parametrize("backend", module_backends())
 @pytest.mark.parametrize("cache_dtype", ["fp32", "fp8"])
 def test_paged_layer_equals_contiguous(backend, cache_dtype):
@@ -42,15 +53,15 @@ def test_paged_layer_equals_contiguous(backend, cache_dtype):
   token = jnp.asarray(rng.normal(size=(2, 1, config.hidden_size)), jnp.float32)
   lens = jnp.array([40, 23], jnp.int32)
 
+  # Jitted: eager op-by-op dispatch of the XLA layer took most of this test's time.
   cache = m.init_layer_cache(config, 2, PAGE * PAGES_PER_SEQ, cache_dtype)
-  want_prefill, cache, _, _ = layer(prompt, cache, new_lens_B=lens, num_cached_tokens=0)
-  want_decode, cache, _, _ = layer(token, cache, num_cached_tokens=40)
+  want_prefill, cache, _, _ = call(layer, prompt, cache, new_lens=lens)
+  want_decode, cache, _, _ = call(layer, token, cache)
 
   paged = _paged_cache(config, cache_dtype, rng)
-  got_prefill, view, _, _ = layer(prompt, paged.layer_view(jnp.int32(0)), new_lens_B=lens,
-                                  num_cached_tokens=0)
-  got_decode, view, _, _ = layer(token, view.buffers.layer_view(jnp.int32(0)),
-                                 num_cached_tokens=40)
+  got_prefill, paged = _paged_step(layer, prompt, paged, lens, 0)
+  got_decode, paged = _paged_step(layer, token, paged, jnp.ones((2,), jnp.int32), 40)
+  view = paged.layer_view(jnp.int32(0))
 
   real = (np.arange(40)[None, :] < np.asarray(lens)[:, None])[..., None]
   np.testing.assert_allclose(np.where(real, got_prefill, 0), np.where(real, want_prefill, 0),

@@ -170,8 +170,10 @@ def test_meshes_the_model_cannot_use(config, spec, match, monkeypatch):
 
 
 def test_batch_must_split_over_data():
-  model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla",
-                   mesh=sharding.make_mesh("data=8,tensor=1,expert=1"))
+  mesh = sharding.make_mesh("data=8,tensor=1,expert=1")
+  # Abstract weights: the check is on the cache's batch, and needs no allocated model.
+  model = nnx.eval_shape(lambda: CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla",
+                                          mesh=mesh))
   with pytest.raises(ValueError, match="batch_size 4 cannot be split over mesh axis 'data'"):
     model.init_cache(4, 16)
 
@@ -184,13 +186,19 @@ def test_scanned_sharded_models_keep_the_routing_contract(length):
   mha = {"mla_dense_mha"} if length <= 16 else {"indexer_score", "mla_masked_mha"}
   for attention, expected in (("mqa-only", {"indexer_score", "mla_sparse_mqa"}),
                               ("dense-capable", mha)):
-    model = CausalLM(tiny_moe_lm(attention), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+    # Traced only: abstract weights and caches (their shardings kept) trace the same program.
+    model = nnx.eval_shape(lambda: CausalLM(tiny_moe_lm(attention), rngs=nnx.Rngs(0),
+                                            backend="xla", mesh=mesh))
     ids = sharding.put(np.ones((1, length), np.int32), mesh, sharding.TOKENS_SPEC)
     summary = summarize(nnx.jit(lambda m, i, c: m(i, c, num_cached_tokens=0)), model, ids,
-                        model.init_cache(1, 40))
+                        jax.eval_shape(lambda: model.init_cache(1, 40)))
     route_scopes = {"indexer_score", "mla_sparse_mqa", "mla_dense_mha", "mla_masked_mha"}
     assert summary.scopes & route_scopes == expected, attention
     assert summary.primitives["cond"] == 0 and summary.primitives["scan"] >= 1
+
+
+# Jitted: eager op-by-op dispatch over sharded arrays cost most of a forward's time.
+_forward = nnx.jit(lambda m, i, c: m(i, c, num_cached_tokens=0)[0])
 
 
 def test_sharded_masked_route_equals_unsharded():
@@ -202,7 +210,7 @@ def test_sharded_masked_route_equals_unsharded():
     model = CausalLM(tiny_moe_lm("dense-capable"), rngs=nnx.Rngs(0), backend="xla", mesh=on_mesh)
     assert set(model.prefill_routes(32, 0)) == {PrefillRoute.MASKED_MHA}
     tokens = ids if on_mesh is None else sharding.put(ids, mesh, sharding.TOKENS_SPEC)
-    logits.append(np.asarray(model(tokens, model.init_cache(1, 40), num_cached_tokens=0)[0]))
+    logits.append(np.asarray(_forward(model, tokens, model.init_cache(1, 40))))
   assert mt.relative_error(logits[1], logits[0]) < 1e-5
 
 
