@@ -119,7 +119,9 @@ class Backend(abc.ABC):
                 kv_len_B=kv_len_B)
     fn = jax.vmap(lambda q, k, v, off, n: self._dense_mha(q, k, v, sm_scale=sm_scale,
                                                           q_offset=off, kv_len=n))
-    return fn(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)
+    # As arrays: a NumPy operand closed over by jit would reach the kernel's custom VJP as a
+    # raw constant under vmap, which its residuals cannot hold.
+    return fn(q_BTHQ, k_BSHQ, v_BSHV, jnp.asarray(q_offset_B), jnp.asarray(kv_len_B))
 
   def masked_mha(self, q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, *, sm_scale: float, q_offset_B,
                  kv_len_B):
@@ -129,7 +131,7 @@ class Backend(abc.ABC):
                 q_offset_B=q_offset_B, kv_len_B=kv_len_B)
     fn = jax.vmap(lambda q, k, v, idx, off, n: self._masked_mha(
         q, k, v, idx, sm_scale=sm_scale, q_offset=off, kv_len=n))
-    return fn(q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, q_offset_B, kv_len_B)
+    return fn(q_BTHQ, k_BSHQ, v_BSHV, *map(jnp.asarray, (topk_BTK, q_offset_B, kv_len_B)))
 
 
 def _row_ids(op: str, name: str, rows) -> None:
