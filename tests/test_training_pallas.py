@@ -92,5 +92,8 @@ def test_smoke_recipe_trains_in_lockstep_with_the_xla_backend():
   for key in ("loss", "lm_loss", "indexer_loss", "grad_norm"):
     np.testing.assert_allclose([r[key] for r in rows_p], [r[key] for r in rows_x],
                                rtol=1e-4, atol=1e-6, err_msg=key)
+  # Adam moves a weight whose gradient is near 0 by up to the learning rate whatever that
+  # gradient's last bits are, so the weights get an absolute bound of a twentieth of the
+  # largest rate (1e-2): one of 33,280 embedding weights differed by 8.4e-5 at atol 1e-5.
   chex.assert_trees_all_close(nnx.state(runs["pallas"].model, nnx.Param),
-                              nnx.state(runs["xla"].model, nnx.Param), rtol=1e-4, atol=1e-5)
+                              nnx.state(runs["xla"].model, nnx.Param), rtol=1e-4, atol=5e-4)
