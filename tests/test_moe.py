@@ -333,9 +333,11 @@ class MoETest(chex.TestCase):
     gate, up = (jnp.asarray(rng.normal(size=(num_experts, ffn, HIDDEN)) / 8, jnp.float32)
                 for _ in range(2))
     down = jnp.asarray(rng.normal(size=(num_experts, HIDDEN, ffn)) / 4, jnp.float32)
-    whole = routed_experts(x, idx, w, gate, up, down, impl=impl)
-    parts = sum(routed_experts(x, idx, w, gate[s:s + 2], up[s:s + 2], down[s:s + 2],
-                               first_expert=s, impl=impl) for s in range(0, num_experts, 2))
+    # Jitted, first_expert traced as under shard_map: one program for the four shards.
+    experts = jax.jit(routed_experts, static_argnames="impl")
+    whole = experts(x, idx, w, gate, up, down, impl=impl)
+    parts = sum(experts(x, idx, w, gate[s:s + 2], up[s:s + 2], down[s:s + 2],
+                        first_expert=s, impl=impl) for s in range(0, num_experts, 2))
     params = {f"experts.{e}.{n}_proj.weight": np.asarray(v[e], np.float64)
               for e in range(num_experts) for n, v in (("gate", gate), ("up", up),
                                                        ("down", down))}
