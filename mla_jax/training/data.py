@@ -275,7 +275,7 @@ def continuation_prompts(rng: np.random.Generator, count: int, *, lookup: Lookup
 
 
 def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, *,
-                         batch_size: int = 64) -> Batch:
+                         batch_size: int = 256) -> Batch:
   """The prompts followed by ``model``'s greedy continuations (``mla_jax.generate``), padded
   to the longest prompt plus ``new_tokens``; the loss and answer masks mark the generated
   tokens. A model's own continuations are what a draft head for it must predict (MTP)."""

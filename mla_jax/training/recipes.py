@@ -8,6 +8,10 @@ with a short dense copy stage that forms the retrieval circuit (see ``training.d
 ``run_recipe(backend=...)`` trains on any backend: ``"xla"`` differentiates the jnp
 references, ``"pallas"`` runs the Pallas-Triton kernels and their backward kernels (in interpret
 mode off an NVIDIA GPU), ``"auto"`` picks the kernels on an NVIDIA GPU.
+
+``recall_mtp`` / ``run_mtp_recipe`` train an MTP head for a trained model with the model
+frozen (the ``"mtp"`` objective) on the model's own greedy continuations: those are the tokens
+a speculative decoder's draft must guess (``benchmarks/train_mtp.py`` ships the recall head).
 """
 
 from __future__ import annotations
