@@ -78,3 +78,20 @@ def test_logits_match_transformers(tmp_path, model_type):
   diff = float(np.abs(got - expected).max())
   print(f"{model_type}: max |logit diff| = {diff:.3g}")
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_recall_checkpoint_matches_transformers():
+  """The shipped ``recall`` checkpoint (its MTP layer included in the files: HF ignores it)
+  gives HF's logits on a lookup prompt longer than its top-k 16."""
+  from mla_jax.presets import RECALL_CHECKPOINT
+  from mla_jax.tokenizer import ByteTokenizer
+
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+      RECALL_CHECKPOINT, dtype=torch.float32, attn_implementation="eager").eval()
+  ids = np.asarray([ByteTokenizer().encode("aQ ..kX zB ...mP rT ..wE cV ?kX ?z")])
+  with torch.no_grad():
+    expected = hf_model(torch.as_tensor(ids)).logits.float().numpy()
+  model = load_pretrained(RECALL_CHECKPOINT, dtype=jnp.float32)
+  got = np.asarray(model(jnp.asarray(ids, jnp.int32), model.init_cache(1, ids.shape[1]))[0])
+  print(f"recall: max |logit diff| = {float(np.abs(got - expected).max()):.3g}")
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

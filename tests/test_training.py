@@ -344,3 +344,42 @@ def test_progress_bars_draw_on_stderr_only_when_enabled(capsys):
   with progress_bar(3, "quiet", unit="step", enabled=False) as bar:
     bar.update(3)
   assert capsys.readouterr().err == ""
+
+
+# ---- the MTP head ---------------------------------------------------------------------------
+
+def test_mtp_objective_trains_only_the_mtp_layer():
+  """A tiny model grown by one MTP layer: the main weights are copied bitwise and stay so
+  through an ``"mtp"`` stage, every MTP parameter learns, and its loss falls in a few steps."""
+  base = CausalLM(tiny_lm(moe=False), rngs=nnx.Rngs(0), backend="xla")
+  main = jax.tree.map(np.array, nnx.state(base, nnx.Param))
+  model = recipes.with_mtp_layer(base, seed=1)
+  assert model.config.num_mtp_layers == 1
+  mtp = jax.tree.map(np.array, nnx.state(model.mtp, nnx.Param))
+  task = CopyTask(max_copy=15)  # 32 tokens: past top-k 16, so the MTP layer routes sparsely
+  held_out = _batches(task, 1, batch_size=8, seed=9)
+  stage = Stage(name="mtp", objective="mtp", steps=8, learning_rate=1e-2, batch_size=8)
+  trainer = Trainer(model, progress=False)
+  trainer.run_stage(stage, _batches(task, 8, batch_size=8), held_out)
+  first, last = trainer.evaluations[0], trainer.evaluations[-1]
+  assert last["lm_loss"] < 0.9 * first["lm_loss"] and last["indexer_loss"] > 0
+  same = jax.tree.map(np.array_equal, main, nnx.state(model, nnx.Param).filter(
+      lambda path, _: path[0] != "mtp"))
+  assert all(jax.tree.leaves(same))
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), mtp,
+                         nnx.state(model.mtp, nnx.Param))
+  assert all(jax.tree.leaves(changed))
+
+
+def test_mtp_forward_train_matches_mtp_forward():
+  """The training forward's row p is ``mtp_forward`` on (hidden at p, token p + 1)."""
+  model = recipes.with_mtp_layer(CausalLM(tiny_lm(moe=False), rngs=nnx.Rngs(0), backend="xla"))
+  batch = _batches(LookupTask(max_len=32), 1, batch_size=2)[0]
+  ids, lens = jnp.asarray(batch.ids_BT), jnp.asarray(batch.lens_B)
+  got, _ = model.mtp_forward_train(ids, lens)
+  width = ids.shape[1]
+  _, _, hidden = model(ids, model.init_cache(2, width), new_lens_B=lens, return_hidden=True)
+  want, _, _ = model.mtp_forward(0, hidden[:, :-1], ids[:, 1:], model.init_mtp_cache(2, width),
+                                 new_lens_B=lens - 1)
+  for b, n in enumerate(batch.lens_B):
+    np.testing.assert_allclose(got[b, :n - 1], want[b, :n - 1], rtol=1e-5, atol=1e-5)

@@ -435,12 +435,18 @@ class CausalLM(nnx.Module):
       plan = self.step_plan(t, cached_bound(None, cache.lengths_B), capacity=cache.capacity)
     elif plan.cached_bound is not None:
       checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
+    logits_BTV, h_BTD, attn = self._mtp_step(index, hidden_BTD, next_ids_BT, cache, plan,
+                                             new_lens_B)
+    return logits_BTV, h_BTD, mtp_caches[:index] + (attn.cache,) + mtp_caches[index + 1:]
+
+  def _mtp_step(self, index, hidden_BTD, next_ids_BT, cache, plan: StepPlan, new_lens_B):
+    """MTP layer ``index`` on checked inputs: ``(logits_BTV, h_BTD, AttentionOutput)``."""
     layer = self.mtp[index]
     embed_BTD = sharding.constrain(self.model.embed_tokens(next_ids_BT), self.mesh)
-    h_BTD, cache = layer(embed_BTD, hidden_BTD, cache, plan,
-                         new_lens_B=new_lens_B.astype(jnp.int32))
+    h_BTD, attn = layer(embed_BTD, hidden_BTD, cache, plan,
+                        new_lens_B=new_lens_B.astype(jnp.int32))
     logits_BTV = self.lm_head(layer.shared_head.norm(h_BTD)).astype(jnp.float32)
-    return logits_BTV, h_BTD, mtp_caches[:index] + (cache,) + mtp_caches[index + 1:]
+    return logits_BTV, h_BTD, attn
 
   def forward_train(self, ids_BT, lens_B, *, indexer_loss: str | None = None):
     """A training forward from an empty cache: ``(logits [B, T, vocab], indexer loss)``.
@@ -461,6 +467,33 @@ class CausalLM(nnx.Module):
     plan = self.step_plan(width, 0, capacity=width, kv_rows=width, indexer_loss=indexer_loss)
     logits_BTV, _, loss, _ = self._forward(ids_BT, caches, plan,
                                            self._new_lens(ids_BT, caches, lens_B))
+    return logits_BTV, loss
+
+  def mtp_forward_train(self, ids_BT, lens_B, *, indexer_loss: str | None = None):
+    """MTP layer 0's training forward from empty caches: ``(logits [B, T - 1, vocab],
+    indexer loss)``; row p predicts token p + 2 from the main model's hidden state at p
+    (``stop_gradient``: the main model is a frozen input) and the true token at p + 1.
+
+    The main model routes as a prefill of ``T`` tokens, the MTP layer as one of its ``T - 1``
+    pairs (the inference routes). ``indexer_loss`` is the MTP layer's own (0 when None).
+    """
+    if not self.mtp:
+      raise ValueError("mtp_forward_train needs a model with MTP layers (num_mtp_layers >= 1)")
+    if getattr(ids_BT, "ndim", None) != 2 or ids_BT.shape[1] < 2:
+      raise ValueError(f"token ids must be an int array [batch, tokens >= 2], got "
+                       f"{getattr(ids_BT, 'shape', type(ids_BT))}")
+    batch, width = ids_BT.shape
+    caches = self.init_cache(batch, width)
+    self._check_ids(ids_BT, caches)
+    lens_B = self._new_lens(ids_BT, caches, lens_B)
+    plan = self.step_plan(width, 0, capacity=width, kv_rows=width)
+    _, _, _, hidden_BTD = self._forward(ids_BT, caches, plan, lens_B)
+    pairs = width - 1
+    mtp_plan = self.step_plan(pairs, 0, capacity=pairs, kv_rows=pairs, indexer_loss=indexer_loss)
+    logits_BTV, _, attn = self._mtp_step(
+        0, jax.lax.stop_gradient(hidden_BTD[:, :-1]), ids_BT[:, 1:],
+        self.init_mtp_cache(batch, pairs)[0], mtp_plan, jnp.maximum(lens_B - 1, 0))
+    loss = jnp.zeros((), jnp.float32) if attn.indexer_loss is None else attn.indexer_loss
     return logits_BTV, loss
 
   def _new_lens(self, ids_BT, caches, new_lens_B):

@@ -59,12 +59,12 @@ class MTPLayer(nnx.Module):
     self.shared_head = SharedHead(hidden_size, eps=eps, param_dtype=param_dtype)
 
   def __call__(self, embed_BTD, hidden_BTD, cache, plan: StepPlan, *, new_lens_B):
-    """``(h'_BTD, cache)``: the block's output (before ``shared_head.norm``) and its cache
-    with the T new rows written after ``cache.lengths_B``."""
+    """``(h'_BTD, attn)``: the block's output (before ``shared_head.norm``) and its
+    attention's ``AttentionOutput`` (its cache with the T new rows written after
+    ``cache.lengths_B``; the indexer's KL when the plan asks for one)."""
     x_BTD = self.eh_proj(jnp.concatenate(
         [self.enorm(embed_BTD), self.hnorm(hidden_BTD.astype(embed_BTD.dtype))], axis=-1))
-    h_BTD, attn = self.block.forward(x_BTD, cache, plan, new_lens_B=new_lens_B)
-    return h_BTD, attn.cache
+    return self.block.forward(x_BTD, cache, plan, new_lens_B=new_lens_B)
 
 
 def check_mtp_inputs(config, index, hidden_BTD, next_ids_BT, mtp_caches) -> None:

@@ -255,3 +255,65 @@ def generation_accuracy(model, examples: list[Example], *, batch_size: int = 32)
     correct += sum(tokenizer.decode(t[:1]) == answer
                    for t, (_, answer) in zip(result.tokens, prompts))
   return correct / len(examples)
+
+
+def continuation_prompts(rng: np.random.Generator, count: int, *, lookup: LookupTask,
+                         copy: CopyTask, copy_fraction: float = 0.5) -> list[list[int]]:
+  """Token ids (BOS first) of ``count`` prompts for a model to continue: lookups cut after
+  their last query's key (``Example.prompt``) and copy examples cut after the separator and
+  one to all but the last of the copied letters, mixed at ``copy_fraction``."""
+  prompts = []
+  for _ in range(count):
+    if rng.random() < copy_fraction:
+      n = int(rng.integers(copy.min_copy, copy.max_copy + 1))
+      e = copy.example(rng, n)
+      prompts.append(tokenizer.encode(e.text[:n + 1 + int(rng.integers(1, n))]))
+    else:
+      e = lookup.example(rng, int(rng.integers(lookup.min_len, lookup.max_len + 1)))
+      prompts.append(tokenizer.encode(e.prompt()[0]))
+  return prompts
+
+
+def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, *,
+                         batch_size: int = 256) -> Batch:
+  """The prompts followed by ``model``'s greedy continuations (``mla_jax.generate``), padded
+  to the longest prompt plus ``new_tokens``; the loss and answer masks mark the generated
+  tokens. A model's own continuations are what a draft head for it must predict (MTP)."""
+  from mla_jax.generation import generate
+
+  if not prompts:
+    raise ValueError("prompts is empty")
+  width = max(len(p) for p in prompts) + new_tokens
+  ids = np.full((len(prompts), width), tokenizer.PAD_ID, np.int32)
+  generated = np.zeros((len(prompts), width), bool)
+  lens = np.zeros((len(prompts),), np.int32)
+  for start in range(0, len(prompts), batch_size):
+    chunk = prompts[start:start + batch_size]
+    result = generate(model, chunk, new_tokens)
+    for row, (prompt, tokens) in enumerate(zip(chunk, result.tokens), start):
+      sequence = [*prompt, *tokens]
+      ids[row, :len(sequence)] = sequence
+      generated[row, len(prompt):len(sequence)] = True
+      lens[row] = len(sequence)
+  return Batch(ids, lens, generated.astype(np.float32), generated)
+
+
+def draft_acceptance(model, batch: Batch) -> tuple[int, int]:
+  """Teacher-forced acceptance of MTP layer 0 on a batch of the model's own continuations
+  (``greedy_continuations``): ``(accepted, proposed)`` over the positions p whose token at
+  p + 1 is generated and p + 2 < length; accepted where the MTP layer's argmax for p + 2 (from
+  the hidden state at p and the token at p + 1) is the main model's argmax at p + 1. That is
+  the acceptance rate of greedy speculative decoding with one draft token (k = 1)."""
+  from flax import nnx
+
+  @nnx.jit
+  def predictions(model, ids_BT, lens_B):
+    main_BTV, _ = model.forward_train(ids_BT, lens_B)
+    draft_BTV, _ = model.mtp_forward_train(ids_BT, lens_B)
+    return jnp.argmax(main_BTV[:, 1:], -1), jnp.argmax(draft_BTV, -1)
+
+  main_BT, draft_BT = map(np.asarray, predictions(model, jnp.asarray(batch.ids_BT),
+                                                    jnp.asarray(batch.lens_B)))
+  t_T = np.arange(draft_BT.shape[1])
+  counted_BT = np.asarray(batch.answer_mask_BT)[:, 1:] & (t_T + 2 < batch.lens_B[:, None])
+  return int((counted_BT & (main_BT == draft_BT)).sum()), int(counted_BT.sum())

@@ -8,6 +8,10 @@ with a short dense copy stage that forms the retrieval circuit (see ``training.d
 ``run_recipe(backend=...)`` trains on any backend: ``"xla"`` differentiates the jnp
 references, ``"pallas"`` runs the Pallas-Triton kernels and their backward kernels (in interpret
 mode off an NVIDIA GPU), ``"auto"`` picks the kernels on an NVIDIA GPU.
+
+``recall_mtp`` / ``run_mtp_recipe`` train an MTP head for a trained model with the model
+frozen (the ``"mtp"`` objective) on the model's own greedy continuations: those are the tokens
+a speculative decoder's draft must guess (``benchmarks/train_mtp.py`` ships the recall head).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig
 from mla_jax.models.config import ModelConfig, tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.tokenizer import ByteTokenizer
-from mla_jax.training.data import CopyTask, LookupTask
+from mla_jax.training.data import (Batch, CopyTask, LookupTask, continuation_prompts,
+                                   greedy_continuations)
 from mla_jax.training.train import Stage, Trainer
 
 tokenizer = ByteTokenizer()  # the lookup task's vocabulary: UTF-8 bytes and BOS/EOS/PAD
@@ -149,3 +154,78 @@ def run_recipe(recipe: Recipe, *, out_dir=None, seed: int | None = None,
     trainer.run_stage(stage, batches, eval_batches)
   trainer.write_history()
   return trainer
+
+
+def with_mtp_layer(model: CausalLM, *, seed: int = 0) -> CausalLM:
+  """``model`` (without MTP layers) plus one MTP layer initialised from ``seed``; the main
+  parameters are ``model``'s own arrays, so they stay bitwise identical."""
+  if model.config.num_mtp_layers:
+    raise ValueError(f"the model already has {model.config.num_mtp_layers} MTP layer(s)")
+  config = dataclasses.replace(model.config, num_mtp_layers=1)
+  grown = CausalLM(config, rngs=nnx.Rngs(seed), backend=model.backend)
+  nnx.update(grown, nnx.state(model))
+  return grown
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPRecipe:
+  """An MTP head for a frozen trained model, trained on the model's own greedy continuations.
+
+  ``prompts`` prompts (lookups and copy examples, ``continuation_prompts``) are continued by
+  ``new_tokens`` greedy tokens; the ``"mtp"`` stage learns to predict each generated token two
+  ahead. ``eval_prompts`` held-out prompts (another seed stream) measure it.
+  """
+
+  stage: Stage
+  lookup: LookupTask = LookupTask()
+  copy: CopyTask = CopyTask()
+  copy_fraction: float = 0.5
+  prompts: int = 1024
+  eval_prompts: int = 128
+  new_tokens: int = 32
+  seed: int = 0
+
+
+def recall_mtp() -> MTPRecipe:
+  """The shipped ``recall`` model's MTP head."""
+  return MTPRecipe(stage=_stage("mtp", "mtp", 300, 3e-3, 32, warmup=20, eval_every=100))
+
+
+def mtp_data(recipe: MTPRecipe, model: CausalLM, seed: int, *, eval: bool = False) -> Batch:
+  """The recipe's continuations by ``model``: training (``eval=False``) or held-out."""
+  rng = np.random.default_rng([seed, 2 if eval else 1])
+  prompts = continuation_prompts(rng, recipe.eval_prompts if eval else recipe.prompts,
+                                 lookup=recipe.lookup, copy=recipe.copy,
+                                 copy_fraction=recipe.copy_fraction)
+  return greedy_continuations(model, prompts, recipe.new_tokens)
+
+
+def run_mtp_recipe(recipe: MTPRecipe, model: CausalLM, *, out_dir=None, seed: int | None = None,
+                   progress: bool = True) -> Trainer:
+  """Adds an MTP layer to the trained ``model`` (``with_mtp_layer``) and trains only it.
+
+  The data are ``model``'s continuations of seeded prompts; the stage draws batches from them
+  in seeded random order (epochs). Returns the trainer; its model is ``model`` plus the head.
+  """
+  seed = recipe.seed if seed is None else seed
+  data = mtp_data(recipe, model, seed)
+  held_out = mtp_data(recipe, model, seed, eval=True)
+  size = recipe.stage.batch_size
+  eval_batches = [_rows(held_out, np.arange(i, min(i + size, recipe.eval_prompts)))
+                  for i in range(0, recipe.eval_prompts, size)]
+  rng = np.random.default_rng([seed, 3])
+
+  def batches():
+    while True:
+      order = rng.permutation(recipe.prompts)
+      for i in range(0, recipe.prompts - size + 1, size):
+        yield _rows(data, order[i:i + size])
+
+  trainer = Trainer(with_mtp_layer(model, seed=seed), out_dir=out_dir, progress=progress)
+  trainer.run_stage(recipe.stage, batches(), eval_batches)
+  trainer.write_history()
+  return trainer
+
+
+def _rows(batch: Batch, rows) -> Batch:
+  return Batch(*(np.asarray(a)[rows] for a in batch))

@@ -8,6 +8,12 @@ A stage trains one objective of DeepSeek-V3.2's recipe:
 * ``"sparse"``: the next-token loss plus the sparse indexer KL; everything learns, and the
   two never mix: the attention detaches the indexer's inputs, so the indexer learns only from
   its KL and the rest only from the next-token loss.
+* ``"mtp"``: only the multi-token-prediction layer 0 learns (``CausalLM.mtp``; the main model
+  is frozen): the cross entropy of its logits at p predicting the token at p + 2, from the main
+  model's hidden state at p and the true token at p + 1, over the batch's loss mask, plus the
+  dense KL of its own indexer (summed, as in the warm-up; the indexer's inputs are detached, so
+  it learns only from its KL). The layer runs at the model's top-k, as it does in speculative
+  decoding, and its indexer learns from the first step.
 
 A stage may override the indexer's top-k for its whole run. Parameter shapes do not depend on
 top-k, and a top-k of at least the longest sequence selects every causal key, so the routing
@@ -37,7 +43,7 @@ from mla_jax.training.data import Batch, answer_hits
 from mla_jax.losses import next_token_loss
 
 # objective -> the indexer loss its forward computes
-OBJECTIVES = {"lm": None, "indexer_warmup": "dense", "sparse": "sparse"}
+OBJECTIVES = {"lm": None, "indexer_warmup": "dense", "sparse": "sparse", "mtp": "dense"}
 
 
 class TrainingDiverged(FloatingPointError):
@@ -50,7 +56,7 @@ class Stage:
 
   Attributes:
     name: shown in the progress bar, logs and checkpoints.
-    objective: ``"lm" | "indexer_warmup" | "sparse"`` (module docstring).
+    objective: ``"lm" | "indexer_warmup" | "sparse" | "mtp"`` (module docstring).
     steps: optimizer steps.
     learning_rate: peak learning rate (linear warm-up, then cosine decay).
     batch_size: sequences per step.
@@ -121,10 +127,11 @@ class Stage:
 
 def trainable_filter(objective: str):
   """The parameters a stage of this objective trains (an NNX filter)."""
-  indexer = nnx.PathContains("indexer")
-  return {"lm": nnx.All(nnx.Param, nnx.Not(indexer)),
-          "indexer_warmup": nnx.All(nnx.Param, indexer),
-          "sparse": nnx.Param}[objective]
+  indexer, mtp = nnx.PathContains("indexer"), nnx.PathContains("mtp")
+  return {"lm": nnx.All(nnx.Param, nnx.Not(indexer), nnx.Not(mtp)),
+          "indexer_warmup": nnx.All(nnx.Param, indexer, nnx.Not(mtp)),
+          "sparse": nnx.All(nnx.Param, nnx.Not(mtp)),
+          "mtp": nnx.All(nnx.Param, mtp)}[objective]
 
 
 def with_topk(config: ModelConfig, topk: int | None) -> ModelConfig:
@@ -137,9 +144,15 @@ def with_topk(config: ModelConfig, topk: int | None) -> ModelConfig:
   return dataclasses.replace(config, mla=dataclasses.replace(config.mla, indexer=indexer))
 
 
-def _forward_losses(graphdef, states, batch: Batch, indexer_loss):
+def _forward_losses(graphdef, states, batch: Batch, indexer_loss, objective: str):
   model = nnx.merge(graphdef, *states)
-  logits_BTV, kl = model.forward_train(batch.ids_BT, batch.lens_B, indexer_loss=indexer_loss)
+  if objective == "mtp":  # row p predicts token p + 2: the loss of a batch shifted by one
+    logits_BTV, kl = model.mtp_forward_train(batch.ids_BT, batch.lens_B,
+                                             indexer_loss=indexer_loss)
+    batch = Batch(batch.ids_BT[:, 1:], batch.lens_B - 1, batch.loss_mask_BT[:, 1:],
+                  batch.answer_mask_BT[:, 1:])
+  else:
+    logits_BTV, kl = model.forward_train(batch.ids_BT, batch.lens_B, indexer_loss=indexer_loss)
   lm, _ = next_token_loss(logits_BTV, batch.ids_BT, batch.lens_B, batch.loss_mask_BT)
   return lm, kl, answer_hits(logits_BTV, batch).sum()
 
@@ -150,7 +163,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, objective: str):
   indexer_loss = OBJECTIVES[objective]
 
   def loss_fn(trainable, frozen, batch):
-    lm, kl, hits = _forward_losses(graphdef, (trainable, frozen), batch, indexer_loss)
+    lm, kl, hits = _forward_losses(graphdef, (trainable, frozen), batch, indexer_loss,
+                                   objective)
     loss = kl if objective == "indexer_warmup" else lm + kl
     return loss, {"lm_loss": lm, "indexer_loss": kl, "answer_hits": hits}
 
@@ -165,11 +179,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, objective: str):
 
 def make_eval_step(graphdef, objective: str):
   """``evaluate(params, batch) -> metrics``; the indexer KL is the sparse one in the sparse
-  stage and the dense one before it (how well the indexer imitates full attention)."""
+  stage and the dense one before it (how well the indexer imitates full attention); an
+  ``"mtp"`` stage evaluates the MTP layer (its loss, its indexer's dense KL, its hits)."""
   indexer_loss = "sparse" if objective == "sparse" else "dense"
 
   def evaluate(params, batch):
-    lm, kl, hits = _forward_losses(graphdef, (params,), batch, indexer_loss)
+    lm, kl, hits = _forward_losses(graphdef, (params,), batch, indexer_loss, objective)
     return {"lm_loss": lm, "indexer_loss": kl, "answer_hits": hits}
 
   return jax.jit(evaluate)
