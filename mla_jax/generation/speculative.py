@@ -123,6 +123,39 @@ def accept_sampled(verify_BKV, draft_BKV, drafts_BK, key, sampling: SamplingConf
   return accepted_B.astype(jnp.int32), next_B.astype(jnp.int32)
 
 
+def _draft(model, state: DraftState, mtp_caches, n_B, live_B, keys_K, *, plan,
+           sampling: SamplingConfig):
+  """``(drafts_BK, logits_BKV, mtp_caches)``: d_1 from ``state.draft_BV``, then d_{i+2}
+  from the pair (the previous MTP output, d_{i+1}) at MTP row n + i, by layer ``min(i + 1,
+  num_mtp_layers - 1)``. The steps of the repeated last layer run as one ``lax.scan`` (so
+  the compile time does not grow with k); the logits are None when greedy."""
+  k, last = keys_K.shape[0], model.config.num_mtp_layers - 1
+  keep_logits = sampling.temperature > 0
+
+  def step(carry, xs, layer):
+    d_B, hidden_B1D, mtp_caches = carry
+    i, step_key = xs
+    logits_B1V, hidden_B1D, mtp_caches = _mtp_step(model, layer, hidden_B1D, d_B[:, None],
+                                                   mtp_caches, n_B + i, live_B, plan)
+    d_B = sample(logits_B1V[:, 0], step_key, sampling)
+    return (d_B, hidden_B1D, mtp_caches), (d_B, logits_B1V[:, 0] if keep_logits else None)
+
+  carry = (sample(state.draft_BV, keys_K[0], sampling), state.hidden_BD[:, None], mtp_caches)
+  outs = [(carry[0][None], state.draft_BV[None] if keep_logits else None)]
+  distinct = min(max(last - 1, 0), k - 1)  # steps before the last layer: layers 1..last-1
+  for i in range(distinct):
+    carry, (d_B, logits_BV) = step(carry, (i, keys_K[i + 1]), i + 1)
+    outs.append((d_B[None], None if logits_BV is None else logits_BV[None]))
+  if distinct < k - 1:
+    carry, scanned = jax.lax.scan(lambda c, xs: step(c, xs, last), carry,
+                                  (jnp.arange(distinct, k - 1), keys_K[distinct + 1:]))
+    outs.append(scanned)
+  drafts_KB, logits_KBV = (None if parts[0] is None else jnp.concatenate(parts)
+                           for parts in zip(*outs))
+  return (drafts_KB.T, None if logits_KBV is None else logits_KBV.swapaxes(0, 1),
+          carry[2])
+
+
 def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, verify_plan,
               draft_plan, sampling: SamplingConfig, eos_id):
   """One draft-verify-accept-rollback iteration for every unfinished sequence (the others
@@ -133,25 +166,15 @@ def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, ver
   live_B = active_B.astype(jnp.int32)
   n_B = caches.lengths_B
   keys = jax.random.split(key, k + 1)
-  drafts, draft_logits = [], [state.draft_BV]
-  hidden_B1D = state.hidden_BD[:, None]
-  for i in range(k):
-    drafts.append(sample(draft_logits[-1], keys[i], sampling))
-    if i + 1 < k:  # d_{i+2}: the pair (previous MTP output, d_{i+1}) at row n + i
-      layer = min(i + 1, model.config.num_mtp_layers - 1)
-      logits_B1V, hidden_B1D, mtp_caches = _mtp_step(model, layer, hidden_B1D,
-                                                     drafts[-1][:, None], mtp_caches,
-                                                     n_B + i, live_B, draft_plan)
-      draft_logits.append(logits_B1V[:, 0])
-  drafts_BK = jnp.stack(drafts, axis=1)
+  drafts_BK, draft_BKV, mtp_caches = _draft(model, state, mtp_caches, n_B, live_B, keys[:k],
+                                            plan=draft_plan, sampling=sampling)
   ids_BK = jnp.concatenate([state.tokens_B[:, None], drafts_BK], axis=1)
   verify_BKV, caches, hidden_BKD = model(ids_BK, caches, new_lens_B=live_B * (k + 1),
                                          plan=verify_plan, return_hidden=True)
   if sampling.temperature == 0:
     accepted_B, next_B = accept_greedy(verify_BKV, drafts_BK)
   else:
-    accepted_B, next_B = accept_sampled(verify_BKV, jnp.stack(draft_logits, axis=1), drafts_BK,
-                                        keys[k], sampling)
+    accepted_B, next_B = accept_sampled(verify_BKV, draft_BKV, drafts_BK, keys[k], sampling)
   # x_{n+1}..x_{n+a+1}: the accepted drafts, then the next token (repeated past it, ids only)
   t_K = jnp.arange(k + 1, dtype=jnp.int32)
   a_B1 = accepted_B[:, None]
