@@ -191,3 +191,28 @@ def test_speculative_settings_are_checked():
     programs.SpeculativeSettings(plan(1), plan(1))
   with pytest.raises(ValueError, match="one-token step reading verify_plan's kv_rows"):
     programs.SpeculativeSettings(plan(3), plan(1, rows=8))
+
+
+_CLI_ARGV = ["generate", "--prompt-len", "5", "--max-new-tokens", "4", "--quiet", "--backend",
+             "xla", "--dtype", "float32", "--speculative-tokens", "2"]
+
+
+@pytest.mark.slow  # a checkpoint written, loaded with its MTP layer and compiled: ~30 s
+def test_cli_decodes_speculatively(tmp_path, capsys):
+  from mla_jax import cli
+  from mla_jax.checkpoints import save_pretrained
+
+  save_pretrained(_random(), tmp_path)
+  assert cli.main([*_CLI_ARGV, "--checkpoint", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert "decode: 3 tokens" in out and "speculative: 2 draft tokens per step" in out
+
+
+def test_cli_refuses_speculation_without_mtp_layers(tmp_path, capsys):
+  from mla_jax import cli
+  from mla_jax.checkpoints import save_pretrained
+
+  config = dataclasses.replace(_config(), num_mtp_layers=0)
+  save_pretrained(m.CausalLM(config, rngs=nnx.Rngs(0), backend="xla"), tmp_path)
+  assert cli.main([*_CLI_ARGV, "--checkpoint", str(tmp_path)]) == 2
+  assert "MTP layers" in capsys.readouterr().err
