@@ -216,3 +216,14 @@ def test_cli_refuses_speculation_without_mtp_layers(tmp_path, capsys):
   save_pretrained(m.CausalLM(config, rngs=nnx.Rngs(0), backend="xla"), tmp_path)
   assert cli.main([*_CLI_ARGV, "--checkpoint", str(tmp_path)]) == 2
   assert "MTP layers" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # three MTP layers: one more compile of each program
+def test_drafts_past_the_layers_repeat_the_last_one():
+  """k = 4 on three MTP layers: drafts 2 and 3 run layers 1 and 2, draft 4 layer 2 again."""
+  config = dataclasses.replace(_config(), num_mtp_layers=3)
+  model = m.CausalLM(config, rngs=nnx.Rngs(1), backend="xla")
+  mt.randomize_params(model, 3)
+  plain = m.generate(model, PROMPTS, 7)
+  spec = m.generate(model, PROMPTS, 7, speculative_tokens=4)
+  assert spec.tokens == plain.tokens and spec.drafted > 0

@@ -135,8 +135,9 @@ def _draft(model, state: DraftState, mtp_caches, n_B, live_B, keys_K, *, plan,
   def step(carry, xs, layer):
     d_B, hidden_B1D, mtp_caches = carry
     i, step_key = xs
+    # A finished sequence stays at n (writing nothing), so its lengths never pass the cache.
     logits_B1V, hidden_B1D, mtp_caches = _mtp_step(model, layer, hidden_B1D, d_B[:, None],
-                                                   mtp_caches, n_B + i, live_B, plan)
+                                                   mtp_caches, n_B + live_B * i, live_B, plan)
     d_B = sample(logits_B1V[:, 0], step_key, sampling)
     return (d_B, hidden_B1D, mtp_caches), (d_B, logits_B1V[:, 0] if keep_logits else None)
 
