@@ -5,6 +5,7 @@ recipe)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -102,7 +103,9 @@ def _config(args):
   return PRESETS[args.preset](args.attention)
 
 
-def _build_model(args, config, mesh):
+def _build_model(args, config, mesh, mtp: bool = False):
+  """The model; ``mtp``: with a checkpoint's MTP layers (speculative decoding drafts with
+  them)."""
   from mla_jax.models.lm import CausalLM
 
   if args.checkpoint:
@@ -112,7 +115,7 @@ def _build_model(args, config, mesh):
     # Plain decoding never runs the MTP layers: leave their memory (and load time) out.
     return load_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype or "bf16"],
                            compute_dtype=compute, attention=args.attention,
-                           backend=args.backend, mesh=mesh, mtp=False)
+                           backend=args.backend, mesh=mesh, mtp=mtp)
   return CausalLM(config, rngs=nnx.Rngs(args.seed), backend=args.backend, mesh=mesh,
                   param_dtype=_DTYPES[args.dtype or "float32"])
 
@@ -171,10 +174,13 @@ def cmd_generate(args) -> int:
   if jax.process_index() != 0:  # every process computes; the first one reports
     sys.stdout = open(os.devnull, "w")
   config = _config(args)
+  speculative = args.speculative_tokens > 0
+  if speculative and not args.checkpoint:  # a random preset drafts with a random MTP layer
+    config = dataclasses.replace(config, num_mtp_layers=max(config.num_mtp_layers, 1))
   tok = _tokenizer(args, config.vocab_size)
   temperature, top_p = _sampling(args)
   t0 = time.perf_counter()
-  model = _build_model(args, config, mesh)
+  model = _build_model(args, config, mesh, mtp=speculative)
   build_s = time.perf_counter() - t0
   prompt = _prompt_ids(args, tok, model.config.vocab_size)
   print(f"model: {type(model.layer_module(0).self_attn).__name__} x "
@@ -192,7 +198,7 @@ def cmd_generate(args) -> int:
   eos = tok.eos_ids if args.stop_at_eos else None
   result = generate(model, [prompt] * args.batch, args.max_new_tokens,
                     temperature=temperature, top_p=top_p, seed=args.seed, eos_id=eos,
-                    cache_dtype=args.cache_dtype,
+                    cache_dtype=args.cache_dtype, speculative_tokens=args.speculative_tokens,
                     progress=not args.quiet and jax.process_index() == 0)
   for i, route in enumerate(result.prefill_routes):
     print(f"prefill route, layer {i}: {route.value}")
@@ -206,6 +212,9 @@ def cmd_generate(args) -> int:
     print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
   else:  # the only token came from the prefill: there was no decode step to time
     print("decode: no decode step (the first token comes from the prefill)")
+  if result.acceptance_rate is not None:
+    print(f"speculative: {args.speculative_tokens} draft tokens per step, "
+          f"{result.accepted} of {result.drafted} accepted ({result.acceptance_rate:.2f})")
   return 0
 
 
@@ -409,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop at the tokenizer's EOS id(s)")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--batch", type=int_in(1), default=1, help="sequences (copies of the prompt)")
+  gen.add_argument("--speculative-tokens", type=int_in(0), default=0, metavar="K",
+                   help="speculative decoding: K draft tokens per step from the model's MTP "
+                        "layers, verified in one forward (default 0: plain decoding; at most "
+                        "generation.speculative.MAX_SPECULATIVE_TOKENS); a checkpoint is then "
+                        "loaded with its MTP layers, a random preset gets a random one")
   gen.set_defaults(func=cmd_generate)
   serve = sub.add_parser(
       "serve", parents=[common, model],

@@ -8,14 +8,24 @@ Prefill takes the route its layers resolve for a fresh cache (dense MHA only whe
 layer class and the backend allow it); every decode step is MQA, because the cached length
 is traced.
 
+With ``speculative_tokens=k`` the prefill also runs the first MTP layer, and each decode
+dispatch runs several speculative iterations (draft k tokens with the MTP layers, verify them
+in one forward of k + 1, accept, roll back) as one program per bucket, all on the MQA route.
+
 The parts: ``requests`` checks a call's arguments before anything is built, ``programs``
-holds the compiled programs (a bounded cache) and their public tracing entry point, and
-``loop`` runs ``generate``: prefill, then the decode dispatches.
+holds the compiled programs (a bounded cache) and their public tracing entry point,
+``speculative`` the math of a speculative iteration, and ``loop`` runs ``generate``: prefill,
+then the decode dispatches.
 """
 
 from mla_jax.generation.loop import DEFAULT_STEPS_PER_DISPATCH, GenerationResult, generate
-from mla_jax.generation.programs import DecodeSettings, PrefillSettings, trace_counts
+from mla_jax.generation.programs import (DecodeSettings, PrefillSettings,
+                                         SpeculativePrefillSettings, SpeculativeSettings,
+                                         trace_counts)
 from mla_jax.generation.sampling import SamplingConfig, sample
+from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
 
 __all__ = ["DEFAULT_STEPS_PER_DISPATCH", "DecodeSettings", "GenerationResult",
-           "PrefillSettings", "SamplingConfig", "generate", "sample", "trace_counts"]
+           "MAX_SPECULATIVE_TOKENS", "PrefillSettings", "SamplingConfig",
+           "SpeculativePrefillSettings", "SpeculativeSettings", "generate", "sample",
+           "trace_counts"]

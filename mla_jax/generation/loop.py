@@ -4,7 +4,8 @@ The loop runs one prefill, then decode dispatches of ``steps_per_dispatch`` step
 every sequence has its tokens or has emitted an end-of-sequence id. Per dispatch the host
 only calls the compiled program on arrays it already holds (the state's leaves, split once
 per call; the caches, tokens and step counter the last dispatch returned) and reads back the
-emitted tokens.
+emitted tokens. With ``speculative_tokens`` the prefill also runs the MTP layer and each
+dispatch runs speculative iterations (``generation.speculative``) instead of decode steps.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from mla_jax import sharding
 from mla_jax.cache import bucket_rows
 from mla_jax.checks import throw
 from mla_jax.generation import programs
-from mla_jax.generation.programs import DecodeSettings, PrefillSettings
+from mla_jax.generation.programs import (DecodeSettings, PrefillSettings,
+                                         SpeculativePrefillSettings, SpeculativeSettings)
+from mla_jax.generation.speculative import DraftState
 from mla_jax.generation.requests import Request, check_request
 from mla_jax.progress import progress_bar
 from mla_jax.routing import PrefillRoute
@@ -41,6 +44,15 @@ class GenerationResult:
   decode_tokens: int
   step_logits: np.ndarray | None = None  # [B, steps, vocab] when ``return_logits``
   decode_buckets: tuple[int, ...] = ()  # the cache rows read by each decode program used
+  drafted: int = 0  # speculative decoding: draft tokens proposed (k per verify step)
+  accepted: int = 0  # ... and accepted
+
+  @property
+  def acceptance_rate(self) -> float | None:
+    """Accepted draft tokens / proposed ones over the whole call, each unfinished sequence's
+    every verify step counted; None when no draft was proposed (``speculative_tokens=0``, or
+    a single new token, which the prefill samples)."""
+    return self.accepted / self.drafted if self.drafted else None
 
   @property
   def prefill_tokens_per_s(self) -> float:
@@ -67,10 +79,15 @@ class _Programs:
     self.state_leaves, state_def = jax.tree.flatten(state)  # split once per generate
     self._get = lambda *args, settings: programs.cache.get(
         graphdef, state_def, self.state_leaves, *args, settings=settings)
-    self.prefill_settings = PrefillSettings(self.prefill_plan, request.sampling,
-                                            request.checked)
+    self.speculative_tokens = request.speculative_tokens
+    prefill_settings = (SpeculativePrefillSettings if self.speculative_tokens else
+                        PrefillSettings)
+    self.prefill_settings = prefill_settings(self.prefill_plan, request.sampling,
+                                             request.checked)
     self._decode_settings = dict(sampling=request.sampling, eos_id=request.eos_id, steps=steps,
-                                 keep_logits=return_logits, checked=request.checked)
+                                 checked=request.checked)
+    if not self.speculative_tokens:
+      self._decode_settings["keep_logits"] = return_logits
     self.decoders: dict = {}  # kv_rows -> compiled decode program
     self.compile_s = 0.0
 
@@ -80,10 +97,16 @@ class _Programs:
     return program
 
   def decoder(self, kv_rows: int, *args):
-    """The decode program reading ``kv_rows`` cache rows, compiled on its first use."""
+    """The decode program reading ``kv_rows`` cache rows, compiled on its first use (a
+    speculative one with ``speculative_tokens``)."""
     if kv_rows not in self.decoders:
-      plan = self.model.step_plan(1, None, capacity=self.capacity, kv_rows=kv_rows)
-      settings = DecodeSettings(plan, **self._decode_settings)
+      plan = lambda width: self.model.step_plan(width, None, capacity=self.capacity,
+                                                kv_rows=kv_rows)
+      if self.speculative_tokens:
+        settings = SpeculativeSettings(plan(self.speculative_tokens + 1), plan(1),
+                                       **self._decode_settings)
+      else:
+        settings = DecodeSettings(plan(1), **self._decode_settings)
       self.decoders[kv_rows], seconds = self._get(*args, settings=settings)
       self.compile_s += seconds
     return self.decoders[kv_rows]
@@ -93,7 +116,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
              top_p: float = 1.0, seed: int = 0, eos_id: int | list[int] | None = None,
              cache_capacity: int | None = None, cache_dtype=jnp.float32,
              steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH, progress: bool = False,
-             return_logits: bool = False, checks: bool = False) -> GenerationResult:
+             return_logits: bool = False, checks: bool = False,
+             speculative_tokens: int = 0) -> GenerationResult:
   """Generates up to ``max_new_tokens`` after each prompt (a batch of ragged prompts).
 
   Args:
@@ -114,6 +138,12 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     checks: run the compiled programs checked (``mla_jax.checks``): a failed run-time check
       (cache overflow, out-of-range lengths or ids, a query row without a top-k index)
       raises ``checks.CheckError`` instead of giving wrong tokens. Slower to compile and run.
+    speculative_tokens: k > 0 decodes speculatively (``generation.speculative``): each
+      iteration drafts k tokens with the model's MTP layers (``config.num_mtp_layers >= 1``)
+      and verifies them in one forward of k + 1 tokens. Greedy tokens are the plain ones;
+      sampled tokens have the plain distribution (rejection sampling), not the same draws.
+      At most ``speculative.MAX_SPECULATIVE_TOKENS``; the cache needs k more rows;
+      ``steps_per_dispatch`` then counts iterations; not with ``return_logits``.
 
   Integer arguments may be Python or NumPy ints. Each decode dispatch reads only the cache
   rows the live context can reach by its end, rounded up to a bucket
@@ -123,7 +153,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   request = check_request(model, prompt_ids, max_new_tokens, temperature=temperature,
                           top_p=top_p, seed=seed, eos_id=eos_id, cache_capacity=cache_capacity,
                           cache_dtype=cache_dtype, steps_per_dispatch=steps_per_dispatch,
-                          checks=checks)
+                          checks=checks, speculative_tokens=speculative_tokens,
+                          return_logits=return_logits)
   new_tokens = request.max_new_tokens
   steps = min(request.steps_per_dispatch, max(new_tokens - 1, 1))
   compiled = _Programs(model, request, steps, return_logits)
@@ -131,6 +162,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   caches = model.init_cache(request.batch, request.capacity, request.cache_dtype)
   ids_BT, lens_B = _place(request.ids_BT, mesh), _place(request.lens_B, mesh)
   seed_arr = _place(np.uint32(request.seed), mesh, sharding.REPLICATED)
+  if request.speculative_tokens:
+    return _speculate(compiled, request, steps, caches, ids_BT, lens_B, seed_arr, mesh,
+                      progress=progress)
 
   prefill = compiled.prefill(caches, ids_BT, lens_B, seed_arr)
   t0 = time.perf_counter()
@@ -150,6 +184,67 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       decode_tokens=sum(len(t) for t in tokens) - request.batch,
       step_logits=decoded.logits(model.config.vocab_size) if return_logits else None,
       decode_buckets=tuple(sorted(compiled.decoders)))
+
+
+def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT, lens_B,
+               seed_arr, mesh, *, progress: bool) -> GenerationResult:
+  """``generate`` with speculative decoding: the MTP prefill, then dispatches of ``steps``
+  iterations until every sequence has its tokens or its end-of-sequence id.
+
+  The host keeps each sequence's tokens (the emitted buffer's ids >= 0, in order) and knows
+  from them which are done and how far each cache reaches, for the next dispatch's bucket."""
+  model, k = compiled.model, request.speculative_tokens
+  new_tokens, eos_id, batch = request.max_new_tokens, request.eos_id, request.batch
+  mtp_caches = model.init_mtp_cache(batch, request.capacity, request.cache_dtype)
+  prefill = compiled.prefill(caches, mtp_caches, ids_BT, lens_B, seed_arr)
+  t0 = time.perf_counter()
+  err, (tokens_B, caches, mtp_caches, draft_BV, hidden_BD) = prefill(
+      compiled.state_leaves, caches, mtp_caches, ids_BT, lens_B, seed_arr)
+  throw(err)
+  first = sharding.fetch(tokens_B)
+  prefill_s = time.perf_counter() - t0
+
+  rows = [[int(t)] for t in first]
+  ended = lambda: np.array([len(r) >= new_tokens or (eos_id is not None and r[-1] in eos_id)
+                            for r in rows])
+  zeros = _place(np.zeros(batch, np.int32), mesh)
+  state = DraftState(tokens_B=tokens_B, draft_BV=draft_BV, hidden_BD=hidden_BD,
+                     done_B=_place(ended(), mesh), emitted_B=_place(np.ones(batch, np.int32),
+                                                                    mesh),
+                     accepted_B=zeros, drafted_B=_place(np.zeros(batch, np.int32), mesh))
+  # Iteration i reads cache rows up to n + (i + 1)(k + 1), and n + k + 1 at most once the
+  # last token is due (n <= longest + new_tokens - 2 while a sequence is unfinished).
+  rows_by = lambda: bucket_rows(min(max(int(lens) + len(r) - 1 for lens, r in
+                                        zip(request.lens_B, rows)) + steps * (k + 1),
+                                    request.longest + new_tokens + k - 1), request.capacity)
+  iteration_arr = _place(np.int32(1), mesh, sharding.REPLICATED)
+  end_arr = _place(np.int32(new_tokens), mesh, sharding.REPLICATED)
+  args = lambda: (caches, mtp_caches, state, seed_arr, iteration_arr, end_arr)
+  done = ended()
+  if not done.all():  # the first bucket's program is compiled before the timing starts
+    compiled.decoder(rows_by(), *args())
+  bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
+  seconds = 0.0
+  while not done.all():
+    program = compiled.decoder(rows_by(), *args())  # a new bucket compiles outside the timing
+    t0 = time.perf_counter()
+    err, (caches, mtp_caches, state, iteration_arr, emitted_NBK) = program(
+        compiled.state_leaves, *args())
+    throw(err)
+    emitted = sharding.fetch(emitted_NBK)  # syncs: the dispatch has finished
+    seconds += time.perf_counter() - t0
+    for row, new in zip(rows, emitted.swapaxes(0, 1).reshape(batch, -1)):
+      row.extend(int(t) for t in new if t >= 0)
+    done = ended()
+    bar.update(max(len(r) for r in rows) - bar.n)
+  bar.close()
+  return GenerationResult(
+      tokens=rows, prefill_routes=[compiled.prefill_plan.route] * model.config.num_layers,
+      compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=seconds,
+      prefill_tokens=int(request.lens_B.sum()), decode_tokens=sum(map(len, rows)) - batch,
+      decode_buckets=tuple(sorted(compiled.decoders)),
+      drafted=int(sharding.fetch(state.drafted_B).sum()),
+      accepted=int(sharding.fetch(state.accepted_B).sum()))
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-"""The compiled programs of ``generate`` (a prefill, and a decode per cache bucket) and the
-bounded cache that keeps them.
+"""The compiled programs of ``generate`` (a prefill, and a decode per cache bucket; with
+speculative decoding a prefill that also runs the MTP layer, and a speculative decode per
+bucket) and the bounded cache that keeps them.
 
 A program is a jitted closure over one model structure and one settings value, compiled ahead
 of time for its arguments' shapes, so that ``generate`` reports compile time apart from run
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.checks import functionalize, static_int
+from mla_jax.generation import speculative
 from mla_jax.generation.sampling import SamplingConfig, sample
 from mla_jax.step_plan import StepPlan
 
@@ -64,13 +66,58 @@ class DecodeSettings:
     object.__setattr__(self, "steps", static_int(self.steps, "steps", minimum=1))
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculativePrefillSettings(PrefillSettings):
+  """A speculative generation's prefill: the main prefill, then MTP layer 0 over the
+  prompt's pairs (``speculative.prefill``), under the same ``plan``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSettings:
+  """A speculative decode program's static settings: one hashable value (the cache key's
+  part). Each of its ``steps`` iterations drafts k = ``verify_plan.num_new_tokens - 1``
+  tokens and verifies them (``speculative.iteration``).
+
+  ``verify_plan``: the model's ``StepPlan`` for k + 1 tokens per sequence after an unknown
+  cached length (the verify forward and the MTP step over the verified pairs);
+  ``draft_plan``: one token per sequence (the further draft steps). Both read the rows of
+  the live context's bucket (``plan.kv_rows``)."""
+
+  verify_plan: StepPlan
+  draft_plan: StepPlan
+  sampling: SamplingConfig = SamplingConfig()
+  eos_id: tuple[int, ...] | None = None
+  steps: int = 1  # iterations per dispatch (a ``lax.scan``)
+  checked: bool = False
+
+  def __post_init__(self):
+    _check_plan(self.verify_plan)
+    _check_plan(self.draft_plan)
+    object.__setattr__(self, "steps", static_int(self.steps, "steps", minimum=1))
+    limit = speculative.MAX_SPECULATIVE_TOKENS
+    if not 2 <= self.verify_plan.num_new_tokens <= limit + 1:
+      raise ValueError(f"verify_plan must be a step of k + 1 tokens with k in [1, {limit}], "
+                       f"got {self.verify_plan.num_new_tokens}")
+    if self.draft_plan.num_new_tokens != 1 or (self.draft_plan.kv_rows
+                                               != self.verify_plan.kv_rows):
+      raise ValueError("draft_plan must be a one-token step reading verify_plan's kv_rows")
+
+  @property
+  def tokens(self) -> int:
+    return self.verify_plan.num_new_tokens - 1
+
+
+def _model(graphdef, state_def, state_leaves):
+  return nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+
+
 def _prefill(graphdef, state_def, settings: PrefillSettings):
   """``run(state_leaves, caches, ids_BT, lens_B, seed) -> (err, (tokens, logits, caches))``;
   ``err`` is None unless checked. The caches are donated: updated in place."""
 
   def body(state_leaves, caches, ids_BT, lens_B, seed):
     key = jax.random.fold_in(jax.random.key(seed), 0)
-    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+    model = _model(graphdef, state_def, state_leaves)
     logits_BTV, caches = model(ids_BT, caches, new_lens_B=lens_B, plan=settings.plan)
     last_BV = jnp.take_along_axis(logits_BTV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
     return sample(last_BV, key, settings.sampling), logits_BTV, caches
@@ -95,7 +142,7 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
   eos_id = settings.eos_id
 
   def body(state_leaves, caches, tokens_B, done_B, seed, first_step, end_step):
-    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+    model = _model(graphdef, state_def, state_leaves)
 
     def one_step(carry, i):
       tokens_B, done_B, caches = carry
@@ -122,15 +169,67 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
   return jax.jit(run, donate_argnums=(1, 2, 3))
 
 
-_PROGRAMS = {PrefillSettings: _prefill, DecodeSettings: _decode}
+def _speculative_prefill(graphdef, state_def, settings: SpeculativePrefillSettings):
+  """``run(state_leaves, caches, mtp_caches, ids_BT, lens_B, seed) -> (err, (tokens_B,
+  caches, mtp_caches, draft_BV, hidden_BD))``: ``speculative.prefill``, sampling with the
+  plain prefill's key. Both caches are donated."""
+
+  def body(state_leaves, caches, mtp_caches, ids_BT, lens_B, seed):
+    key = jax.random.fold_in(jax.random.key(seed), 0)
+    return speculative.prefill(_model(graphdef, state_def, state_leaves), caches, mtp_caches,
+                               ids_BT, lens_B, key, plan=settings.plan,
+                               sampling=settings.sampling)
+
+  def run(*args):
+    trace_counts["speculative_prefill"] += 1
+    return functionalize(body, settings.checked)(*args)
+
+  return jax.jit(run, donate_argnums=(1, 2))
+
+
+def _speculative_decode(graphdef, state_def, settings: SpeculativeSettings):
+  """``run(state_leaves, caches, mtp_caches, state, seed, iteration, max_new)``:
+  ``settings.steps`` speculative iterations in one program, as a ``lax.scan``.
+
+  Iteration i (``iteration <= i < iteration + steps``) draws with key ``fold_in(seed, i)``;
+  a sequence is done at its end-of-sequence id or its ``max_new`` tokens, and then writes
+  nothing. The caches and the ``DraftState`` are donated. Returns ``(err, (caches,
+  mtp_caches, state, next_iteration, emitted))`` with the emitted tokens [steps, B, k + 1]
+  (-1 where none); ``err`` is None unless checked."""
+
+  def body(state_leaves, caches, mtp_caches, state, seed, first_iteration, max_new):
+    model = _model(graphdef, state_def, state_leaves)
+
+    def one_iteration(carry, i):
+      key = jax.random.fold_in(jax.random.key(seed), first_iteration + i)
+      caches, mtp_caches, state, emitted_BK = speculative.iteration(
+          model, *carry, key, max_new, verify_plan=settings.verify_plan,
+          draft_plan=settings.draft_plan, sampling=settings.sampling, eos_id=settings.eos_id)
+      return (caches, mtp_caches, state), emitted_BK
+
+    (caches, mtp_caches, state), emitted_NBK = jax.lax.scan(
+        one_iteration, (caches, mtp_caches, state),
+        jnp.arange(settings.steps, dtype=jnp.int32))
+    return caches, mtp_caches, state, first_iteration + settings.steps, emitted_NBK
+
+  def run(*args):
+    trace_counts["speculative_decode"] += 1
+    return functionalize(body, settings.checked)(*args)
+
+  return jax.jit(run, donate_argnums=(1, 2, 3))
+
+
+_PROGRAMS = {PrefillSettings: _prefill, DecodeSettings: _decode,
+             SpeculativePrefillSettings: _speculative_prefill,
+             SpeculativeSettings: _speculative_decode}
 
 
 def jitted(graphdef, state_def, settings):
   """A new jitted program for one model structure (``graphdef``, the state's treedef) and
-  ``settings`` (a ``PrefillSettings`` or ``DecodeSettings``); it takes the state's leaves."""
+  ``settings`` (one of ``_PROGRAMS``' settings classes); it takes the state's leaves."""
   if type(settings) not in _PROGRAMS:
-    raise TypeError(f"settings must be a PrefillSettings or DecodeSettings, got "
-                    f"{type(settings).__name__}")
+    raise TypeError(f"settings must be one of {', '.join(c.__name__ for c in _PROGRAMS)}, "
+                    f"got {type(settings).__name__}")
   return _PROGRAMS[type(settings)](graphdef, state_def, settings)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import is_int
 from mla_jax.generation.sampling import SamplingConfig
+from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.models.lm import CausalLM
 
 
@@ -33,6 +34,7 @@ class Request:
   seed: int
   steps_per_dispatch: int
   checked: bool
+  speculative_tokens: int = 0  # draft tokens per iteration; 0: plain decoding
 
   @property
   def batch(self) -> int:
@@ -94,13 +96,32 @@ def eos_ids(eos_id, vocab_size: int) -> tuple[int, ...] | None:
   return tuple(int(i) for i in ids)
 
 
+def check_speculative_tokens(model, speculative_tokens, return_logits: bool = False) -> int:
+  """``speculative_tokens`` as an int in [0, ``MAX_SPECULATIVE_TOKENS``]; above 0 the model
+  needs MTP layers to draft with."""
+  limit = MAX_SPECULATIVE_TOKENS
+  if not is_int(speculative_tokens) or not 0 <= speculative_tokens <= limit:
+    raise ValueError(f"speculative_tokens must be an int in [0, {limit}] (draft tokens per "
+                     f"verify step), got {speculative_tokens!r}")
+  speculative_tokens = int(speculative_tokens)
+  if speculative_tokens and model.config.num_mtp_layers < 1:
+    raise ValueError(f"speculative_tokens={speculative_tokens} drafts with the model's MTP "
+                     "layers, but it has none (config.num_mtp_layers is 0): load a checkpoint "
+                     "that has them with load_pretrained(..., mtp=True)")
+  if speculative_tokens and return_logits:
+    raise ValueError("return_logits is not supported with speculative_tokens > 0")
+  return speculative_tokens
+
+
 def check_request(model, prompt_ids, max_new_tokens, *, temperature, top_p, seed, eos_id,
-                  cache_capacity, cache_dtype, steps_per_dispatch, checks) -> Request:
+                  cache_capacity, cache_dtype, steps_per_dispatch, checks,
+                  speculative_tokens=0, return_logits=False) -> Request:
   """``generate``'s arguments checked and normalised; see ``generate`` for their meaning."""
   if not isinstance(model, CausalLM):
     raise TypeError(f"model must be a CausalLM, got {type(model).__name__} (generate runs a "
                     "whole language model; call a single layer directly)")
   max_new_tokens = _positive_int(max_new_tokens, "max_new_tokens")
+  speculative_tokens = check_speculative_tokens(model, speculative_tokens, return_logits)
   if not is_int(seed) or not 0 <= seed < 2**32:
     raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
   steps_per_dispatch = _positive_int(steps_per_dispatch, "steps_per_dispatch")
@@ -114,18 +135,26 @@ def check_request(model, prompt_ids, max_new_tokens, *, temperature, top_p, seed
     raise TypeError(f"checks must be a bool, got {type(checks).__name__}")
   ids_BT, lens_B = pad_prompts(prompt_ids, cfg.vocab_size)
   longest = ids_BT.shape[1]
-  needed = longest + max_new_tokens
+  # A verify step writes its k draft rows past the last token before any is accepted.
+  needed = longest + max_new_tokens + speculative_tokens
   max_positions = cfg.mla.max_position_embeddings
   if cache_capacity is None and needed > max_positions:
-    raise ValueError(f"prompt of {longest} tokens plus {max_new_tokens} new tokens needs "
-                     f"{needed} positions, more than max_position_embeddings {max_positions}")
+    raise ValueError(f"prompt of {longest} tokens plus {max_new_tokens} new tokens"
+                     f"{_drafts(speculative_tokens)} needs {needed} positions, more than "
+                     f"max_position_embeddings {max_positions}")
   capacity = needed if cache_capacity is None else int(cache_capacity)
   if needed > capacity:
-    raise ValueError(f"prompt of {longest} tokens plus {max_new_tokens} new tokens needs "
-                     f"{needed} cache rows, more than cache_capacity {capacity}")
+    raise ValueError(f"prompt of {longest} tokens plus {max_new_tokens} new tokens"
+                     f"{_drafts(speculative_tokens)} needs {needed} cache rows, more than "
+                     f"cache_capacity {capacity}")
   if capacity > max_positions:
     raise ValueError(f"cache_capacity {capacity} exceeds max_position_embeddings "
                      f"{max_positions}")
   return Request(ids_BT=ids_BT, lens_B=lens_B, max_new_tokens=max_new_tokens,
                  capacity=capacity, cache_dtype=cache_dtype, sampling=sampling, eos_id=eos_id,
-                 seed=int(seed), steps_per_dispatch=steps_per_dispatch, checked=checks)
+                 seed=int(seed), steps_per_dispatch=steps_per_dispatch, checked=checks,
+                 speculative_tokens=speculative_tokens)
+
+
+def _drafts(speculative_tokens: int) -> str:
+  return f" and {speculative_tokens} draft rows" if speculative_tokens else ""

@@ -31,10 +31,22 @@ def sample(logits_BV, key, sampling: SamplingConfig):
   """Greedy at temperature 0; otherwise nucleus sampling over ``logits / temperature``."""
   if sampling.temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  logits_BV = logits_BV / sampling.temperature
+  return jax.random.categorical(key, transformed(logits_BV, sampling), axis=-1).astype(jnp.int32)
+
+
+def transformed(logits_XV, sampling: SamplingConfig):
+  """The logits ``sample`` draws from at temperature > 0: divided by the temperature, every
+  token outside the nucleus -inf. Any leading axes."""
+  logits_XV = logits_XV / sampling.temperature
   if sampling.top_p < 1:
-    logits_BV = nucleus(logits_BV, jnp.float32(sampling.top_p))
-  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+    flat_NV = nucleus(logits_XV.reshape(-1, logits_XV.shape[-1]), jnp.float32(sampling.top_p))
+    logits_XV = flat_NV.reshape(logits_XV.shape)
+  return logits_XV
+
+
+def probabilities(logits_XV, sampling: SamplingConfig):
+  """The distribution ``sample`` draws from at temperature > 0 (zero outside the nucleus)."""
+  return jax.nn.softmax(transformed(logits_XV, sampling), axis=-1)
 
 
 def nucleus(logits_BV, top_p):

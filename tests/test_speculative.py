@@ -1,0 +1,229 @@
+"""Speculative decoding with MTP drafts: greedy tokens equal plain decoding's, sampled tokens
+have its distribution, eos and max_new_tokens cut iterations short, the acceptance rate, the
+errors, and the routing contract on the traced programs."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+import mla_jax as m
+from mla_jax import testing as mt
+from mla_jax.generation import programs, speculative
+from mla_jax.models.config import tiny_lm
+from mla_jax.routing import PrefillRoute
+from mla_jax.traces import summarize_jaxpr
+
+ROUTES = {route.scope for route in PrefillRoute}
+
+
+def _config(attention="mqa-only", *, moe=False, vocab_size=None):
+  """tiny_lm with one MTP layer; without MoE one main layer (a third of the compile time)."""
+  config = tiny_lm(attention, moe=moe)
+  config = dataclasses.replace(config, num_mtp_layers=1, num_layers=2 if moe else 1)
+  return dataclasses.replace(config, vocab_size=vocab_size or config.vocab_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _random(attention="mqa-only", moe=False, vocab_size=None):
+  """Random weights: the MTP head's drafts are almost never accepted (rollback each time)."""
+  model = m.CausalLM(_config(attention, moe=moe, vocab_size=vocab_size), rngs=nnx.Rngs(0),
+                     backend="xla")
+  mt.randomize_params(model, 7)
+  return model
+
+
+def _zero(module):
+  nnx.update(module, jax.tree.map(jnp.zeros_like, nnx.state(module, nnx.Param)))
+
+
+@functools.lru_cache(maxsize=None)
+def _copying():
+  """A bigram model whose MTP head predicts what the main model will: the main layers and
+  the MTP block add nothing, so the main model's logits are lm_head(norm(embed(x))), and
+  eh_proj passes the next token's normed embedding on to the same head (norm weights
+  copied), so every greedy draft is accepted."""
+  model = _random()
+  model = nnx.merge(*nnx.split(model))  # a copy: _random()'s model stays random
+  _zero(model.model.groups)
+  (layer,) = model.mtp
+  _zero(layer.block)
+  d = model.config.mla.hidden_size
+  layer.eh_proj.weight.value = jnp.eye(d, 2 * d, dtype=jnp.float32)  # [I | 0]: the embedding
+  layer.enorm.weight.value = jnp.ones((d,), jnp.float32)
+  layer.shared_head.norm.weight.value = model.model.norm.weight.value
+  return model
+
+
+# Models to check greedy decoding on (the lead adds the recall model with its trained head).
+MODELS = {"random": _random, "random-moe": functools.partial(_random, moe=True)}
+MODEL_MARKS = {"random-moe": pytest.mark.slow}
+PROMPTS = [[5, 6, 7], list(range(40, 57)), [9, 3, 1, 4, 1, 5, 9, 2, 6]]  # one past the top-k
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MODEL_MARKS.get(n, ())) for n in MODELS])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_tokens_equal_plain_decoding(name, k):
+  model = MODELS[name]()
+  for prompts in (PROMPTS[1:2], PROMPTS):  # batch 1, then a ragged batch
+    plain = m.generate(model, prompts, 9)
+    spec = m.generate(model, prompts, 9, speculative_tokens=k, steps_per_dispatch=2)
+    assert spec.tokens == plain.tokens
+    assert spec.decode_tokens == plain.decode_tokens == 8 * len(prompts)
+    assert 0 <= spec.acceptance_rate <= 1 and spec.drafted > 0
+    assert spec.drafted == k * (spec.drafted // k)
+
+
+def test_copying_head_is_always_accepted_and_stops_mid_iteration():
+  """Every draft accepted: 3 tokens per iteration (k = 2), so 8 new tokens end one token
+  into an iteration, and an eos inside an iteration drops the tokens after it."""
+  model = _copying()
+  plain = m.generate(model, PROMPTS, 8)
+  spec = m.generate(model, PROMPTS, 8, speculative_tokens=2)
+  assert spec.tokens == plain.tokens and spec.acceptance_rate == 1.0
+  # 7 tokens after the prefill's: 3 iterations (the last cut to one token) for each row.
+  assert spec.drafted == 2 * 3 * len(PROMPTS)
+  eos = plain.tokens[0][2]  # the second token of the first iteration of row 0
+  stopped = m.generate(model, PROMPTS, 8, speculative_tokens=2, eos_id=eos)
+  for free, tokens in zip(plain.tokens, stopped.tokens):
+    assert tokens == (free[:free.index(eos) + 1] if eos in free else free)
+  assert len(stopped.tokens[0]) == 3 and stopped.acceptance_rate == 1.0
+
+
+def _counts(tokens, vocab_size):
+  """[positions, vocab] counts of each generated position over the rows."""
+  tokens = np.asarray(tokens)
+  return np.stack([np.bincount(tokens[:, i], minlength=vocab_size)
+                   for i in range(tokens.shape[1])])
+
+
+def _sampled(model, speculative_tokens, seed, **sampling):
+  """Counts of 1024 independent rows' 4 tokens (one prompt, so the rows are i.i.d.)."""
+  tokens = m.generate(model, [[1, 2, 3]] * 1024, 4, seed=seed,
+                      speculative_tokens=speculative_tokens, **sampling).tokens
+  return _counts(tokens, model.config.vocab_size)
+
+
+def _p_values(plain, spec):
+  """Chi-square test of homogeneity per position, over the tokens either drew."""
+  seen = (plain + spec) > 0
+  return [stats.chi2_contingency(np.stack([p[s], q[s]]))[1]
+          for p, q, s in zip(plain, spec, seen)]
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=1.0),
+    pytest.param(dict(temperature=0.8, top_p=0.9), marks=pytest.mark.slow)])
+def test_sampling_keeps_the_plain_distribution(sampling, monkeypatch):
+  """Positions 1 and 2 are the drafts' (k = 2), position 3 a bonus or a later iteration's;
+  1024 rows of a vocabulary of 8, fixed seeds (p-values above 0.4 measured). Replacing the
+  residual by p (a wrong rule) fails: p-values below 1e-5 at the first draft measured."""
+  model = _random(vocab_size=8)
+  plain = _sampled(model, 0, 100, **sampling)
+  spec = _sampled(model, 2, 0, **sampling)
+  assert min(_p_values(plain, spec)[1:]) > 1e-3
+  monkeypatch.setattr(speculative, "residual", lambda p_BV, q_BV: p_BV)
+  programs.cache.clear()
+  wrong = _sampled(model, 2, 0, **sampling)
+  programs.cache.clear()
+  assert min(_p_values(plain, wrong)[1:]) < 1e-3
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(speculative_tokens=-1), r"speculative_tokens must be an int in \[0, 8\]"),
+    (dict(speculative_tokens=9), r"speculative_tokens must be an int in \[0, 8\]"),
+    (dict(speculative_tokens=1.0), r"speculative_tokens must be an int"),
+    (dict(speculative_tokens=2, return_logits=True), "return_logits"),
+    (dict(speculative_tokens=4, cache_capacity=12), "4 draft rows needs 13 cache rows"),
+])
+def test_bad_speculative_requests_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    m.generate(_random(), [[1, 2, 3]], 6, **kwargs)
+
+
+def test_a_model_without_mtp_layers_refuses_speculation():
+  plain = m.CausalLM(tiny_lm(), rngs=nnx.Rngs(0), backend="xla")
+  with pytest.raises(ValueError, match=r"speculative_tokens=1 .*MTP layers.*num_mtp_layers is "
+                                       r"0.*mtp=True"):
+    m.generate(plain, [[1, 2, 3]], 4, speculative_tokens=1)
+
+
+def _speculative_programs(model, k=2, prompt_len=3, capacity=16):
+  """The traced prefill and speculative decode of ``generate`` (nothing compiles)."""
+  graphdef, state = nnx.split(model)
+  caches, mtp_caches = model.init_cache(1, capacity), model.init_mtp_cache(1, capacity)
+  ids, lens = jnp.ones((1, prompt_len), jnp.int32), jnp.array([prompt_len], jnp.int32)
+  seed, d = jnp.uint32(0), model.config.mla.hidden_size
+  plan = lambda width: model.step_plan(width, None, capacity=capacity)
+  prefill = programs.trace(graphdef, state, caches, mtp_caches, ids, lens, seed,
+                           settings=programs.SpeculativePrefillSettings(
+                               model.step_plan(prompt_len, 0, capacity=capacity)))
+  draft_state = speculative.DraftState(
+      tokens_B=lens, draft_BV=jnp.zeros((1, model.config.vocab_size)),
+      hidden_BD=jnp.zeros((1, d)), done_B=jnp.zeros((1,), bool), emitted_B=lens,
+      accepted_B=lens, drafted_B=lens)
+  decode = programs.trace(graphdef, state, caches, mtp_caches, draft_state, seed, jnp.int32(1),
+                          jnp.int32(8), settings=programs.SpeculativeSettings(
+                              plan(k + 1), plan(1), m.generation.SamplingConfig(1.0), steps=2))
+  return summarize_jaxpr(prefill.jaxpr), summarize_jaxpr(decode.jaxpr)
+
+
+def test_mqa_only_speculative_programs_never_contain_a_dense_branch():
+  prefill, decode = _speculative_programs(_random("mqa-only"), k=3)
+  for summary in (prefill, decode):
+    assert summary.scopes & ROUTES == {"mla_sparse_mqa"}
+    assert summary.primitives["cond"] == 0 and summary.primitives["switch"] == 0
+  # The same prefill on a dense-capable model takes the dense route (the test can fail).
+  dense_prefill, dense_decode = _speculative_programs(_random("dense-capable"))
+  assert dense_prefill.scopes & ROUTES == {"mla_dense_mha"}
+  assert dense_decode.scopes & ROUTES == {"mla_sparse_mqa"}
+
+
+def test_speculative_settings_are_checked():
+  model = _random()
+  plan = lambda width, rows=16: model.step_plan(width, None, capacity=16, kv_rows=rows)
+  with pytest.raises(ValueError, match=r"k in \[1, 8\]"):
+    programs.SpeculativeSettings(plan(1), plan(1))
+  with pytest.raises(ValueError, match="one-token step reading verify_plan's kv_rows"):
+    programs.SpeculativeSettings(plan(3), plan(1, rows=8))
+
+
+_CLI_ARGV = ["generate", "--prompt-len", "5", "--max-new-tokens", "4", "--quiet", "--backend",
+             "xla", "--dtype", "float32", "--speculative-tokens", "2"]
+
+
+@pytest.mark.slow  # a checkpoint written, loaded with its MTP layer and compiled: ~30 s
+def test_cli_decodes_speculatively(tmp_path, capsys):
+  from mla_jax import cli
+  from mla_jax.checkpoints import save_pretrained
+
+  save_pretrained(_random(), tmp_path)
+  assert cli.main([*_CLI_ARGV, "--checkpoint", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert "decode: 3 tokens" in out and "speculative: 2 draft tokens per step" in out
+
+
+def test_cli_refuses_speculation_without_mtp_layers(tmp_path, capsys):
+  from mla_jax import cli
+  from mla_jax.checkpoints import save_pretrained
+
+  config = dataclasses.replace(_config(), num_mtp_layers=0)
+  save_pretrained(m.CausalLM(config, rngs=nnx.Rngs(0), backend="xla"), tmp_path)
+  assert cli.main([*_CLI_ARGV, "--checkpoint", str(tmp_path)]) == 2
+  assert "MTP layers" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # three MTP layers: one more compile of each program
+def test_drafts_past_the_layers_repeat_the_last_one():
+  """k = 4 on three MTP layers: drafts 2 and 3 run layers 1 and 2, draft 4 layer 2 again."""
+  config = dataclasses.replace(_config(), num_mtp_layers=3)
+  model = m.CausalLM(config, rngs=nnx.Rngs(1), backend="xla")
+  mt.randomize_params(model, 3)
+  plain = m.generate(model, PROMPTS, 7)
+  spec = m.generate(model, PROMPTS, 7, speculative_tokens=4)
+  assert spec.tokens == plain.tokens and spec.drafted > 0
