@@ -383,3 +383,20 @@ def test_mtp_forward_train_matches_mtp_forward():
                                  new_lens_B=lens - 1)
   for b, n in enumerate(batch.lens_B):
     np.testing.assert_allclose(got[b, :n - 1], want[b, :n - 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # generates its data: about 45 s on 2 shared cores
+def test_mtp_recipe_reproduces_its_head_from_the_seed():
+  """``run_mtp_recipe`` twice from the same seed: the same continuations, the same head bit
+  for bit, and the main model untouched."""
+  base = CausalLM(tiny_lm(moe=False), rngs=nnx.Rngs(0), backend="xla")
+  recipe = recipes.MTPRecipe(
+      stage=Stage(name="mtp", objective="mtp", steps=2, learning_rate=1e-3, batch_size=4),
+      lookup=LookupTask(max_len=24), copy=CopyTask(max_copy=8), prompts=8, eval_prompts=4,
+      new_tokens=6)
+  runs = [recipes.run_mtp_recipe(recipe, base, progress=False).model for _ in range(2)]
+  heads = [nnx.state(m.mtp, nnx.Param) for m in runs]
+  assert all(jax.tree.leaves(jax.tree.map(np.array_equal, *heads)))
+  main = jax.tree.map(np.array_equal, nnx.state(base, nnx.Param), nnx.state(runs[0], nnx.Param)
+                      .filter(lambda path, _: path[0] != "mtp"))
+  assert all(jax.tree.leaves(main))
