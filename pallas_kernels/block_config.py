@@ -84,6 +84,18 @@ class IndexerLogitsKernelConfig:
     # A 64 x 128 fp32 tile plus the bf16 key tile spills a few bytes with 4 warps on sm_90a.
     return cls(block_t=block_t, block_s=block_s, num_warps=8, num_stages=2)
 
+  @classmethod
+  def backward_for(cls, num_tokens: int, num_keys: int) -> IndexerLogitsKernelConfig:
+    """The blocks of both backward kernels (``pallas_kernels.indexer_logits_backward``):
+    ``indexer_logits_dq`` programs own ``block_t`` tokens of one head and walk key blocks of
+    ``block_s``; ``indexer_logits_dk`` programs own ``block_s`` keys and walk token blocks of
+    ``block_t`` and every head."""
+    block_t = min(64, max(16, next_pow2(num_tokens)))
+    block_s = min(64, max(16, next_pow2(num_keys)))
+    # With 4 warps at 64 x 64 both kernels spill on sm_90a (dq: the [64, 128] fp32 dq
+    # accumulator beside the dots tile, 68 B; 144 B with fp8 keys widened to bf16).
+    return cls(block_t=block_t, block_s=block_s, num_warps=8, num_stages=2)
+
 
 @dataclasses.dataclass(frozen=True)
 class DenseMHAKernelConfig:
@@ -124,29 +136,6 @@ class DenseMHAKernelConfig:
     warps = 8 if max(d_qk, d_v) > 128 else 4
     return (cls(block_q=clamp(rows, num_tokens), block_k=clamp(step, num_keys), num_warps=warps),
             cls(block_q=clamp(step, num_tokens), block_k=clamp(rows, num_keys), num_warps=warps))
-
-@dataclasses.dataclass(frozen=True)
-class IndexerLogitsBackwardKernelConfig:
-  """The indexer backward: ``indexer_logits_dq`` programs own ``block_t`` tokens of one head and
-  walk key blocks of ``block_s``; ``indexer_logits_dk`` programs own ``block_s`` keys and walk
-  token blocks of ``block_t`` and every head."""
-
-  block_t: int = 64
-  block_s: int = 64
-  num_warps: int = 8
-  num_stages: int = 2
-
-  def __post_init__(self):
-    _check_pow2(self, "block_t", "block_s")
-    _check_warps_stages(self)
-
-  @classmethod
-  def default_for(cls, num_tokens: int, num_keys: int) -> IndexerLogitsBackwardKernelConfig:
-    block_t = min(64, max(16, next_pow2(num_tokens)))
-    block_s = min(64, max(16, next_pow2(num_keys)))
-    # With 4 warps at 64 x 64 both kernels spill on sm_90a (dq: the [64, 128] fp32 dq
-    # accumulator beside the dots tile, 68 B; 144 B with fp8 keys widened to bf16).
-    return cls(block_t=block_t, block_s=block_s, num_warps=8, num_stages=2)
 
 
 @dataclasses.dataclass(frozen=True)

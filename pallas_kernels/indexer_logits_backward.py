@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.block_config import IndexerLogitsBackwardKernelConfig
+from pallas_kernels.block_config import IndexerLogitsKernelConfig
 from pallas_kernels.indexer_logits import _FP8, _key_tile, _pooled_key_rows, _valid_rows
 
 
@@ -179,7 +179,7 @@ def _common_operands(dlogits_TS, q_TGI, w_TG, starts_T, ends_T):
 
 
 def indexer_logits_dq(dlogits_TS, q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
-                      key_rows_S=None, config: IndexerLogitsBackwardKernelConfig | None = None,
+                      key_rows_S=None, config: IndexerLogitsKernelConfig | None = None,
                       interpret: bool = False):
   """``(dq_TGI, dw_TG)`` of the logits' cotangent ``dlogits_TS`` (in the dtypes of q and w).
 
@@ -188,7 +188,7 @@ def indexer_logits_dq(dlogits_TS, q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scal
   contribute exactly 0.
   """
   (T, G, I), S = q_TGI.shape, dlogits_TS.shape[1]
-  config = config or IndexerLogitsBackwardKernelConfig.default_for(T, S)
+  config = config or IndexerLogitsKernelConfig.backward_for(T, S)
   block_t, block_s = config.block_t, config.block_s
   padded_s = pl.cdiv(S, block_s) * block_s  # the last key block overhangs; loads are masked
   key_blocks_NJ, counts_N = _block_lists(meeting_blocks(starts_T, ends_T, S, block_t, block_s))
@@ -230,7 +230,7 @@ def indexer_logits_dq(dlogits_TS, q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scal
 
 
 def indexer_logits_dk(dlogits_TS, q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
-                      key_rows_S=None, config: IndexerLogitsBackwardKernelConfig | None = None,
+                      key_rows_S=None, config: IndexerLogitsKernelConfig | None = None,
                       interpret: bool = False):
   """The cotangent of float keys ``k_SI`` (of the pool's rows with ``key_rows_S``), its dtype.
 
@@ -238,7 +238,7 @@ def indexer_logits_dk(dlogits_TS, q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scal
   several columns gets the sum of their terms.
   """
   (T, G, I), S = q_TGI.shape, dlogits_TS.shape[1]
-  config = config or IndexerLogitsBackwardKernelConfig.default_for(T, S)
+  config = config or IndexerLogitsKernelConfig.backward_for(T, S)
   block_t, block_s = config.block_t, config.block_s
   padded_t = pl.cdiv(T, block_t) * block_t
   token_blocks_JN, counts_J = _block_lists(

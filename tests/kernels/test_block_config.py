@@ -4,7 +4,7 @@ import pytest
 from absl.testing import parameterized
 
 from pallas_kernels.block_config import (
-    DenseMHAKernelConfig, IndexerLogitsBackwardKernelConfig, IndexerLogitsKernelConfig,
+    DenseMHAKernelConfig, IndexerLogitsKernelConfig,
     SparseMQABackwardConfig,
     SparseMQAKernelConfig, pow2_chunks,
 )
@@ -17,7 +17,6 @@ class BlockConfigTest(parameterized.TestCase):
       ("indexer", IndexerLogitsKernelConfig, dict(block_s=0), "block_s"),
       ("mha", DenseMHAKernelConfig, dict(num_warps=3), "num_warps"),
       ("stages", DenseMHAKernelConfig, dict(num_stages=0), "num_stages"),
-      ("indexer_backward", IndexerLogitsBackwardKernelConfig, dict(block_t=24), "block_t"),
   )
   def test_rejects_bad_values(self, cls, kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -40,7 +39,7 @@ class BlockConfigTest(parameterized.TestCase):
   def test_default_configs_accept_zero_sizes(self):
     for config in (SparseMQAKernelConfig.default_for(0, 0, 64),
                    IndexerLogitsKernelConfig.default_for(0, 0),
-                   IndexerLogitsBackwardKernelConfig.default_for(0, 0),
+                   IndexerLogitsKernelConfig.backward_for(0, 0),
                    DenseMHAKernelConfig.default_for(0, 0, 48, 32)):
       self.assertGreaterEqual(config.num_warps, 1)
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels import _compat  # noqa: E402
 from pallas_kernels.sparse_mqa_backward import ROW_SUM_STAGES, ROW_SUM_WARPS  # noqa: E402
 from pallas_kernels.block_config import (  # noqa: E402
-    DenseMHAKernelConfig, IndexerLogitsBackwardKernelConfig, IndexerLogitsKernelConfig,
+    DenseMHAKernelConfig, IndexerLogitsKernelConfig,
     SparseMQABackwardConfig, SparseMQAKernelConfig,
 )
 from tests.kernels.cases import (  # noqa: E402
@@ -50,7 +50,7 @@ KERNELS = {
     # The indexer backward (training): dq/dw and dk, DeepSeek-V3.2 (G 64) and GLM-5 (G 32).
     **{f"indexer_{kernel}_{model}_g{G}_i128_{suffix}": (
         indexer_grad_case(kernel, 512, G, 128, 8192, dtype, k_scale=dtype == FP8, pool_rows=pool),
-        IndexerLogitsBackwardKernelConfig.default_for(512, 8192))
+        IndexerLogitsKernelConfig.backward_for(512, 8192))
        for kernel in ("dq", "dk") for model, G in (("dsv32", 64), ("glm5", 32))
        for suffix, dtype, pool in (("bf16", jnp.bfloat16, None), ("fp8", FP8, None),
                                    ("bf16_pool", jnp.bfloat16, 65536))

@@ -16,7 +16,7 @@ from absl.testing import parameterized
 
 from mla_jax.fp8_cache import quantize_indexer_queries, quantize_keys
 from mla_jax.testing import relative_error
-from pallas_kernels.block_config import IndexerLogitsBackwardKernelConfig
+from pallas_kernels.block_config import IndexerLogitsKernelConfig
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference
 from pallas_kernels.indexer_logits_backward import (indexer_logits_dk, indexer_logits_dq,
                                                     sum_into_rows)
@@ -30,7 +30,7 @@ IMPLEMENTATIONS = {
     "pallas_interpret": functools.partial(indexer_logits, interpret=True),
     "reference": indexer_logits_reference,
 }
-SMALL_BLOCKS = IndexerLogitsBackwardKernelConfig(block_t=16, block_s=16)
+SMALL_BLOCKS = IndexerLogitsKernelConfig(block_t=16, block_s=16)
 
 
 def windows(T, S):
