@@ -292,6 +292,11 @@ def test_declaring_masked_support_without_the_method_is_rejected():
 
 # ---- traced programs ------------------------------------------------------------------------
 
+def _abstract_lm(attention, backend):
+  """A CausalLM with abstract weights: the tests that only trace need no initialized one."""
+  return nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend=backend))
+
+
 def _layer_summary(layer, length, cached=0):
   cache = fresh_cache(layer.config)
   if cached:
@@ -310,7 +315,7 @@ def test_mqa_only_layer_and_model_never_compile_masked(length):
   _, mqa = make_pair()
   assert _layer_scopes(mqa, length) & ROUTES == {"mla_sparse_mqa"}
   assert _layer_scopes(mqa, 3, cached=length) & ROUTES == {"mla_sparse_mqa"}
-  model = CausalLM(tiny_lm("mqa-only"), rngs=nnx.Rngs(0), backend="xla")
+  model = _abstract_lm("mqa-only", "xla")
   ids = jnp.ones((1, length), jnp.int32)
   summary = summarize(nnx.jit(lambda mdl, i, c: mdl(i, c, num_cached_tokens=0)), model, ids,
                       model.init_cache(1, 96))
@@ -337,7 +342,7 @@ def test_layer_and_model_take_masked_exactly_inside_the_window(length):
     scopes = _layer_scopes(layer, length)
     assert scopes & ROUTES == {expected}, attention
     assert ("indexer_score" in scopes) is (expected != "mla_dense_mha")
-    model = CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend=WINDOW)
+    model = _abstract_lm(attention, WINDOW)
     summary = summarize(nnx.jit(lambda mdl, i, c: mdl(i, c, num_cached_tokens=0)), model,
                         jnp.ones((1, length), jnp.int32), model.init_cache(1, 64))
     assert summary.scopes & ROUTES == {expected}, attention
@@ -347,8 +352,7 @@ def test_layer_and_model_take_masked_exactly_inside_the_window(length):
 @pytest.mark.parametrize("prompt_len", BOUNDARIES)
 def test_generate_programs_keep_masked_to_its_window(prompt_len):
   for attention in ("mqa-only", "dense-capable"):
-    prefill, decode = _generation_programs(CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0),
-                                                    backend=WINDOW), prompt_len)
+    prefill, decode = _generation_programs(_abstract_lm(attention, WINDOW), prompt_len)
     expected = _expected_scope(attention, prompt_len)
     assert prefill.scopes & ROUTES == {expected}, attention
     assert ("indexer_score" in prefill.scopes) is (expected != "mla_dense_mha")
@@ -356,7 +360,7 @@ def test_generate_programs_keep_masked_to_its_window(prompt_len):
 
 
 def test_dense_capable_model_at_a_mid_length_takes_the_masked_route():
-  model = CausalLM(tiny_lm("dense-capable"), rngs=nnx.Rngs(0), backend="xla")
+  model = _abstract_lm("dense-capable", "xla")
   ids = jnp.ones((1, 2 * TOPK), jnp.int32)
   summary = summarize(nnx.jit(lambda mdl, i, c: mdl(i, c, num_cached_tokens=0)), model, ids,
                       model.init_cache(1, 64))

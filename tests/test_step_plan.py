@@ -36,10 +36,15 @@ def test_no_dense_plan_can_be_built_without_the_capability(layer_classes, backen
     _plan(layer_classes=layer_classes, backend_class=backend_class)
 
 
+def _abstract_lm(attention):
+  """Abstract weights (nnx.eval_shape): a plan is made from the model's structure alone."""
+  return nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend="xla"))
+
+
 def test_no_dense_plan_can_be_built_for_an_mqa_only_model():
   """Every way to get a plan for DeepSeek-V3.2's model gives a route that scores, and a dense
   plan made by hand for its classes is refused at construction."""
-  model = CausalLM(tiny_lm("mqa-only"), rngs=nnx.Rngs(0), backend="xla")
+  model = _abstract_lm("mqa-only")
   for length in (1, TOPK - 1, TOPK, TOPK + 1):
     plan = model.step_plan(length, 0, capacity=64)
     assert plan.route is PrefillRoute.SPARSE_MQA and plan.route.needs_topk
@@ -49,7 +54,7 @@ def test_no_dense_plan_can_be_built_for_an_mqa_only_model():
 
 
 def test_plan_is_resolved_model_wide_and_hashable():
-  model = CausalLM(tiny_lm("dense-capable"), rngs=nnx.Rngs(0), backend="xla")
+  model = _abstract_lm("dense-capable")
   short = model.step_plan(TOPK, 0, capacity=64)
   assert short.route is PrefillRoute.DENSE_MHA
   assert short.kv_rows == 64  # the bucket of TOPK rows, capped at the capacity

@@ -197,7 +197,9 @@ def test_mqa_only_decode_steps_score_and_never_compile_dense(backend, tokens):
 
 @functools.lru_cache(maxsize=None)
 def _lm(attention: str, backend_name: str):
-  return m.CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend=backend_name)
+  """Abstract weights (nnx.eval_shape): the tests here trace and compile, never run."""
+  return nnx.eval_shape(lambda: m.CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0),
+                                           backend=backend_name))
 
 
 def _generation_programs(model, prompt_len: int):
