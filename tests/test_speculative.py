@@ -60,9 +60,19 @@ def _copying():
   return model
 
 
+@functools.lru_cache(maxsize=None)
+def _glm():
+  """A GLM-5-shaped model: IndexShare main layers (top-k carried), its MTP layer indexing on
+  its own."""
+  from tests.checkpoint_models import random_model, small_config
+
+  return random_model(dataclasses.replace(small_config("glm", "mqa-only"), num_mtp_layers=1))
+
+
 # Models to check greedy decoding on (the lead adds the recall model with its trained head).
-MODELS = {"random": _random, "random-moe": functools.partial(_random, moe=True)}
-MODEL_MARKS = {"random-moe": pytest.mark.slow}
+MODELS = {"random": _random, "random-moe": functools.partial(_random, moe=True),
+          "random-dense-capable": functools.partial(_random, "dense-capable"), "glm": _glm}
+MODEL_MARKS = {name: pytest.mark.slow for name in ("random-moe", "random-dense-capable", "glm")}
 PROMPTS = [[5, 6, 7], list(range(40, 57)), [9, 3, 1, 4, 1, 5, 9, 2, 6]]  # one past the top-k
 
 
