@@ -284,3 +284,12 @@ def test_rejection_sampling_draws_from_the_main_distribution(top_p):
   accepted, next_ = run(lambda p_BV, q_BV: p_BV)
   wrong = np.bincount(np.where(accepted == 1, drafts, next_), minlength=8) / n
   assert np.abs(wrong - p[0]).max() > 0.03
+
+
+def test_dispatches_move_to_the_next_cache_bucket():
+  """A context crossing 256 rows: the first dispatches read 256 rows, the later ones the
+  whole capacity (248 prompt + 20 new + k = 3 rows: 271); the tokens equal plain decoding's."""
+  model, prompt = _copying(), [list(np.random.default_rng(0).integers(0, 256, 248))]
+  plain = m.generate(model, prompt, 20)
+  spec = m.generate(model, prompt, 20, speculative_tokens=3, steps_per_dispatch=1)
+  assert spec.tokens == plain.tokens and spec.decode_buckets == (256, 271)
