@@ -293,3 +293,17 @@ def test_dispatches_move_to_the_next_cache_bucket():
   plain = m.generate(model, prompt, 20)
   spec = m.generate(model, prompt, 20, speculative_tokens=3, steps_per_dispatch=1)
   assert spec.tokens == plain.tokens and spec.decode_buckets == (256, 271)
+
+
+@pytest.mark.slow  # compiled for 8 devices on the 2 cores: ~16 s, with the other sharded cases
+def test_sharded_speculative_decoding_gives_the_same_tokens():
+  from mla_jax import sharding
+
+  source = _random()
+  mesh = sharding.make_mesh("data=2,tensor=4")
+  model = m.CausalLM(source.config, rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  placed = jax.tree.map(lambda a: a.sharding, nnx.state(model, nnx.Param))
+  nnx.update(model, jax.device_put(nnx.state(source, nnx.Param), placed))
+  prompts = PROMPTS[:2]
+  spec = m.generate(model, prompts, 7, speculative_tokens=2)
+  assert spec.tokens == m.generate(source, prompts, 7).tokens
