@@ -182,6 +182,8 @@ def _speculative_programs(model, k=2, prompt_len=3, capacity=16):
   decode = programs.trace(graphdef, state, caches, mtp_caches, draft_state, seed, jnp.int32(1),
                           jnp.int32(8), settings=programs.SpeculativeSettings(
                               plan(k + 1), plan(1), m.generation.SamplingConfig(1.0), steps=2))
+  # Unchecked, they carry no effects (which would send every call through Python dispatch).
+  assert not prefill.jaxpr.effects and not decode.jaxpr.effects
   return summarize_jaxpr(prefill.jaxpr), summarize_jaxpr(decode.jaxpr)
 
 
