@@ -309,3 +309,14 @@ def test_sharded_speculative_decoding_gives_the_same_tokens():
   prompts = PROMPTS[:2]
   spec = m.generate(model, prompts, 7, speculative_tokens=2)
   assert spec.tokens == m.generate(source, prompts, 7).tokens
+
+
+@pytest.mark.slow  # Pallas kernels in interpret mode
+def test_pallas_backend_verifies_the_same_tokens():
+  """The verify step's k + 1 queries per sequence through the Pallas kernels (indexer and
+  sparse MQA), a prompt past the top-k included."""
+  pallas = m.CausalLM(_config(), rngs=nnx.Rngs(0), backend=m.backends.get_backend("pallas"))
+  nnx.update(pallas, nnx.state(_random(), nnx.Param))
+  prompts = PROMPTS[:2]
+  assert (m.generate(pallas, prompts, 4, speculative_tokens=2).tokens
+          == m.generate(_random(), prompts, 4).tokens)
