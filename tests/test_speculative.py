@@ -320,3 +320,11 @@ def test_pallas_backend_verifies_the_same_tokens():
   prompts = PROMPTS[:2]
   assert (m.generate(pallas, prompts, 4, speculative_tokens=2).tokens
           == m.generate(_random(), prompts, 4).tokens)
+
+
+@pytest.mark.slow
+def test_fp8_caches_give_the_plain_tokens():
+  """fp8 main and MTP caches (rows quantized on write, k + 1 at a time in the verify)."""
+  model = _random()
+  spec = m.generate(model, PROMPTS, 6, cache_dtype="fp8", speculative_tokens=2)
+  assert spec.tokens == m.generate(model, PROMPTS, 6, cache_dtype="fp8").tokens
