@@ -3,6 +3,7 @@
     python benchmarks/decode.py                            # the context sweep (~4 minutes)
     python benchmarks/decode.py --hf-python /path/to/venv/bin/python   # + HF eager, batch 1/8/32
     python benchmarks/decode.py --no-sweep --dispatch       # host time per dispatch (~1 minute)
+    python benchmarks/decode.py --no-sweep --speculative CKPT   # MTP speculative decoding
 
 Sweep: the ``small`` preset with ``max_position_embeddings`` raised to the largest context,
 one cache of that capacity per variant, its rows filled with random values and every
@@ -33,6 +34,12 @@ steps per dispatch on the ``tiny`` preset, batch 1.
 HF (``--hf-python``, an interpreter with torch and transformers): ``hf_eager_decode.py``
 builds and saves a random tiny DeepSeek-V3.2 checkpoint (the tiny preset's dimensions) and
 times HF eager greedy decoding; mla_jax loads the same files and decodes the same prompts.
+
+Speculative (``--speculative CKPT``, a checkpoint with MTP layers, e.g. the recall model with
+its head): greedy decode tokens/s and the acceptance rate for each ``--speculative-tokens``
+k (0 is plain decoding, the baseline of the speed-up column), at each
+``--speculative-batches`` batch, on one prompt (``--speculative-prompt`` through the
+checkpoint's tokenizer, else ``--prompt-len`` random ids) copied over the batch.
 """
 
 from __future__ import annotations
@@ -270,11 +277,11 @@ def dispatch_overhead(args) -> None:
         + " | |\n", flush=True)
 
 
-def mla_jax_tokens_per_s(model, ids, new_tokens: int, repeats: int, cache_dtype: str):
-  generation.generate(model, ids, new_tokens, cache_dtype=cache_dtype)  # compiles
-  runs = [generation.generate(model, ids, new_tokens, cache_dtype=cache_dtype)
-          for _ in range(repeats)]
-  return max(r.decode_tokens_per_s for r in runs), runs[0].tokens
+def mla_jax_tokens_per_s(model, ids, new_tokens: int, repeats: int, **kwargs):
+  """The best decode tokens/s of ``repeats`` generations after a warm-up, and the first."""
+  generation.generate(model, ids, new_tokens, **kwargs)  # compiles
+  runs = [generation.generate(model, ids, new_tokens, **kwargs) for _ in range(repeats)]
+  return max(r.decode_tokens_per_s for r in runs), runs[0]
 
 
 def hf_comparison(args) -> None:
@@ -306,11 +313,12 @@ def hf_comparison(args) -> None:
   agreement = None
   for batch in args.hf_batches:
     hf_tps = hf["tokens_per_s"][str(batch)]
-    fp32, tokens = mla_jax_tokens_per_s(model, ids[:batch], args.new_tokens, args.repeats_hf,
-                                        "fp32")
-    fp8, _ = mla_jax_tokens_per_s(model, ids[:batch], args.new_tokens, args.repeats_hf, "fp8")
+    fp32, run = mla_jax_tokens_per_s(model, ids[:batch], args.new_tokens, args.repeats_hf,
+                                     cache_dtype="fp32")
+    fp8, _ = mla_jax_tokens_per_s(model, ids[:batch], args.new_tokens, args.repeats_hf,
+                                  cache_dtype="fp8")
     if batch == 1:
-      same = np.asarray(tokens[0]) == np.asarray(hf["tokens"])
+      same = np.asarray(run.tokens[0]) == np.asarray(hf["tokens"])
       agreement = len(same) if same.all() else int(same.argmin())
     print(f"| {batch} | {hf_tps:.0f} | {fp32:.0f} | {fp32 / hf_tps:.1f}x | {fp8:.0f} | "
           f"{fp8 / hf_tps:.1f}x |", flush=True)
@@ -318,6 +326,33 @@ def hf_comparison(args) -> None:
     print(f"\nBatch 1, fp32 cache: the first {agreement} of {args.new_tokens} greedy tokens equal "
           "HF's (after a first difference the sequences part; logit parity is "
           "tests/test_hf_parity.py's job).\n")
+
+
+def speculative_table(args) -> None:
+  from mla_jax.checkpoints import load_pretrained
+  from mla_jax.tokenizer import checkpoint_tokenizer
+
+  model = load_pretrained(args.speculative, dtype=jnp.float32, backend="xla", mtp=True)
+  if args.speculative_prompt is not None:
+    prompt = checkpoint_tokenizer(args.speculative).encode(args.speculative_prompt)
+  else:
+    prompt = np.random.default_rng(0).integers(0, min(model.config.vocab_size, 256),
+                                               args.prompt_len).tolist()
+  print(f"## Speculative decoding with MTP drafts: {args.speculative}\n\nGreedy, float32, "
+        f"a prompt of {len(prompt)} tokens, {args.new_tokens} new tokens, decode only (the "
+        f"best of {args.repeats} runs after a warm-up); XLA backend, "
+        f"{generation.DEFAULT_STEPS_PER_DISPATCH} steps (iterations) per dispatch.\n")
+  print("| batch | k | acceptance | decode tokens/s | speed-up |")
+  print("|---|---|---|---|---|")
+  for batch in args.speculative_batches:
+    base = None
+    for k in args.speculative_tokens:
+      tps, run = mla_jax_tokens_per_s(model, [prompt] * batch, args.new_tokens, args.repeats,
+                                      speculative_tokens=k)
+      base = tps if k == 0 else base
+      rate = "-" if run.acceptance_rate is None else f"{run.acceptance_rate:.2f}"
+      speed_up = "-" if base is None else f"{tps / base:.2f}x"
+      print(f"| {batch} | {k} | {rate} | {tps:.0f} | {speed_up} |", flush=True)
 
 
 def main(argv=None) -> None:
@@ -339,6 +374,11 @@ def main(argv=None) -> None:
   parser.add_argument("--no-sweep", action="store_true", help="no context sweep")
   parser.add_argument("--dispatch", action="store_true",
                       help="host time per dispatch and tokens/s at 1 vs 8 steps per dispatch")
+  parser.add_argument("--speculative", metavar="CKPT",
+                      help="a checkpoint with MTP layers: the speculative decoding table")
+  parser.add_argument("--speculative-tokens", type=int, nargs="+", default=[0, 1, 2, 3])
+  parser.add_argument("--speculative-batches", type=int, nargs="+", default=[1, 8])
+  parser.add_argument("--speculative-prompt", help="the table's prompt, as text")
   args = parser.parse_args(argv)
   if min(args.contexts) <= args.steps_per_dispatch:
     parser.error(f"every context must exceed --steps-per-dispatch {args.steps_per_dispatch}")
@@ -348,6 +388,8 @@ def main(argv=None) -> None:
     dispatch_overhead(args)
   if args.hf_python:
     hf_comparison(args)
+  if args.speculative:
+    speculative_table(args)
 
 
 if __name__ == "__main__":

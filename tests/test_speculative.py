@@ -60,23 +60,35 @@ def _copying():
   return model
 
 
+@functools.lru_cache(maxsize=None)
+def _glm():
+  """A GLM-5-shaped model: IndexShare main layers (top-k carried), its MTP layer indexing on
+  its own."""
+  from tests.checkpoint_models import random_model, small_config
+
+  return random_model(dataclasses.replace(small_config("glm", "mqa-only"), num_mtp_layers=1))
+
+
 # Models to check greedy decoding on (the lead adds the recall model with its trained head).
-MODELS = {"random": _random, "random-moe": functools.partial(_random, moe=True)}
-MODEL_MARKS = {"random-moe": pytest.mark.slow}
+MODELS = {"random": _random, "random-moe": functools.partial(_random, moe=True),
+          "random-dense-capable": functools.partial(_random, "dense-capable"), "glm": _glm}
+MODEL_MARKS = {name: pytest.mark.slow for name in ("random-moe", "random-dense-capable", "glm")}
 PROMPTS = [[5, 6, 7], list(range(40, 57)), [9, 3, 1, 4, 1, 5, 9, 2, 6]]  # one past the top-k
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=MODEL_MARKS.get(n, ())) for n in MODELS])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_tokens_equal_plain_decoding(name, k):
+@pytest.mark.parametrize("batch", ["ragged", pytest.param("one", marks=pytest.mark.slow)])
+def test_greedy_tokens_equal_plain_decoding(name, k, batch):
+  """Each case compiles its own programs (~10 s): batch 1 runs with the slow cases."""
   model = MODELS[name]()
-  for prompts in (PROMPTS[1:2], PROMPTS):  # batch 1, then a ragged batch
-    plain = m.generate(model, prompts, 9)
-    spec = m.generate(model, prompts, 9, speculative_tokens=k, steps_per_dispatch=2)
-    assert spec.tokens == plain.tokens
-    assert spec.decode_tokens == plain.decode_tokens == 8 * len(prompts)
-    assert 0 <= spec.acceptance_rate <= 1 and spec.drafted > 0
-    assert spec.drafted == k * (spec.drafted // k)
+  prompts = PROMPTS if batch == "ragged" else PROMPTS[1:2]
+  plain = m.generate(model, prompts, 9)
+  spec = m.generate(model, prompts, 9, speculative_tokens=k, steps_per_dispatch=2)
+  assert spec.tokens == plain.tokens
+  assert spec.decode_tokens == plain.decode_tokens == 8 * len(prompts)
+  assert 0 <= spec.acceptance_rate <= 1 and spec.drafted > 0
+  assert spec.drafted == k * (spec.drafted // k)
 
 
 def test_copying_head_is_always_accepted_and_stops_mid_iteration():
@@ -170,6 +182,8 @@ def _speculative_programs(model, k=2, prompt_len=3, capacity=16):
   decode = programs.trace(graphdef, state, caches, mtp_caches, draft_state, seed, jnp.int32(1),
                           jnp.int32(8), settings=programs.SpeculativeSettings(
                               plan(k + 1), plan(1), m.generation.SamplingConfig(1.0), steps=2))
+  # Unchecked, they carry no effects (which would send every call through Python dispatch).
+  assert not prefill.jaxpr.effects and not decode.jaxpr.effects
   return summarize_jaxpr(prefill.jaxpr), summarize_jaxpr(decode.jaxpr)
 
 
@@ -227,3 +241,90 @@ def test_drafts_past_the_layers_repeat_the_last_one():
   plain = m.generate(model, PROMPTS, 7)
   spec = m.generate(model, PROMPTS, 7, speculative_tokens=4)
   assert spec.tokens == plain.tokens and spec.drafted > 0
+
+
+def test_greedy_acceptance_is_ragged():
+  """Row 0 agrees on both drafts (bonus from the last position), row 1 on the first only,
+  row 2 on none: each row its own accepted count and next token."""
+  best = np.array([[3, 5, 7], [3, 6, 1], [2, 5, 4]])
+  verify = jax.nn.one_hot(best, 8) * 4.0
+  drafts = jnp.array([[3, 5], [3, 5], [3, 5]], jnp.int32)
+  accepted, next_ = speculative.accept_greedy(verify, drafts)
+  np.testing.assert_array_equal(accepted, [2, 1, 0])
+  np.testing.assert_array_equal(next_, [7, 6, 2])
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_rejection_sampling_draws_from_the_main_distribution(top_p):
+  """One draft drawn from q, then accepted or redrawn: the token is distributed as p (the
+  exact distribution, 200000 draws; measured errors below 1.1e-3), the acceptance rate is
+  sum(min(p, q)), and the bonus after an accepted draft follows p's next row. With the
+  residual replaced by p the first token is off by 0.14."""
+  sampling = m.generation.SamplingConfig(1.0, top_p)
+  rng, n = np.random.default_rng(0), 200_000
+  main_KV = jnp.asarray(rng.normal(size=(2, 8)) * 1.5, jnp.float32)
+  draft_V = jnp.asarray(rng.normal(size=(8,)) * 1.5, jnp.float32)
+  keys = jax.random.split(jax.random.key(1), 2)
+  drafts = m.generation.sample(jnp.broadcast_to(draft_V, (n, 8)), keys[0], sampling)
+
+  def run(residual):
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(speculative, "residual", residual)
+      return speculative.accept_sampled(jnp.broadcast_to(main_KV, (n, 2, 8)),
+                                        jnp.broadcast_to(draft_V, (n, 1, 8)), drafts[:, None],
+                                        keys[1], sampling)
+
+  accepted, next_ = run(speculative.residual)
+  first = np.where(accepted == 1, drafts, next_)
+  p = np.asarray(m.generation.sampling.probabilities(main_KV, sampling))
+  freq = np.bincount(first, minlength=8) / n
+  assert np.abs(freq - p[0]).max() < 4e-3
+  q = np.asarray(m.generation.sampling.probabilities(draft_V, sampling))
+  assert abs(np.mean(accepted) - np.minimum(p[0], q).sum()) < 4e-3  # the acceptance rate
+  bonus = np.bincount(np.asarray(next_)[np.asarray(accepted) == 1], minlength=8)
+  assert np.abs(bonus / bonus.sum() - p[1]).max() < 6e-3
+  accepted, next_ = run(lambda p_BV, q_BV: p_BV)
+  wrong = np.bincount(np.where(accepted == 1, drafts, next_), minlength=8) / n
+  assert np.abs(wrong - p[0]).max() > 0.03
+
+
+def test_dispatches_move_to_the_next_cache_bucket():
+  """A context crossing 256 rows: the first dispatches read 256 rows, the later ones the
+  whole capacity (248 prompt + 20 new + k = 3 rows: 271); the tokens equal plain decoding's."""
+  model, prompt = _copying(), [list(np.random.default_rng(0).integers(0, 256, 248))]
+  plain = m.generate(model, prompt, 20)
+  spec = m.generate(model, prompt, 20, speculative_tokens=3, steps_per_dispatch=1)
+  assert spec.tokens == plain.tokens and spec.decode_buckets == (256, 271)
+
+
+@pytest.mark.slow  # compiled for 8 devices on the 2 cores: ~16 s, with the other sharded cases
+def test_sharded_speculative_decoding_gives_the_same_tokens():
+  from mla_jax import sharding
+
+  source = _random()
+  mesh = sharding.make_mesh("data=2,tensor=4")
+  model = m.CausalLM(source.config, rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  placed = jax.tree.map(lambda a: a.sharding, nnx.state(model, nnx.Param))
+  nnx.update(model, jax.device_put(nnx.state(source, nnx.Param), placed))
+  prompts = PROMPTS[:2]
+  spec = m.generate(model, prompts, 7, speculative_tokens=2)
+  assert spec.tokens == m.generate(source, prompts, 7).tokens
+
+
+@pytest.mark.slow  # Pallas kernels in interpret mode
+def test_pallas_backend_verifies_the_same_tokens():
+  """The verify step's k + 1 queries per sequence through the Pallas kernels (indexer and
+  sparse MQA), a prompt past the top-k included."""
+  pallas = m.CausalLM(_config(), rngs=nnx.Rngs(0), backend=m.backends.get_backend("pallas"))
+  nnx.update(pallas, nnx.state(_random(), nnx.Param))
+  prompts = PROMPTS[:2]
+  assert (m.generate(pallas, prompts, 4, speculative_tokens=2).tokens
+          == m.generate(_random(), prompts, 4).tokens)
+
+
+@pytest.mark.slow
+def test_fp8_caches_give_the_plain_tokens():
+  """fp8 main and MTP caches (rows quantized on write, k + 1 at a time in the verify)."""
+  model = _random()
+  spec = m.generate(model, PROMPTS, 6, cache_dtype="fp8", speculative_tokens=2)
+  assert spec.tokens == m.generate(model, PROMPTS, 6, cache_dtype="fp8").tokens

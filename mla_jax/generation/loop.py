@@ -207,11 +207,10 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
   rows = [[int(t)] for t in first]
   ended = lambda: np.array([len(r) >= new_tokens or (eos_id is not None and r[-1] in eos_id)
                             for r in rows])
-  zeros = _place(np.zeros(batch, np.int32), mesh)
+  count = lambda value: _place(np.full(batch, value, np.int32), mesh)  # one buffer each
   state = DraftState(tokens_B=tokens_B, draft_BV=draft_BV, hidden_BD=hidden_BD,
-                     done_B=_place(ended(), mesh), emitted_B=_place(np.ones(batch, np.int32),
-                                                                    mesh),
-                     accepted_B=zeros, drafted_B=_place(np.zeros(batch, np.int32), mesh))
+                     done_B=_place(ended(), mesh), emitted_B=count(1), accepted_B=count(0),
+                     drafted_B=count(0))
   # Iteration i reads cache rows up to n + (i + 1)(k + 1), and n + k + 1 at most once the
   # last token is due (n <= longest + new_tokens - 2 while a sequence is unfinished).
   rows_by = lambda: bucket_rows(min(max(int(lens) + len(r) - 1 for lens, r in

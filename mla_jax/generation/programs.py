@@ -102,10 +102,6 @@ class SpeculativeSettings:
                                                != self.verify_plan.kv_rows):
       raise ValueError("draft_plan must be a one-token step reading verify_plan's kv_rows")
 
-  @property
-  def tokens(self) -> int:
-    return self.verify_plan.num_new_tokens - 1
-
 
 def _model(graphdef, state_def, state_leaves):
   return nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
