@@ -37,7 +37,7 @@ def _loss_and_grads(backend, config, objective, batch):
   graphdef, params = nnx.split(model)
 
   def loss(params):
-    lm, kl, _ = _forward_losses(graphdef, (params,), batch, OBJECTIVES[objective])
+    lm, kl, _ = _forward_losses(graphdef, (params,), batch, OBJECTIVES[objective], objective)
     return lm + kl, (lm, kl)
 
   return jax.jit(jax.value_and_grad(loss, has_aux=True)), params
