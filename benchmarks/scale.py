@@ -11,7 +11,6 @@ collectives, not a speed-up; see docs/scaling.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 

@@ -1,6 +1,5 @@
 """Long-context decode: donated caches, several steps per dispatch, live-context buckets."""
 
-import dataclasses
 import re
 from typing import ClassVar
 

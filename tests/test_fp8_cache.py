@@ -18,11 +18,11 @@ from flax import nnx
 import mla_jax as m
 from mla_jax import fp8_cache, generation
 from mla_jax import testing as mt
-from mla_jax.cache import LayerCache, StackedLayerView, init_layer_cache, resolve_cache_dtype
+from mla_jax.cache import StackedLayerView, init_layer_cache, resolve_cache_dtype
 from mla_jax.models.config import tiny_lm, tiny_moe_lm
 from mla_jax.routing import PrefillRoute
 from tests.helpers import lm
-from pallas_kernels.fp8_rows import Fp8LatentRows, dequantize_rows
+from pallas_kernels.fp8_rows import dequantize_rows
 from tests.helpers import call, make_pair
 from tests.kernels.numpy_reference import numpy_dequantize_rows
 
