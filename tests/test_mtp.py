@@ -274,10 +274,13 @@ def test_missing_mtp_tensors_and_skipping_them(tmp_path):
   config_file.write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}))
   with pytest.raises(CheckpointError, match=r"(?s)missing.*model\.layers\.2\.eh_proj\.weight"
                                             r".*num_nextn_predict_layers=1.*mtp=False"):
-    load_pretrained(tmp_path / "ckpt", dtype=jnp.float32)
-  skipped = load_pretrained(tmp_path / "ckpt", dtype=jnp.float32, mtp=False)
-  assert skipped.config.num_mtp_layers == 0 and len(skipped.mtp) == 0
-  _assert_same_params(plain, skipped)
+    load_pretrained(tmp_path / "ckpt", dtype=jnp.float32, mtp=True)
+  # The default (mtp=None) skips MTP layers a checkpoint counts but holds no tensor of, as
+  # HF transformers' DeepSeek-V3 saves; mtp=False skips them always.
+  for mtp in (None, False):
+    skipped = load_pretrained(tmp_path / "ckpt", dtype=jnp.float32, mtp=mtp)
+    assert skipped.config.num_mtp_layers == 0 and len(skipped.mtp) == 0
+    _assert_same_params(plain, skipped)
   # mtp=False on a checkpoint that has them: the main model alone, as before MTP support.
   save_pretrained(_model(), tmp_path / "with")
   alone = load_pretrained(tmp_path / "with", dtype=jnp.float32, mtp=False)

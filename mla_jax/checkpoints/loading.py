@@ -233,7 +233,7 @@ def read_config(path: Path) -> dict:
 
 def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
                     attention: str = "mqa-only", backend: str | Backend = "auto",
-                    mesh=None, mtp: bool = True) -> CausalLM:
+                    mesh=None, mtp: bool | None = None) -> CausalLM:
   """A ``CausalLM`` from an HF directory (``config.json`` + safetensors, single or sharded).
 
   Args:
@@ -255,7 +255,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
       the partition rules, each process reading only its own devices' pieces, and the model
       computes sharded. None: the first local device.
     mtp: load the ``num_nextn_predict_layers`` MTP layers (``CausalLM.mtp``, for speculative
-      decoding). False skips their tensors, memory and the check of their embedding and
+      decoding); their tensors must then be there. None (the default): load them when the
+      checkpoint holds MTP tensors, else skip them (HF transformers saves none, yet its
+      DeepSeek-V3 config counts one). False skips their tensors, memory and the check of their embedding and
       head copies (one full read of each), and gives ``config.num_mtp_layers == 0``: enough
       for plain decoding.
 
@@ -272,21 +274,23 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
   if not path.is_dir():
     raise CheckpointError(f"{path} is not a directory")
   hf = read_config(path)
-  if not isinstance(mtp, bool):
-    raise ValueError(f"mtp must be a bool, got {mtp!r}")
+  if mtp is not None and not isinstance(mtp, bool):
+    raise ValueError(f"mtp must be a bool or None, got {mtp!r}")
   try:
     config = config_from_hf(hf, attention=attention)
     block = fp8_block_size(hf)
   except CheckpointError as e:
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
   mtp_layers = config.num_mtp_layers
+  tensors = open_checkpoint(path)
+  if mtp is None:
+    mtp = any(_is_mtp(name, config.num_layers) for name in tensors)
   if not mtp:
     config = dataclasses.replace(config, num_mtp_layers=0)
   backend = get_backend(backend)
   # Shapes only; on a mesh this also refuses heads, experts or dimensions that do not split.
   abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                              param_dtype=param_dtype, mesh=mesh))
-  tensors = open_checkpoint(path)
   # Layers past the MTP ones the config counts are skipped, as HF skips the MTP layers.
   available = {name: handle for name, handle in tensors.items()
                if not _is_mtp(name, config.num_layers + config.num_mtp_layers)}
