@@ -112,13 +112,6 @@ def random_caches(model, batch: int, capacity: int, cache_dtype: str) -> ModelCa
   return tree.unflatten([fill(p, leaf, k) for (p, leaf), k in zip(leaves, keys)])
 
 
-def with_lengths(caches: ModelCache, length: int) -> ModelCache:
-  """The same buffers with every sequence holding ``length`` rows."""
-  return ModelCache(tuple(tuple(dataclasses.replace(
-      c, lengths_B=jnp.full(c.lengths_B.shape, length, jnp.int32)) for c in unit)
-      for unit in caches.groups), caches.layout)
-
-
 class Runner:
   """One variant's model state, cache and compiled programs (one per bucket)."""
 
@@ -136,7 +129,7 @@ class Runner:
 
   def _inputs(self, context: int):
     """The caches with a dispatch's steps ending at ``context`` rows, fresh tokens/done."""
-    return (with_lengths(self.caches, context - self.variant.steps),
+    return (self.caches.with_lengths(jnp.int32(context - self.variant.steps)),
             jnp.zeros((self.batch,), jnp.int32), jnp.zeros((self.batch,), bool))
 
   def compile(self, context: int) -> None:

@@ -365,12 +365,15 @@ def _differentiable_bwd(sm_scale, d_v, config, backward_config, drows_max_bytes,
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
+def _whole(a):
+  return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # every row, every program
+
+
 def _forward(q_THL, kv_SL, topk_TK, *, sm_scale, d_v, config, interpret):
   (T, H, L), S, K = q_THL.shape, _num_rows(kv_SL), topk_TK.shape[1]
   block_h, block_k = config.block_h, config.block_k
   padded_k = pl.cdiv(K, block_k) * block_k  # the top-k block overhangs; loads are masked
   static = dict(sm_scale=sm_scale, num_heads=H, num_rows=S, topk=K, config=config)
-  whole = lambda a: pl.BlockSpec(a.shape, lambda t, h: (0,) * a.ndim)  # every row, every program
   if isinstance(kv_SL, Fp8LatentRows):
     kernel = functools.partial(_sparse_mqa_fp8_kernel, tile=kv_SL.tile, **static)
     kv_args = tuple(kv_SL)
@@ -392,7 +395,7 @@ def _forward(q_THL, kv_SL, topk_TK, *, sm_scale, d_v, config, interpret):
       grid=(T, pl.cdiv(H, block_h)),
       in_specs=[
           pl.BlockSpec((sq, block_h, L), lambda t, h: (t, h, 0)),
-          *(whole(a) for a in kv_args),
+          *(_whole(a) for a in kv_args),
           pl.BlockSpec((sq, padded_k), lambda t, h: (t, 0)),
       ],
       out_specs=[

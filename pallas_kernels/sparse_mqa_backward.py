@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels.block_config import SparseMQABackwardConfig, pow2_chunks
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from pallas_kernels.sparse_mqa import _latent_chunks, _read_fp8_rows, _slot_block
+from pallas_kernels.sparse_mqa import _latent_chunks, _read_fp8_rows, _slot_block, _whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +167,6 @@ def _sparse_mqa_drows_kernel(q_ref, kv_ref, topk_ref, dout_ref, lse_ref, delta_r
 
 
 # ---- the calls ------------------------------------------------------------------------------
-
-def _whole(a):
-  return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # every row, every program
-
 
 def _layout(kv_SL, dtype, d_v) -> _RowLayout:
   if isinstance(kv_SL, Fp8LatentRows):

@@ -6,8 +6,8 @@ are checked before that, when the abstract model is built).
 
 Multi-token-prediction layers (``model.layers.{L}.*`` with L >= num_hidden_layers: layer 61
 of DeepSeek-V3.2, 78 of GLM-5; ``num_nextn_predict_layers`` of them) load into
-``CausalLM.mtp`` like the main layers (fp8 weights included), unless ``mtp=False`` skips them
-as HF's model does. Their copies of the embedding and the LM head are checked to equal the
+``CausalLM.mtp`` like the main layers (fp8 weights included) when the checkpoint holds them
+(``mtp=True`` requires them), unless ``mtp=False`` skips them as HF's model does. Their copies of the embedding and the LM head are checked to equal the
 main tensors and not held again (``mla_jax.models.mtp``); saving writes them back.
 
 Each parameter is then made with ``jax.make_array_from_callback``: every device's piece is
@@ -257,9 +257,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
     mtp: load the ``num_nextn_predict_layers`` MTP layers (``CausalLM.mtp``, for speculative
       decoding); their tensors must then be there. None (the default): load them when the
       checkpoint holds MTP tensors, else skip them (HF transformers saves none, yet its
-      DeepSeek-V3 config counts one). False skips their tensors, memory and the check of their embedding and
-      head copies (one full read of each), and gives ``config.num_mtp_layers == 0``: enough
-      for plain decoding.
+      DeepSeek-V3 config counts one). False skips their tensors, memory and the check of
+      their embedding and head copies (one full read of each), and gives
+      ``config.num_mtp_layers == 0``: enough for plain decoding.
 
   Raises:
     CheckpointError: a bad config, file or tensor set; every tensor mismatch is listed

@@ -59,15 +59,6 @@ def _row(x_BT, index_B):
   return jnp.take_along_axis(x_BT, index, axis=1)[:, 0]
 
 
-def with_lengths(caches, lengths_B):
-  """The main ``ModelCache`` with every layer's lengths set to ``lengths_B`` (a rollback:
-  later writes overwrite the rows past them)."""
-  groups = tuple(tuple(dataclasses.replace(c, lengths_B=jnp.broadcast_to(
-      lengths_B, c.lengths_B.shape).astype(c.lengths_B.dtype)) for c in unit)
-                 for unit in caches.groups)
-  return dataclasses.replace(caches, groups=groups)
-
-
 def _mtp_step(model, index, hidden_BTD, next_ids_BT, mtp_caches, lengths_B, new_lens_B, plan):
   """``mtp_forward`` of layer ``index`` writing from row ``lengths_B`` (its cache rolled
   there first)."""
@@ -189,7 +180,7 @@ def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, ver
   else:
     ended_B = jnp.zeros_like(active_B)
   emitted_B = state.emitted_B + keep_BK.sum(axis=1, dtype=jnp.int32)
-  caches = with_lengths(caches, n_B + live_B * (accepted_B + 1))
+  caches = caches.with_lengths(n_B + live_B * (accepted_B + 1))
   draft_BKV, mtp_BKD, mtp_caches = _mtp_step(model, 0, hidden_BKD, tokens_BK, mtp_caches, n_B,
                                              live_B * (accepted_B + 1), verify_plan)
   state = DraftState(

@@ -70,6 +70,14 @@ class ModelCache:
   def capacity(self) -> int:
     return self.groups[0][0].layer_view(0).capacity
 
+  def with_lengths(self, lengths_B) -> ModelCache:
+    """The same buffers with every layer's lengths set to ``lengths_B`` (an int [B] or a
+    scalar for every sequence): a rollback or a fill, as later writes overwrite the rows
+    past them."""
+    return dataclasses.replace(self, groups=tuple(tuple(dataclasses.replace(
+        c, lengths_B=jnp.broadcast_to(lengths_B, c.lengths_B.shape).astype(c.lengths_B.dtype))
+        for c in unit) for unit in self.groups))
+
   def layer(self, index: int) -> LayerCache:
     """Layer ``index``'s cache (a slice of its group's stacked cache)."""
     g, rep, position = LayerGroup.locate(self.layout, index)
@@ -304,12 +312,17 @@ class CausalLM(nnx.Module):
         groups.append(tuple(unit))
       return ModelCache(tuple(groups), self.layer_groups)
 
+    return self._place_caches(build, batch_size, cache_shardings)
+
+  def _place_caches(self, build, batch_size: int, shardings_of):
+    """``build()``'s caches, made in place by the cache rules on the model's mesh (batch over
+    ``data``; ``shardings_of(abstract caches, mesh)``), or on the default device."""
     if self.mesh is None:
       return build()
     if batch_size % sharding.axis_size(self.mesh, sharding.DATA):
       raise ValueError(f"batch_size {batch_size} cannot be split over mesh axis 'data' of "
                        f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
-    return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), self.mesh))()
+    return jax.jit(build, out_shardings=shardings_of(jax.eval_shape(build), self.mesh))()
 
   def init_mtp_cache(self, batch_size: int, capacity: int,
                      dtype=jnp.float32) -> tuple[LayerCache, ...]:
@@ -327,13 +340,11 @@ class CausalLM(nnx.Module):
     batch_size, capacity = cache_shape(self.config.mla, batch_size, capacity)
     build = lambda: tuple(empty_layer_cache(self.config.mla, batch_size, capacity, dtype)
                           for _ in self.mtp)
-    if self.mesh is None or not self.mtp:
-      return build()
-    if batch_size % sharding.axis_size(self.mesh, sharding.DATA):
-      raise ValueError(f"batch_size {batch_size} cannot be split over mesh axis 'data' of "
-                       f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
-    shardings = tuple(layer_cache_shardings(c, self.mesh) for c in jax.eval_shape(build))
-    return jax.jit(build, out_shardings=shardings)()
+    if not self.mtp:
+      return ()
+    return self._place_caches(
+        build, batch_size,
+        lambda caches, mesh: tuple(layer_cache_shardings(c, mesh) for c in caches))
 
   def step_plan(self, num_new_tokens: int, num_cached_tokens: int | None, *, capacity: int,
                 kv_rows: int | None = None, force_mqa: bool = False,
@@ -427,12 +438,10 @@ class CausalLM(nnx.Module):
     check_mtp_inputs(self.config, index, hidden_BTD, next_ids_BT, mtp_caches)
     cache = mtp_caches[index]
     checks.ids_in_vocab(next_ids_BT, self.config.vocab_size)
-    b, t = next_ids_BT.shape
-    new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
-    checks.new_tokens(new_lens_B, cache.lengths_B, num_tokens=t, capacity=cache.capacity,
-                      max_positions=self.config.mla.max_position_embeddings)
+    new_lens_B = self._new_lens(next_ids_BT, cache, new_lens_B)  # a LayerCache reads the same
     if plan is None:
-      plan = self.step_plan(t, cached_bound(None, cache.lengths_B), capacity=cache.capacity)
+      plan = self.step_plan(next_ids_BT.shape[1], cached_bound(None, cache.lengths_B),
+                            capacity=cache.capacity)
     elif plan.cached_bound is not None:
       checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
     logits_BTV, h_BTD, attn = self._mtp_step(index, hidden_BTD, next_ids_BT, cache, plan,
