@@ -282,15 +282,19 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
   except CheckpointError as e:
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
   mtp_layers = config.num_mtp_layers
-  tensors = open_checkpoint(path)
-  if mtp is None:
-    mtp = any(_is_mtp(name, config.num_layers) for name in tensors)
-  if not mtp:
+  if mtp is False:
     config = dataclasses.replace(config, num_mtp_layers=0)
   backend = get_backend(backend)
-  # Shapes only; on a mesh this also refuses heads, experts or dimensions that do not split.
-  abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
-                                             param_dtype=param_dtype, mesh=mesh))
+  # Shapes only; on a mesh this also refuses heads, experts or dimensions that do not split,
+  # before the checkpoint is opened.
+  shapes = lambda config: nnx.eval_shape(lambda: CausalLM(
+      config, rngs=nnx.Rngs(0), backend=backend, param_dtype=param_dtype, mesh=mesh))
+  abstract = shapes(config)
+  tensors = open_checkpoint(path)
+  if (mtp is None and config.num_mtp_layers
+      and not any(_is_mtp(name, config.num_layers) for name in tensors)):
+    config = dataclasses.replace(config, num_mtp_layers=0)  # counted but not stored (HF)
+    abstract = shapes(config)
   # Layers past the MTP ones the config counts are skipped, as HF skips the MTP layers.
   available = {name: handle for name, handle in tensors.items()
                if not _is_mtp(name, config.num_layers + config.num_mtp_layers)}
