@@ -61,14 +61,23 @@ def nucleus(logits_BV, top_p):
   return jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
 
 
+def row_logits(logits_BV, temperature_B, top_p_B):
+  """The logits each row samples from: divided by its temperature (1 for a greedy row, which
+  takes the argmax of ``logits_BV`` instead) and cut to its nucleus."""
+  scaled_BV = logits_BV / jnp.where(temperature_B == 0, 1.0, temperature_B)[:, None]
+  # top_p 1 keeps every token (``nucleus`` could drop a last one to the cumsum's rounding).
+  return jnp.where(top_p_B[:, None] >= 1, scaled_BV, nucleus(scaled_BV, top_p_B))
+
+
+def row_keys(seeds_B, counters_B):
+  """Row b's key for its token at index ``counters_B[b]``: ``fold_in(key(seed), counter)``."""
+  return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_B, counters_B)
+
+
 def sample_rows(logits_BV, seeds_B, counters_B, temperature_B, top_p_B):
   """``sample`` with settings per row: row b draws with key ``fold_in(key(seeds_B[b]),
   counters_B[b])`` (its own seed and token index), so a row's token depends on its logits and
   settings alone, never on the other rows of the batch. Temperature 0 rows are greedy."""
-  greedy_B = temperature_B == 0
-  scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
-  # top_p 1 keeps every token (``nucleus`` could drop a last one to the cumsum's rounding).
-  nucleus_BV = jnp.where(top_p_B[:, None] >= 1, scaled_BV, nucleus(scaled_BV, top_p_B))
-  keys_B = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_B, counters_B)
-  drawn_B = jax.vmap(jax.random.categorical)(keys_B, nucleus_BV)
-  return jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
+  drawn_B = jax.vmap(jax.random.categorical)(row_keys(seeds_B, counters_B),
+                                             row_logits(logits_BV, temperature_B, top_p_B))
+  return jnp.where(temperature_B == 0, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax import checks
-from mla_jax.cache import LayerCache
+from mla_jax.cache import CacheView
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.step_plan import StepPlan
 
@@ -75,8 +75,9 @@ def check_mtp_inputs(config, index, hidden_BTD, next_ids_BT, mtp_caches) -> None
     raise ValueError(f"MTP layer index must be an int in [0, {count}) (the model has {count} "
                      f"MTP layer(s)), got {index!r}")
   if (not isinstance(mtp_caches, tuple) or len(mtp_caches) != count
-      or not all(isinstance(c, LayerCache) for c in mtp_caches)):
-    raise ValueError(f"mtp_caches must be init_mtp_cache's tuple of {count} LayerCache(s), "
+      or not all(isinstance(c, CacheView) for c in mtp_caches)):
+    raise ValueError(f"mtp_caches must be init_mtp_cache's tuple of {count} LayerCache(s) "
+                     f"(or paged cache views, as the engine's), "
                      f"got {type(mtp_caches).__name__}")
   if getattr(next_ids_BT, "ndim", None) != 2 or not jnp.issubdtype(next_ids_BT.dtype,
                                                                    jnp.integer):

@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -29,15 +28,16 @@ from mla_jax import checks, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import functionalize
 from mla_jax.generation.programs import signature
-from mla_jax.generation.sampling import sample_rows
-from mla_jax.models.lm import CausalLM, ModelCache
-from mla_jax.paged_cache import PagedLayerCache, empty_pools
+from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.models.lm import CausalLM
+from mla_jax.paged_cache import empty_pools
 from mla_jax.serving.pages import PageTable
-from mla_jax.serving.requests import (MAX_LOGPROBS, MAX_SEED, RequestOutput, SamplingParams,
+from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
                                       Sequence, Status, TokenLogprobs)
 from mla_jax.serving import step_inputs
 from mla_jax.serving.scheduler import Chunk, Scheduler, pages_for
 from mla_jax.serving.step_inputs import StepInputs, StepShape
+from mla_jax.serving.step_program import StepProgram
 from mla_jax.step_plan import StepPlan
 from mla_jax.traces import ProgramSummary, summarize_jaxpr
 
@@ -63,6 +63,8 @@ class EngineStats:
   steps: int = 0
   computed_tokens: int = 0     # rows written (prompts, recomputes and decodes)
   output_tokens: int = 0
+  draft_tokens: int = 0        # speculative decoding: drafts verified
+  accepted_tokens: int = 0     # and accepted
   compile_s: float = 0.0
   run_s: float = 0.0
   host_s: float = 0.0          # scheduling and step-input building (compiles excluded)
@@ -89,13 +91,18 @@ class Engine:
     prefix_caching: reuse the cached pages of a shared prompt prefix.
     log_interval: seconds between stats lines on the ``mla_jax`` logger (None: never).
     seed: draws the seed of requests that give none.
+    max_speculative_tokens: the most draft tokens a request may ask for
+      (``SamplingParams.speculative_tokens``, up to ``MAX_SPECULATIVE_TOKENS``); above 0 the
+      model needs MTP layers, whose paged caches the engine then keeps for every request (one
+      more layer per step): see ``mla_jax.serving.step_program``.
   """
 
   def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
                max_num_seqs: int = 32, max_step_tokens: int = 512,
                max_model_len: int | None = None, cache_dtype="fp32", tokenizer=None,
                eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
-               log_interval: float | None = 10.0, seed: int = 0):
+               log_interval: float | None = 10.0, seed: int = 0,
+               max_speculative_tokens: int = 0):
     if not isinstance(model, CausalLM):
       raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
     mla = model.config.mla
@@ -109,6 +116,12 @@ class Engine:
     self.cache_dtype = resolve_cache_dtype(cache_dtype, "cache_dtype")
     self.eos_token_ids = tuple(checks.static_int(t, "eos_token_ids entry", minimum=0)
                                for t in eos_token_ids)
+    self.max_speculative_tokens = checks.static_int(
+        max_speculative_tokens, "max_speculative_tokens", minimum=0,
+        maximum=MAX_SPECULATIVE_TOKENS)
+    if self.max_speculative_tokens and not model.config.num_mtp_layers:
+      raise ValueError("max_speculative_tokens > 0 needs a model with MTP layers (its config "
+                       "counts num_mtp_layers = 0; load a checkpoint that stores them)")
     self.tokenizer = tokenizer
     self.log_interval = log_interval
     self.model = model
@@ -134,12 +147,16 @@ class Engine:
     self._log_tokens = 0
 
   def _empty_pools(self):
+    """``(main pools per group and unit, MTP pools per MTP layer or () without)``."""
     config, rows = self.model.config, self.num_pages * self.page_size
-    return tuple(
+    main = tuple(
         tuple(empty_pools(config.mla, group.reps, rows, self.cache_dtype,
                           index_keys=not config.shares_topk(group.layer(0, u)))
               for u in range(group.unit_len))
         for group in self.model.layer_groups)
+    mtp = tuple(empty_pools(config.mla, 1, rows, self.cache_dtype, index_keys=True)
+                for _ in range(config.num_mtp_layers if self.max_speculative_tokens else 0))
+    return main, mtp
 
   # ---- requests -------------------------------------------------------------------------
 
@@ -194,6 +211,12 @@ class Engine:
                        f"{self.page_size} tokens, the whole pool has {self.num_pages}")
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=))")
+    if params.speculative_tokens > self.max_speculative_tokens:
+      raise ValueError(f"speculative_tokens {params.speculative_tokens} exceeds the engine's "
+                       f"max_speculative_tokens {self.max_speculative_tokens}"
+                       + ("" if self.max_speculative_tokens else
+                          " (Engine(..., max_speculative_tokens=K) with a model that has MTP "
+                          "layers)"))
     return [int(t) for t in prompt]
 
   def abort(self, request_id: str) -> None:
@@ -220,28 +243,45 @@ class Engine:
   # ---- steps ----------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one step; returns the requests that got a token in it."""
+    """Runs one step; returns the requests that got tokens in it."""
     self._only_on_process_0("step")
     t0, compile_before = time.perf_counter(), self.stats.compile_s
     batch = self.scheduler.schedule()
-    sampled, run_s = {}, 0.0
+    sampled, rows, run_s = {}, {}, 0.0
     for chunks, kind in ((batch.prefills, "prefill"), (batch.decodes, "decode")):
       if chunks:
         outputs, seconds = self._run(chunks, kind)
         for b, chunk in enumerate(chunks):
-          sampled[id(chunk)] = int(outputs[0][b])
-          if chunk.samples and chunk.seq.params.logprobs is not None:
-            chunk.seq.logprobs.append(_token_logprobs(outputs, b, chunk.seq.params.logprobs))
+          sampled[id(chunk)] = outputs[0][b, :int(outputs[1][b]) + 1].tolist()
+          rows[id(chunk.seq)] = (chunk, outputs, b)
         run_s += seconds
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)
+    for seq, count in grown:
+      self._record(seq, count, *rows[id(seq)])
     self.stats.steps += 1
     self.stats.run_s += run_s
     self.stats.computed_tokens += batch.num_tokens
-    self.stats.output_tokens += len(grown)
+    self.stats.output_tokens += sum(count for _, count in grown)
     compiled = self.stats.compile_s - compile_before
     self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
-    self._maybe_log(len(grown))
-    return [RequestOutput.of(seq, seq.tokens[-1:]) for seq in grown]
+    self._maybe_log(sum(count for _, count in grown))
+    return [RequestOutput.of(seq, seq.tokens[-count:]) for seq, count in grown]
+
+  def _record(self, seq: Sequence, count: int, chunk: Chunk, outputs, b: int) -> None:
+    """After ``seq`` took ``count`` tokens of row ``b``: their log-probabilities (if asked),
+    the drafts' tally and the drafts its next step verifies."""
+    if seq.params.logprobs is not None:
+      seq.logprobs.extend(_token_logprobs(outputs, b, j, seq.params.logprobs)
+                          for j in range(count))
+    accepted = int(outputs[1][b])
+    seq.num_drafted += len(chunk.drafts)
+    seq.num_accepted += accepted
+    self.stats.draft_tokens += len(chunk.drafts)
+    self.stats.accepted_tokens += accepted
+    # What the program drafted for this row (its rule: no more than the tokens left - 1).
+    wanted = min(seq.params.speculative_tokens, seq.params.max_tokens - len(seq.output) - 1)
+    drafting = seq.status is not Status.FINISHED and chunk.num_tokens == 1 and wanted > 0
+    seq.drafts = outputs[5][b, :wanted].tolist() if drafting else []
 
   def _stop_reason(self, seq: Sequence) -> str | None:
     token = seq.tokens[-1]
@@ -258,8 +298,9 @@ class Engine:
   def _run(self, chunks: list[Chunk], kind: str):
     """Runs one compiled step program over ``chunks`` (on every process): its outputs (row b
     for chunk b; meaningless for chunks that do not sample) and the seconds it ran. The
-    outputs are host arrays: sampled tokens [B], their log-probabilities [B], and the most
-    likely tokens' ids and log-probabilities [B, K]."""
+    outputs are host arrays (``StepProgram.build``): new tokens [B, J] (the first
+    ``accepted + 1`` of a row are its), accepted drafts [B], the tokens' log-probabilities
+    [B, J], the most likely tokens' ids and log-probabilities [B, J, K], next drafts [B, D]."""
     shape = step_inputs.step_shape(chunks, kind, self.page_size, self._data_shards)
     inputs = step_inputs.build(chunks, shape)
     if self._multiprocess:
@@ -304,9 +345,10 @@ class Engine:
     """Every step program compiled so far, with its plan and what its trace contains."""
     return [entry for _, entry in self._programs.values()]
 
-  def _plan(self, shape: StepShape) -> StepPlan:
+  def _plan(self, shape: StepShape, tokens: int | None = None) -> StepPlan:
     rows = shape.kv_pages * self.page_size
-    return self.model.step_plan(shape.tokens, shape.cached_bound, capacity=rows, kv_rows=rows)
+    return self.model.step_plan(shape.tokens if tokens is None else tokens, shape.cached_bound,
+                                capacity=rows, kv_rows=rows)
 
   def _program(self, shape: StepShape):
     if shape in self._programs:
@@ -326,7 +368,11 @@ class Engine:
   def _compile(self, shape: StepShape):
     t0 = time.perf_counter()
     plan = self._plan(shape)
-    jitted = jax.jit(functionalize(self._step_fn(plan), False), donate_argnums=1)
+    drafts = shape.kind == "decode" and shape.tokens > 1
+    program = StepProgram(shape.kind, plan, self._plan(shape, 1) if drafts else None,
+                          mtp=bool(self.max_speculative_tokens), page_size=self.page_size)
+    step = program.build(self._graphdef, self._state_def, self.model.layer_groups)
+    jitted = jax.jit(functionalize(step, False), donate_argnums=1)
     mesh = self.model.mesh
     placed = None if mesh is None else jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)
@@ -338,34 +384,6 @@ class Engine:
                  plan.route.name, seconds)
     run = lambda *args: compiled(*args)[1]  # (check error: always None unchecked, outputs)
     return run, CompiledStep(shape, plan, summarize_jaxpr(traced.jaxpr), seconds)
-
-  def _step_fn(self, plan: StepPlan):
-    graphdef, state_def, layout = self._graphdef, self._state_def, self.model.layer_groups
-    page_size = self.page_size
-
-    def step(state_leaves, pools, ids_BT, new_lens_B, lengths_B, table_BN, seeds_B,
-             counters_B, temps_B, top_ps_B):
-      model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
-      caches = ModelCache(tuple(
-          tuple(PagedLayerCache(latent, keys, table_BN,
-                                jnp.broadcast_to(lengths_B, (group.reps, *lengths_B.shape)),
-                                page_size)
-                for latent, keys in unit)
-          for group, unit in zip(layout, pools)), layout)
-      logits_BTV, caches = model(ids_BT, caches, new_lens_B=new_lens_B, plan=plan)
-      last_BV = jnp.take_along_axis(logits_BTV, jnp.maximum(new_lens_B - 1, 0)[:, None, None],
-                                    axis=1)[:, 0]
-      tokens_B = sample_rows(last_BV, seeds_B, counters_B, temps_B, top_ps_B)
-      # Log-probabilities of the model's distribution (before temperature and top_p), computed
-      # for every row: a top-k over the vocabulary is small beside the step.
-      logprobs_BV = jax.nn.log_softmax(last_BV.astype(jnp.float32), axis=-1)
-      chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=1)[:, 0]
-      top_logprobs_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, min(MAX_LOGPROBS,
-                                                                   logprobs_BV.shape[-1]))
-      return ((tokens_B, chosen_B, top_ids_BK, top_logprobs_BK),
-              tuple(tuple(c.pools for c in unit) for unit in caches.groups))
-
-    return step
 
   # ---- offline and streaming ------------------------------------------------------------
 
@@ -417,8 +435,10 @@ class Engine:
     self._last_log, self._log_tokens = now, 0
 
 
-def _token_logprobs(outputs, b: int, n: int) -> TokenLogprobs:
-  """Row ``b`` of a step program's outputs as a ``TokenLogprobs`` with the ``n`` most likely."""
-  tokens_B, logprob_B, top_ids_BK, top_logprobs_BK = outputs
-  return TokenLogprobs(int(tokens_B[b]), float(logprob_B[b]),
-                       tuple(zip(top_ids_BK[b, :n].tolist(), top_logprobs_BK[b, :n].tolist())))
+def _token_logprobs(outputs, b: int, j: int, n: int) -> TokenLogprobs:
+  """Token ``j`` of row ``b`` of a step program's outputs as a ``TokenLogprobs`` with the
+  ``n`` most likely."""
+  tokens_BJ, _, logprob_BJ, top_ids_BJK, top_logprobs_BJK, _ = outputs
+  return TokenLogprobs(int(tokens_BJ[b, j]), float(logprob_BJ[b, j]),
+                       tuple(zip(top_ids_BJK[b, j, :n].tolist(),
+                                 top_logprobs_BJK[b, j, :n].tolist())))

@@ -9,6 +9,7 @@ import time
 
 from mla_jax import checks
 from mla_jax.generation.sampling import SamplingConfig
+from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
 
 MAX_SEED = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
@@ -25,7 +26,9 @@ class SamplingParams:
   (``"stop"``; strings need the engine's tokenizer). The stopping token stays in the output.
   ``logprobs``: None, or report each output token's log-probability and that many of the most
   likely tokens' (0 to ``MAX_LOGPROBS``), from the model's distribution before temperature
-  and top_p.
+  and top_p. ``speculative_tokens``: draft tokens per step from the model's MTP layers (0: plain
+  decoding; at most the engine's ``max_speculative_tokens``); the tokens keep the model's
+  distribution (greedy: the same tokens), only their cost changes.
   """
 
   max_tokens: int = 16
@@ -35,6 +38,7 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   stop: tuple[str, ...] = ()
   logprobs: int | None = None
+  speculative_tokens: int = 0
 
   def __post_init__(self):
     checks.static_int(self.max_tokens, "max_tokens", minimum=1, wrong_type=TypeError)
@@ -49,6 +53,8 @@ class SamplingParams:
       raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
     if self.logprobs is not None:
       checks.static_int(self.logprobs, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    checks.static_int(self.speculative_tokens, "speculative_tokens", minimum=0,
+                      maximum=MAX_SPECULATIVE_TOKENS)
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
     object.__setattr__(self, "stop", stop)
     object.__setattr__(self, "temperature", float(self.temperature))
@@ -102,6 +108,9 @@ class Sequence:
   finish_time: float | None = None
   text: str = ""
   logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # if asked, per output
+  drafts: list[int] = dataclasses.field(default_factory=list)  # the next step verifies these
+  num_drafted: int = 0            # draft tokens verified so far
+  num_accepted: int = 0           # of which accepted
 
   @property
   def output(self) -> list[int]:
@@ -130,6 +139,13 @@ class RequestOutput:
   num_cached_prompt_tokens: int
   num_preemptions: int
   logprobs: tuple[TokenLogprobs, ...] | None = None  # per output token, when asked
+  num_draft_tokens: int = 0       # speculative decoding: draft tokens verified
+  num_accepted_tokens: int = 0    # and accepted
+
+  @property
+  def acceptance_rate(self) -> float | None:
+    """Accepted draft tokens / verified ones (None when none was drafted)."""
+    return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
   @property
   def ttft(self) -> float | None:
@@ -141,4 +157,5 @@ class RequestOutput:
                tuple(new_tokens), seq.status is Status.FINISHED, seq.finish_reason, seq.text,
                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_prompt,
                seq.num_preemptions,
-               None if seq.params.logprobs is None else tuple(seq.logprobs))
+               None if seq.params.logprobs is None else tuple(seq.logprobs),
+               seq.num_drafted, seq.num_accepted)

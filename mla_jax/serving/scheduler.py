@@ -1,7 +1,8 @@
 """Which tokens of which requests the next step computes: plain Python over integers, no jax.
 
 Every running sequence has uncomputed tokens ``tokens[num_computed:]``: exactly one when it
-decodes (its last sampled token), more while its prompt (or, after a preemption, its prompt and
+decodes (its last sampled token, with the draft tokens to verify after it when it decodes
+speculatively), more while its prompt (or, after a preemption, its prompt and
 output) is prefilled. A step takes, oldest admission first, one token of each decode and then
 chunks of prefills, under ``max_step_tokens``; waiting requests are admitted first come first
 served while seats, budget and pages allow. A chunk that computes a sequence's last token
@@ -26,11 +27,29 @@ from mla_jax.serving.requests import Sequence, Status
 @dataclasses.dataclass(frozen=True)
 class Chunk:
   """``num_tokens`` tokens of ``seq`` from position ``start``; ``samples``: it reaches the last
-  token, so the step samples the sequence's next token."""
+  token, so the step samples the sequence's next token. A decode (one token) may carry
+  ``drafts`` to verify after it (speculative decoding)."""
 
   seq: Sequence
   start: int
   num_tokens: int
+  drafts: tuple[int, ...] = ()
+
+  @property
+  def num_computed(self) -> int:
+    """Rows the step computes: the tokens and the drafts."""
+    return self.num_tokens + len(self.drafts)
+
+  @property
+  def rows(self) -> int:
+    """Rows from ``start`` the step may write (its pages): the computed ones and, for a
+    speculative decode, the MTP rows of the next step's drafts (from past the accepted tokens;
+    never past the request's last token, where drafting stops)."""
+    k = self.seq.params.speculative_tokens
+    if self.num_tokens > 1 or k == 0:
+      return self.num_computed
+    last = self.seq.num_prompt + self.seq.params.max_tokens  # rows [0, last) at most
+    return min(len(self.drafts) + k, last - self.start)
 
   @property
   def samples(self) -> bool:
@@ -50,8 +69,12 @@ class StepBatch:
     (self.decodes if chunk.num_tokens == 1 else self.prefills).append(chunk)
 
   @property
+  def decode_tokens(self) -> int:
+    return sum(c.num_computed for c in self.decodes)
+
+  @property
   def num_tokens(self) -> int:
-    return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+    return self.decode_tokens + sum(c.num_tokens for c in self.prefills)
 
   def __bool__(self) -> bool:
     return bool(self.decodes or self.prefills)
@@ -111,11 +134,14 @@ class Scheduler:
         break
       if seq not in self.running:  # preempted by an older sequence of this step
         continue
-      count = 1 if seq.num_uncomputed == 1 else self._chunk(batch, seq.num_uncomputed, budget)
-      if count == 0 or not self._reserve(seq, count, batch):
+      if seq.num_uncomputed == 1:  # a decode, with as many of its drafts as the budget takes
+        chunk = Chunk(seq, seq.num_computed, 1, tuple(seq.drafts[:budget - 1]))
+      else:
+        chunk = Chunk(seq, seq.num_computed, self._chunk(batch, seq.num_uncomputed, budget))
+      if chunk.num_tokens == 0 or not self._reserve(seq, chunk.rows, batch):
         continue
-      batch.add(Chunk(seq, seq.num_computed, count))
-      budget -= count
+      batch.add(chunk)
+      budget -= chunk.num_computed
     while self.waiting and budget and len(self.running) < self.max_num_seqs:
       seq = self.waiting[0]
       # A chunk of one token is the smallest that could join: if even it does not fit, wait.
@@ -139,7 +165,7 @@ class Scheduler:
       return count
     rows = len(batch.prefills) + 1
     longest = max(c.num_tokens for c in batch.prefills)
-    limit = self.max_step_tokens - len(batch.decodes)
+    limit = self.max_step_tokens - batch.decode_tokens
     fits = lambda n: self.prefill_slots(rows, max(longest, n)) <= limit
     if not fits(1):
       return 0
@@ -192,26 +218,35 @@ class Scheduler:
 
   def _release(self, seq: Sequence) -> None:
     self.pages.release(seq.pages)
-    seq.pages, seq.page_keys, seq.num_computed = [], [], 0
+    seq.pages, seq.page_keys, seq.num_computed, seq.drafts = [], [], 0, []
 
   # ---- after the step -------------------------------------------------------------------
 
-  def commit(self, batch: StepBatch, sampled: dict[int, int], stops) -> list[Sequence]:
-    """Records a step: computed tokens, newly full pages into the prefix cache, the sampled
-    tokens (``sampled[id(chunk)]``); ``stops(seq)`` is the finish reason after a new token, or
-    None. Returns the sequences that got a token."""
+  def commit(self, batch: StepBatch, sampled: dict[int, list[int]], stops
+             ) -> list[tuple[Sequence, int]]:
+    """Records a step: computed rows, newly full pages into the prefix cache, the new tokens
+    (``sampled[id(chunk)]``: the sampled one, after the accepted drafts of a speculative
+    decode); ``stops(seq)`` is the finish reason after a new token, or None, and a sequence
+    takes no token past its finish. Returns each sequence that got tokens, with how many."""
     grown = []
     for chunk in (*batch.decodes, *batch.prefills):
       seq = chunk.seq
-      seq.num_computed += chunk.num_tokens
+      new = sampled[id(chunk)] if chunk.samples else []
+      reason = None
+      for count, token in enumerate(new, 1):
+        seq.tokens.append(token)
+        reason = stops(seq)
+        if reason is not None:
+          break
+      # The accepted drafts' rows are computed too; never past the tokens kept.
+      seq.num_computed = min(seq.num_computed + chunk.num_tokens + max(len(new) - 1, 0),
+                             len(seq.tokens))
       self._register_full_pages(seq)
-      if not chunk.samples:
+      if not new:
         continue
-      seq.tokens.append(sampled[id(chunk)])
       if seq.first_token_time is None:
         seq.first_token_time = time.perf_counter()
-      grown.append(seq)
-      reason = stops(seq)
+      grown.append((seq, count))
       if reason is not None:
         self.running.remove(seq)
         self._release(seq)

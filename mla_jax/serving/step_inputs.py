@@ -23,7 +23,7 @@ class StepShape:
 
   kind: str                  # "decode" or "prefill"
   batch: int                 # sequence rows
-  tokens: int                # tokens per row
+  tokens: int                # tokens per row (a decode's: 1 + the most draft tokens of a row)
   cached_bound: int | None   # None in decode (unknown until run time)
   kv_pages: int              # block-table width
 
@@ -46,7 +46,9 @@ STOP_HEADER = np.zeros(6, np.int32)
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-  """Per row: token ids [B, T], new and cached lengths, block table [B, N], sampling state."""
+  """Per row: token ids [B, T], new and cached lengths, block table [B, N], sampling state;
+  for the MTP layers (speculative engines): the token after each id [B, T] (-1: the one this
+  step samples), the draft tokens the row asks for and the tokens it may still emit."""
 
   ids_BT: np.ndarray
   new_lens_B: np.ndarray
@@ -56,13 +58,17 @@ class StepInputs:
   counters_B: np.ndarray
   temperature_B: np.ndarray
   top_p_B: np.ndarray
+  next_ids_BT: np.ndarray
+  speculative_B: np.ndarray
+  remaining_B: np.ndarray
 
   @classmethod
   def zeros(cls, shape: StepShape) -> StepInputs:
     b = shape.batch
     ints = lambda *dims: np.zeros(dims, np.int32)
     return cls(ints(b, shape.tokens), ints(b), ints(b), ints(b, shape.kv_pages), ints(b),
-               ints(b), np.zeros(b, np.float32), np.ones(b, np.float32))
+               ints(b), np.zeros(b, np.float32), np.ones(b, np.float32),
+               ints(b, shape.tokens), ints(b), ints(b))
 
   def arrays(self) -> tuple[np.ndarray, ...]:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -89,10 +95,16 @@ def step_shape(chunks: list[Chunk], kind: str, page_size: int, batch_multiple: i
   axis), tokens a power of two (at least 16) or 1 in decode, kv pages covering the longest reach
   in buckets of at least ``MIN_BUCKET`` rows. A prefill's cached bound is 0 when every chunk is
   fresh (the dense route may then apply), else every row before the step's tokens: a true
-  bound that adds no programs of its own."""
+  bound that adds no programs of its own. A decode's tokens are 1 + the most draft tokens
+  its rows ask for (speculative decoding), and its pages cover every row it may write."""
   starts = [c.start for c in chunks]
-  tokens = 1 if kind == "decode" else token_bucket(max(c.num_tokens for c in chunks))
-  kv_pages = bucket(pages_for(max(starts) + tokens, page_size), pages_for(MIN_BUCKET, page_size))
+  if kind == "decode":
+    tokens = 1 + max(c.seq.params.speculative_tokens for c in chunks)
+    reach = max(c.start + c.rows for c in chunks)
+  else:
+    tokens = token_bucket(max(c.num_tokens for c in chunks))
+    reach = max(starts) + tokens
+  kv_pages = bucket(pages_for(reach, page_size), pages_for(MIN_BUCKET, page_size))
   cached = None if kind == "decode" else 0 if max(starts) == 0 else kv_pages * page_size - tokens
   return StepShape(kind, batch_bucket(len(chunks), batch_multiple), tokens, cached, kv_pages)
 
@@ -102,11 +114,15 @@ def build(chunks: list[Chunk], shape: StepShape) -> StepInputs:
   inputs = StepInputs.zeros(shape)
   for b, c in enumerate(chunks):
     seq = c.seq
-    inputs.ids_BT[b, :c.num_tokens] = c.token_ids
-    inputs.new_lens_B[b], inputs.lengths_B[b] = c.num_tokens, c.start
+    inputs.ids_BT[b, :c.num_computed] = c.token_ids + list(c.drafts)
+    inputs.new_lens_B[b], inputs.lengths_B[b] = c.num_computed, c.start
     inputs.table_BN[b, :len(seq.pages)] = seq.pages
     inputs.seeds_B[b], inputs.counters_B[b] = seq.seed, len(seq.output)
     inputs.temperature_B[b], inputs.top_p_B[b] = seq.params.temperature, seq.params.top_p
+    following = seq.tokens[c.start + 1:c.start + c.num_tokens + 1]
+    inputs.next_ids_BT[b, :c.num_tokens] = following + [-1] * (c.num_tokens - len(following))
+    inputs.speculative_B[b] = seq.params.speculative_tokens
+    inputs.remaining_B[b] = seq.params.max_tokens - len(seq.output)
   return inputs
 
 
