@@ -43,12 +43,12 @@ def _zero(module):
 
 
 @functools.lru_cache(maxsize=None)
-def _copying():
+def _copying(vocab_size=None):
   """A bigram model whose MTP head predicts what the main model will: the main layers and
   the MTP block add nothing, so the main model's logits are lm_head(norm(embed(x))), and
   eh_proj passes the next token's normed embedding on to the same head (norm weights
   copied), so every greedy draft is accepted."""
-  model = _random()
+  model = _random(vocab_size=vocab_size)
   model = nnx.merge(*nnx.split(model))  # a copy: _random()'s model stays random
   _zero(model.model.groups)
   (layer,) = model.mtp
