@@ -39,7 +39,8 @@ Speculative (``--speculative CKPT``, a checkpoint with MTP layers, e.g. the reca
 its head): greedy decode tokens/s and the acceptance rate for each ``--speculative-tokens``
 k (0 is plain decoding, the baseline of the speed-up column), at each
 ``--speculative-batches`` batch, on one prompt (``--speculative-prompt`` through the
-checkpoint's tokenizer, else ``--prompt-len`` random ids) copied over the batch.
+checkpoint's tokenizer, else ``--prompt-len`` random ids) copied over the batch. With
+``--engine``, the same through the ``Engine`` (per-request ``speculative_tokens``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,6 +71,9 @@ from mla_jax.cache import bucket_rows  # noqa: E402
 from mla_jax.generation import programs  # noqa: E402
 from mla_jax.models.config import small_lm, tiny_lm  # noqa: E402
 from mla_jax.models.lm import CausalLM, ModelCache  # noqa: E402
+from mla_jax.serving.engine import Engine  # noqa: E402
+from mla_jax.serving.requests import SamplingParams  # noqa: E402
+from mla_jax.serving.scheduler import pages_for  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +351,48 @@ def speculative_table(args) -> None:
       rate = "-" if run.acceptance_rate is None else f"{run.acceptance_rate:.2f}"
       speed_up = "-" if base is None else f"{tps / base:.2f}x"
       print(f"| {batch} | {k} | {rate} | {tps:.0f} | {speed_up} |", flush=True)
+  if args.engine:
+    engine_speculative_table(model, prompt, args)
+
+
+def engine_tokens_per_s(engine, prompts, new_tokens: int, repeats: int, k: int):
+  """The engine's best output tokens/s (prefill step included, compiles excluded) of
+  ``repeats`` runs after a warm-up, and the last run's acceptance rate."""
+  params = SamplingParams(max_tokens=new_tokens, speculative_tokens=k)
+  engine.generate(prompts, params)  # compiles
+  best, rate = 0.0, None
+  for _ in range(repeats):
+    before = dataclasses.replace(engine.stats)
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    seconds = time.perf_counter() - t0 - (engine.stats.compile_s - before.compile_s)
+    best = max(best, len(prompts) * new_tokens / seconds)
+    drafted = engine.stats.draft_tokens - before.draft_tokens
+    rate = (engine.stats.accepted_tokens - before.accepted_tokens) / drafted if drafted else None
+  return best, rate
+
+
+def engine_speculative_table(model, prompt, args) -> None:
+  """The same table through the Engine: each request asks for k drafts per step."""
+  new = args.new_tokens
+  engine = Engine(model, num_pages=8 * max(args.speculative_batches)
+                  * pages_for(len(prompt) + new + 1, 16), page_size=16,
+                  max_num_seqs=max(args.speculative_batches), max_step_tokens=512,
+                  log_interval=None, max_speculative_tokens=max(args.speculative_tokens))
+  print(f"\n### Through the Engine (continuous batching, paged caches)\n\nThe same prompt "
+        f"copied over the batch, all arriving at once; output tokens/s over the whole run (its "
+        f"prefill step included), the best of {args.repeats} runs after a warm-up; one step "
+        f"per dispatch; page size 16, prefix caching on.\n")
+  print("| batch | k | acceptance | output tokens/s | speed-up |")
+  print("|---|---|---|---|---|")
+  for batch in args.speculative_batches:
+    base = None
+    for k in args.speculative_tokens:
+      tps, rate = engine_tokens_per_s(engine, [prompt] * batch, new, args.repeats, k)
+      base = tps if k == 0 else base
+      speed_up = "-" if base is None else f"{tps / base:.2f}x"
+      print(f"| {batch} | {k} | {'-' if rate is None else f'{rate:.2f}'} | {tps:.0f} | "
+            f"{speed_up} |", flush=True)
 
 
 def main(argv=None) -> None:
@@ -372,6 +419,8 @@ def main(argv=None) -> None:
   parser.add_argument("--speculative-tokens", type=int, nargs="+", default=[0, 1, 2, 3])
   parser.add_argument("--speculative-batches", type=int, nargs="+", default=[1, 8])
   parser.add_argument("--speculative-prompt", help="the table's prompt, as text")
+  parser.add_argument("--engine", action="store_true",
+                      help="with --speculative: the same table through the Engine")
   args = parser.parse_args(argv)
   if min(args.contexts) <= args.steps_per_dispatch:
     parser.error(f"every context must exceed --steps-per-dispatch {args.steps_per_dispatch}")

@@ -103,6 +103,13 @@ def _config(args):
   return PRESETS[args.preset](args.attention)
 
 
+def _speculative_config(args, config):
+  """With ``--speculative-tokens`` a random preset gets a random MTP layer to draft with."""
+  if args.speculative_tokens > 0 and not args.checkpoint:
+    return dataclasses.replace(config, num_mtp_layers=max(config.num_mtp_layers, 1))
+  return config
+
+
 def _build_model(args, config, mesh, mtp: bool = False):
   """The model; ``mtp``: with a checkpoint's MTP layers (speculative decoding drafts with
   them)."""
@@ -173,10 +180,8 @@ def cmd_generate(args) -> int:
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
   if jax.process_index() != 0:  # every process computes; the first one reports
     sys.stdout = open(os.devnull, "w")
-  config = _config(args)
+  config = _speculative_config(args, _config(args))
   speculative = args.speculative_tokens > 0
-  if speculative and not args.checkpoint:  # a random preset drafts with a random MTP layer
-    config = dataclasses.replace(config, num_mtp_layers=max(config.num_mtp_layers, 1))
   tok = _tokenizer(args, config.vocab_size)
   temperature, top_p = _sampling(args)
   t0 = time.perf_counter()
@@ -238,19 +243,19 @@ def cmd_serve(args) -> int:
   from mla_jax.serving.server import ServerSettings, create_app, run
 
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
-  config = _config(args)
+  config = _speculative_config(args, _config(args))
   tok = tokenizer.checkpoint_tokenizer(args.checkpoint) if args.checkpoint else \
       tokenizer.ByteTokenizer()
   if isinstance(tok, tokenizer.HFTokenizer):
     tok.check_fits(config.vocab_size)
   template = ChatTemplate.from_checkpoint(args.checkpoint)
-  model = _build_model(args, config, mesh)
+  model = _build_model(args, config, mesh, mtp=args.speculative_tokens > 0)
   engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
                   max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                   max_model_len=args.max_model_len, cache_dtype=args.cache_dtype,
                   tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
                   prefix_caching=args.prefix_caching, log_interval=args.log_interval,
-                  seed=args.seed)
+                  seed=args.seed, max_speculative_tokens=args.speculative_tokens)
   if jax.process_index() != 0:
     engine.follow()
     return 0
@@ -262,7 +267,8 @@ def cmd_serve(args) -> int:
       max_model_len=engine.max_model_len, vocab_size=config.vocab_size,
       pool_tokens=engine.num_pages * engine.page_size, api_key=api_key,
       max_body_bytes=args.max_body_bytes, max_pending=args.max_pending,
-      temperature=defaults.temperature, top_p=defaults.top_p)
+      temperature=defaults.temperature, top_p=defaults.top_p,
+      speculative_tokens=args.speculative_tokens)
   metrics = ServerMetrics(engine.num_pages)
   loop = EngineLoop(engine, metrics)
   app = create_app(loop, settings, metrics)
@@ -355,6 +361,14 @@ def cmd_train(args) -> int:
   return 0
 
 
+def _add_speculative_tokens(parser, how: str) -> None:
+  parser.add_argument("--speculative-tokens", type=int_in(0), default=0, metavar="K",
+                      help=f"speculative decoding: K draft tokens per step from the model's MTP "
+                           f"layers, {how} (default 0: plain decoding; at most "
+                           "generation.speculative.MAX_SPECULATIVE_TOKENS); a checkpoint is then "
+                           "loaded with its MTP layers, a random preset gets a random one")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
   common = argparse.ArgumentParser(add_help=False)
@@ -418,11 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop at the tokenizer's EOS id(s)")
   gen.add_argument("--quiet", action="store_true", help="no progress bar")
   gen.add_argument("--batch", type=int_in(1), default=1, help="sequences (copies of the prompt)")
-  gen.add_argument("--speculative-tokens", type=int_in(0), default=0, metavar="K",
-                   help="speculative decoding: K draft tokens per step from the model's MTP "
-                        "layers, verified in one forward (default 0: plain decoding; at most "
-                        "generation.speculative.MAX_SPECULATIVE_TOKENS); a checkpoint is then "
-                        "loaded with its MTP layers, a random preset gets a random one")
+  _add_speculative_tokens(gen, "verified in one forward")
   gen.set_defaults(func=cmd_generate)
   serve = sub.add_parser(
       "serve", parents=[common, model],
@@ -455,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds SIGTERM leaves requests in flight before aborting them")
   serve.add_argument("--log-interval", type=float_in(0.0, math.inf, low_open=True),
                      default=10.0, help="seconds between engine stats lines (with -v)")
+  _add_speculative_tokens(serve, "for every request (the engine keeps the MTP layers' paged "
+                          "caches)")
   serve.set_defaults(func=cmd_serve)
   routes = sub.add_parser("routes", parents=[common],
                           help="route demo: which route each module class takes")

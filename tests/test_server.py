@@ -232,6 +232,25 @@ def test_32_concurrent_streams_complete_without_mixing(server, model):
   assert all(len(ids) == 1 for ids in stream_ids) and len(set.union(*stream_ids)) == 32
 
 
+@pytest.mark.slow  # a server of its own
+def test_speculative_server_gives_the_plain_answers(checkpoint, model):
+  """``--speculative-tokens 2``: every request drafts with the shipped MTP head; greedy text
+  streamed or not equals plain ``generate``'s."""
+  server = Server(checkpoint, "--speculative-tokens", "2")
+  try:
+    client = server.client()
+    prompts = [RECALL, "zB ..mP ?z", "aQ cV ?c"]
+    for prompt, want in zip(prompts, _greedy(model, prompts, 12)):
+      out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+      assert out.choices[0].text == want and out.usage.completion_tokens == 12
+      streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True)
+      assert "".join(c.choices[0].text for c in streamed) == want
+  finally:
+    code, _, err = server.stop()
+  assert code == 0, err
+
+
 def _wait_for_pages_free(server, timeout=30):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:

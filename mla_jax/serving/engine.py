@@ -427,11 +427,13 @@ class Engine:
     now = time.perf_counter()
     if self.log_interval is None or now - self._last_log < self.log_interval:
       return
+    drafts = self.stats.draft_tokens
     logger.info("engine: %d running, %d waiting, %d/%d pages in use (%d cached), "
-                "%.1f tokens/s, %d programs", len(self.scheduler.running),
+                "%.1f tokens/s, %d programs%s", len(self.scheduler.running),
                 len(self.scheduler.waiting), self.pages.num_in_use, self.num_pages,
                 self.pages.num_cached, self._log_tokens / (now - self._last_log),
-                len(self._programs))
+                len(self._programs),
+                f", draft acceptance {self.stats.accepted_tokens / drafts:.2f}" if drafts else "")
     self._last_log, self._log_tokens = now, 0
 
 

@@ -43,7 +43,9 @@ class ServerSettings:
 
   ``max_pending``: requests queued or running at once (beyond it, 429); ``temperature`` and
   ``top_p``: used where a request gives none (the checkpoint's generation_config.json, else
-  OpenAI's 1.0); ``retry_after``: seconds a 429 asks the client to wait.
+  OpenAI's 1.0); ``retry_after``: seconds a 429 asks the client to wait;
+  ``speculative_tokens``: draft tokens per step of every request (the engine's
+  ``max_speculative_tokens`` at most).
   """
 
   model_name: str
@@ -58,6 +60,7 @@ class ServerSettings:
   temperature: float = 1.0
   top_p: float = 1.0
   retry_after: int = 1
+  speculative_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -263,7 +266,8 @@ class _Handlers:
           temperature=self.settings.temperature if body.temperature is None else
           body.temperature,
           top_p=self.settings.top_p if body.top_p is None else body.top_p,
-          seed=body.seed, stop=body.stop_strings, logprobs=logprobs)
+          seed=body.seed, stop=body.stop_strings, logprobs=logprobs,
+          speculative_tokens=self.settings.speculative_tokens)
     except (ValueError, TypeError) as e:  # the engine's own checks, past the protocol's
       raise APIError(400, str(e)) from None
 
