@@ -340,19 +340,30 @@ def speculative_table(args) -> None:
         f"a prompt of {len(prompt)} tokens, {args.new_tokens} new tokens, decode only (the "
         f"best of {args.repeats} runs after a warm-up); XLA backend, "
         f"{generation.DEFAULT_STEPS_PER_DISPATCH} steps (iterations) per dispatch.\n")
-  print("| batch | k | acceptance | decode tokens/s | speed-up |")
+
+  def generate_row(batch, k):
+    tps, run = mla_jax_tokens_per_s(model, [prompt] * batch, args.new_tokens, args.repeats,
+                                    speculative_tokens=k)
+    return tps, run.acceptance_rate
+
+  k_table(generate_row, args, "decode tokens/s")
+  if args.engine:
+    engine_speculative_table(model, prompt, args)
+
+
+def k_table(measure, args, column: str) -> None:
+  """A row per (batch, k) of ``measure(batch, k) -> (tokens/s, acceptance or None)``, with
+  the speed-up over k = 0 of the same batch."""
+  print(f"| batch | k | acceptance | {column} | speed-up |")
   print("|---|---|---|---|---|")
   for batch in args.speculative_batches:
     base = None
     for k in args.speculative_tokens:
-      tps, run = mla_jax_tokens_per_s(model, [prompt] * batch, args.new_tokens, args.repeats,
-                                      speculative_tokens=k)
+      tps, rate = measure(batch, k)
       base = tps if k == 0 else base
-      rate = "-" if run.acceptance_rate is None else f"{run.acceptance_rate:.2f}"
       speed_up = "-" if base is None else f"{tps / base:.2f}x"
-      print(f"| {batch} | {k} | {rate} | {tps:.0f} | {speed_up} |", flush=True)
-  if args.engine:
-    engine_speculative_table(model, prompt, args)
+      print(f"| {batch} | {k} | {'-' if rate is None else f'{rate:.2f}'} | {tps:.0f} | "
+            f"{speed_up} |", flush=True)
 
 
 def engine_tokens_per_s(engine, prompts, new_tokens: int, repeats: int, k: int):
@@ -373,26 +384,21 @@ def engine_tokens_per_s(engine, prompts, new_tokens: int, repeats: int, k: int):
 
 
 def engine_speculative_table(model, prompt, args) -> None:
-  """The same table through the Engine: each request asks for k drafts per step."""
+  """The same table through the Engine: each request asks for k drafts per step; k = 0 runs
+  on an engine without MTP caches (plain serving's engine)."""
   new = args.new_tokens
-  engine = Engine(model, num_pages=8 * max(args.speculative_batches)
-                  * pages_for(len(prompt) + new + 1, 16), page_size=16,
-                  max_num_seqs=max(args.speculative_batches), max_step_tokens=512,
-                  log_interval=None, max_speculative_tokens=max(args.speculative_tokens))
+  make = lambda k: Engine(model, num_pages=2 * max(args.speculative_batches)
+                          * pages_for(len(prompt) + new, 16), page_size=16,
+                          max_num_seqs=max(args.speculative_batches), max_step_tokens=512,
+                          log_interval=None, max_speculative_tokens=k)
+  plain, speculative = make(0), make(max(args.speculative_tokens))
   print(f"\n### Through the Engine (continuous batching, paged caches)\n\nThe same prompt "
         f"copied over the batch, all arriving at once; output tokens/s over the whole run (its "
         f"prefill step included), the best of {args.repeats} runs after a warm-up; one step "
-        f"per dispatch; page size 16, prefix caching on.\n")
-  print("| batch | k | acceptance | output tokens/s | speed-up |")
-  print("|---|---|---|---|---|")
-  for batch in args.speculative_batches:
-    base = None
-    for k in args.speculative_tokens:
-      tps, rate = engine_tokens_per_s(engine, [prompt] * batch, new, args.repeats, k)
-      base = tps if k == 0 else base
-      speed_up = "-" if base is None else f"{tps / base:.2f}x"
-      print(f"| {batch} | {k} | {'-' if rate is None else f'{rate:.2f}'} | {tps:.0f} | "
-            f"{speed_up} |", flush=True)
+        f"per dispatch; page size 16, prefix caching on; k = 0 on an engine without MTP "
+        f"caches.\n")
+  k_table(lambda batch, k: engine_tokens_per_s(speculative if k else plain, [prompt] * batch,
+                                               new, args.repeats, k), args, "output tokens/s")
 
 
 def main(argv=None) -> None:
