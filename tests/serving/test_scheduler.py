@@ -67,9 +67,9 @@ class Loop:
       self.cached_at_admission.setdefault(chunk.seq.request_id, chunk.start)
       self._compute(chunk)
     sampling = [c for c in chunks if c.samples]
-    grown = scheduler.commit(batch, {id(c): _token(c.seq) for c in sampling}, _stops)
-    assert grown == [c.seq for c in sampling]
-    for seq in grown:
+    grown = scheduler.commit(batch, {id(c): [_token(c.seq)] for c in sampling}, _stops)
+    assert grown == [(c.seq, 1) for c in sampling]
+    for seq, _ in grown:
       self.streamed.setdefault(seq.request_id, []).append(seq.tokens[-1])
     self.pages.check()
     return batch
@@ -319,3 +319,31 @@ def test_sampling_params_normalize_their_values():
   params = SamplingParams(temperature=1, top_p=1, stop_token_ids=[2, 3], stop="end", seed=0)
   assert (params.temperature, params.top_p) == (1.0, 1.0)
   assert params.stop_token_ids == (2, 3) and params.stop == ("end",)
+
+
+def test_a_speculative_decode_reserves_its_draft_rows_and_commits_the_accepted_tokens():
+  """A decode with 2 drafts (k = 3) computes 3 rows and may write 2 + 3 (the next drafts' MTP
+  rows, never past its last token): its pages cover them. Committing 2 accepted drafts and the
+  next token computes 3 rows; a stop token inside a step drops the tokens after it."""
+  pages = PageTable(16, SIZE, salt="test")
+  scheduler = Scheduler(pages, max_num_seqs=2, max_step_tokens=16)
+  seq = Sequence("0", [1, 2, 3], 3, SamplingParams(max_tokens=8, speculative_tokens=3), seed=0)
+  scheduler.add(seq)
+  batch = scheduler.schedule()
+  scheduler.commit(batch, {id(batch.prefills[0]): [7]}, _stops)
+  seq.drafts = [8, 9]
+  batch = scheduler.schedule()
+  (chunk,) = batch.decodes
+  assert (chunk.start, chunk.num_computed, chunk.rows, chunk.drafts) == (3, 3, 5, (8, 9))
+  assert batch.num_tokens == 3 and len(seq.pages) == pages_for(3 + 5, SIZE)
+  assert scheduler.commit(batch, {id(chunk): [8, 9, 5]}, _stops) == [(seq, 3)]
+  assert seq.tokens == [1, 2, 3, 7, 8, 9, 5] and seq.num_computed == 6
+  seq.drafts = [6, 6, 6]  # as many as the 4 tokens left allow; their MTP rows stop at the last
+  batch = scheduler.schedule()
+  (chunk,) = batch.decodes
+  assert chunk.rows == seq.num_prompt + 8 - chunk.start
+  stop = lambda s: "stop" if s.tokens[-1] == 4 else _stops(s)
+  assert scheduler.commit(batch, {id(chunk): [6, 4, 6]}, stop) == [(seq, 2)]
+  assert seq.output == [7, 8, 9, 5, 6, 4] and seq.finish_reason == "stop" and not seq.pages
+  pages.check()
+  assert pages.num_free == 16 and pages.num_cached == 2  # its two full pages stay cached
