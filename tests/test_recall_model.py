@@ -115,33 +115,36 @@ def test_mtp_head_acceptance_meets_the_model_card():
   assert accepted / proposed >= card_threshold("mtp_acceptance_threshold")
 
 
+@pytest.fixture(scope="module")
+def held_out():
+  """The shipped model with its MTP head, 8 held-out prompts and their 24 greedy tokens."""
+  model = load_pretrained(presets.RECALL_CHECKPOINT, dtype=jnp.float32, backend="xla")
+  recipe = recipes.recall_mtp()
+  prompts = recipes.continuation_prompts(np.random.default_rng([7, 7]), 8, lookup=recipe.lookup,
+                                         copy=recipe.copy)
+  return model, prompts, generate(model, prompts, 24).tokens
+
+
 @pytest.mark.parametrize("k", [1, 2])
-def test_speculative_decoding_with_the_shipped_head(k):
+def test_speculative_decoding_with_the_shipped_head(held_out, k):
   """Greedy speculative decoding with the shipped head gives plain decoding's tokens and
   accepts drafts about as often as the model card says (its threshold is teacher-forced over
   every position; decoding drafts only the positions after each bonus token)."""
-  model = load_pretrained(presets.RECALL_CHECKPOINT, dtype=jnp.float32, backend="xla")
-  recipe = recipes.recall_mtp()
-  prompts = recipes.continuation_prompts(np.random.default_rng([7, 7]), 8, lookup=recipe.lookup,
-                                         copy=recipe.copy)
-  plain = generate(model, prompts, 24)
+  model, prompts, plain = held_out
   spec = generate(model, prompts, 24, speculative_tokens=k)
   print(f"k={k}: acceptance {spec.acceptance_rate:.3f}")
-  assert spec.tokens == plain.tokens
+  assert spec.tokens == plain
   assert spec.acceptance_rate >= card_threshold("mtp_acceptance_threshold") - 0.1 * k
 
 
-def test_engine_decodes_speculatively_with_the_shipped_head():
+def test_engine_decodes_speculatively_with_the_shipped_head(held_out):
   """The engine, each request asking for 2 drafts per step: plain decoding's tokens, and the
   drafts accepted about as often as in ``generate`` (the same threshold)."""
-  model = load_pretrained(presets.RECALL_CHECKPOINT, dtype=jnp.float32, backend="xla")
-  recipe = recipes.recall_mtp()
-  prompts = recipes.continuation_prompts(np.random.default_rng([7, 7]), 8, lookup=recipe.lookup,
-                                         copy=recipe.copy)
+  model, prompts, plain = held_out
   engine = Engine(model, num_pages=64, page_size=16, max_num_seqs=8, max_step_tokens=256,
                   log_interval=None, max_speculative_tokens=2)
   outputs = engine.generate(prompts, max_tokens=24, speculative_tokens=2)
   rate = engine.stats.accepted_tokens / engine.stats.draft_tokens
   print(f"engine k=2: acceptance {rate:.3f}")
-  assert [list(o.tokens) for o in outputs] == generate(model, prompts, 24).tokens
+  assert [list(o.tokens) for o in outputs] == plain
   assert rate >= card_threshold("mtp_acceptance_threshold") - 0.2
