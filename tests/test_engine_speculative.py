@@ -16,7 +16,7 @@ from mla_jax.serving import engine as engine_module, step_program
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.requests import SamplingParams
 from tests.test_engine import _logprobs_reference, _mqa_only_contract
-from tests.test_speculative import _copying, _random
+from tests.test_speculative import _copying, _glm, _random
 
 pytestmark = pytest.mark.xdist_group("engine_speculative")  # one worker: shared programs
 
@@ -34,7 +34,8 @@ def _engine(model, **overrides):
 def _no_leaks(engine):
   engine.pages.check()
   assert engine.pages.num_free == engine.num_pages
-  _mqa_only_contract(engine.programs)
+  if engine.model.config.attention == "mqa-only":
+    _mqa_only_contract(engine.programs)
 
 
 def _run(engine, prompts, ks, new, **params):
@@ -61,6 +62,23 @@ def test_greedy_tokens_equal_plain_decoding_for_any_mix_of_k(ks):
   assert [o.num_draft_tokens > 0 for o in outputs] == [k > 0 for k in ks]
   assert outputs[4].num_cached_prompt_tokens == 2 * PAGE
   assert {c.shape.tokens for c in engine.programs if c.shape.kind == "decode"} >= {1 + max(ks)}
+  _no_leaks(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense-capable", "fp8", "glm"])
+def test_greedy_tokens_equal_plain_decoding_on_other_models(name):
+  """A dense-capable model (its prefills dense, masked or sparse, the MTP layer on the same
+  plan), fp8 pages (MTP pools too) and a GLM-5-shaped model (IndexShare main layers, the MTP
+  layer indexing on its own)."""
+  model = _glm() if name == "glm" else _random("dense-capable" if name == "dense-capable"
+                                                else "mqa-only")
+  cache = dict(cache_dtype="fp8") if name == "fp8" else {}
+  prompts = [[t % model.config.vocab_size for t in p] for p in PROMPTS]
+  engine = _engine(model, **cache)
+  outputs = _run(engine, prompts, (0, 3, 2, 1, 3), 8)
+  assert [list(o.tokens) for o in outputs] == generate(model, prompts, 8, **cache).tokens
+  assert engine.stats.draft_tokens > 0
   _no_leaks(engine)
 
 
