@@ -251,9 +251,10 @@ class Engine:
     for chunks, kind in ((batch.prefills, "prefill"), (batch.decodes, "decode")):
       if chunks:
         outputs, seconds = self._run(chunks, kind)
+        tokens, accepted = outputs[0].tolist(), outputs[1].tolist()  # one conversion a step
         for b, chunk in enumerate(chunks):
-          sampled[id(chunk)] = outputs[0][b, :int(outputs[1][b]) + 1].tolist()
-          rows[id(chunk.seq)] = (chunk, outputs, b)
+          sampled[id(chunk)] = tokens[b][:accepted[b] + 1]
+          rows[id(chunk.seq)] = (chunk, outputs, b, accepted[b])
         run_s += seconds
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)
     for seq, count in grown:
@@ -267,13 +268,15 @@ class Engine:
     self._maybe_log(sum(count for _, count in grown))
     return [RequestOutput.of(seq, seq.tokens[-count:]) for seq, count in grown]
 
-  def _record(self, seq: Sequence, count: int, chunk: Chunk, outputs, b: int) -> None:
-    """After ``seq`` took ``count`` tokens of row ``b``: their log-probabilities (if asked),
-    the drafts' tally and the drafts its next step verifies."""
+  def _record(self, seq: Sequence, count: int, chunk: Chunk, outputs, b: int,
+              accepted: int) -> None:
+    """After ``seq`` took ``count`` tokens of row ``b`` (``accepted`` of its drafts): their
+    log-probabilities (if asked), the drafts' tally and the drafts its next step verifies."""
     if seq.params.logprobs is not None:
       seq.logprobs.extend(_token_logprobs(outputs, b, j, seq.params.logprobs)
                           for j in range(count))
-    accepted = int(outputs[1][b])
+    if not seq.params.speculative_tokens:
+      return
     seq.num_drafted += len(chunk.drafts)
     seq.num_accepted += accepted
     self.stats.draft_tokens += len(chunk.drafts)
