@@ -349,8 +349,11 @@ class MLAAttentionBase(nnx.Module):
         plan.route is not PrefillRoute.DENSE_MHA:
       raise ValueError(f"route {plan.route.name} does not fit a layer "
                        f"{'with' if self.config.indexer else 'without'} an indexer")
-    if plan.cached_bound is not None:
+    if plan.bounds_cached_lengths:
       checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
+    if plan.segmented and cache.segment_ids_B is None:
+      raise ValueError("a segmented step plan needs a cache view whose rows name their "
+                       "sequences (segment_ids_B: the engine's flat step)")
     positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q_resid_BTC, q_nope_BTHN, q_pe_BTHR, latent_BTL = self.project(x_BTD, positions_BT)
     index_x_BTD, index_q_BTC = x_BTD, q_resid_BTC
@@ -379,6 +382,12 @@ class MLAAttentionBase(nnx.Module):
       return shared_topk_BTK
     if step.index_logits_BTS is not None:
       return topk_indices(step.index_logits_BTS, self.config.indexer.topk)  # scored once
+    if plan.key_chunk is not None:  # a flat step over a page pool: up to the live reach
+      key_pool, key_rows = step.cache.index_key_pool()
+      with jax.named_scope("indexer_score"):
+        return self.indexer.select_in_key_chunks(
+            step.x_BTD, step.q_resid_BTC, step.positions_BT, key_pool, key_rows, self.ops,
+            key_chunk=plan.key_chunk, num_keys=jnp.max(step.cache.lengths_B))
     # A paged cache's keys are read in place: its pool and each position's physical row.
     keys, key_rows_BS = step.cache.index_keys(plan.kv_rows)
     with jax.named_scope("indexer_score"):
@@ -409,11 +418,17 @@ class MLAAttention(MLAAttentionBase):
   def _mha_operands(self, step: PreparedStep, plan: StepPlan):
     """Per-head ``(q_BTHQ, k_BSHQ, v_BSHV)`` of the MHA form, K/V decompressed from the
     latent rows of the (static) ``cached_bound + T`` reachable keys, in logical order."""
+    num_keys = plan.cached_bound + plan.num_new_tokens
+    return self._mha_form(step, step.cache.rows(num_keys)[0])
+
+  def _mha_form(self, step: PreparedStep, stored_BSL):
+    """``(q_BTHQ, k_BSHQ, v_BSHV)`` of the MHA form: the step's queries, and per-head keys
+    and values decompressed from the stored latent rows ``stored_BSL`` (fp8 rows
+    dequantized, so both forms read the same values)."""
     c = self.config
     w_uk_HNA, w_uv_HVA = self._kv_b_heads()
     dtype = step.q_nope_BTHN.dtype
-    num_keys = plan.cached_bound + plan.num_new_tokens
-    latent_BSL = dense_latent(step.cache.rows(num_keys)[0], dtype)  # dequantizes fp8 rows
+    latent_BSL = dense_latent(stored_BSL, dtype)
     c_kv_BSA = latent_BSL[..., :c.kv_lora_rank]
     k_pe_BSR = latent_BSL[..., c.kv_lora_rank:]
     k_nope_BSHN = jnp.einsum("bsa,hna->bshn", c_kv_BSA, w_uk_HNA.astype(dtype),
@@ -428,11 +443,30 @@ class MLAAttention(MLAAttentionBase):
 
   def forward_mha(self, step: PreparedStep, plan: StepPlan):
     """The DENSE_MHA route: causal attention over the decompressed keys: [B, T, H, V]."""
+    if plan.segmented:
+      return self._segmented_mha(step)
     q_BTHQ, k_BSHQ, v_BSHV = self._mha_operands(step, plan)
     out_BTHV, _ = self.dense_prefill_backend.dense_mha(
         q_BTHQ, k_BSHQ, v_BSHV, sm_scale=self.config.softmax_scale,
         q_offset_B=step.cached_lengths_B, kv_len_B=step.cache.lengths_B)
     return out_BTHV
+
+  def _segmented_mha(self, step: PreparedStep):
+    """DENSE_MHA of a flat step (every sequence fresh): the rows, one token each, attend as
+    one sequence of B tokens, each query to the keys of its own segment up to itself (rows of
+    a sequence are consecutive and in order, so the causal rule holds within segments):
+    [B, 1, H, V]."""
+    rows_B1L = step.cache.latent_rows_at(step.cached_lengths_B[:, None])  # the rows just written
+    q_B1HQ, k_B1HQ, v_B1HV = self._mha_form(step, rows_B1L)
+    b = q_B1HQ.shape[0]
+    flat = lambda x: x.reshape(1, b, *x.shape[2:])
+    # Padding rows (no new token) get segment -1, so no real query sees their keys.
+    segments_1T = jnp.where(step.new_lens_B > 0, step.cache.segment_ids_B, -1)[None]
+    out_1THV, _ = self.dense_prefill_backend.dense_mha(
+        flat(q_B1HQ), flat(k_B1HQ), flat(v_B1HV), sm_scale=self.config.softmax_scale,
+        q_offset_B=jnp.zeros((1,), jnp.int32), kv_len_B=jnp.full((1,), b, jnp.int32),
+        segment_ids_BT=segments_1T)
+    return out_1THV.reshape(b, 1, *out_1THV.shape[2:])
 
   def forward_masked_mha(self, step: PreparedStep, plan: StepPlan, topk_BTK):
     """The MASKED_MHA route: the same MHA form, each query restricted to the causal keys of

@@ -90,6 +90,12 @@ class CacheView(abc.ABC):
     return self.buffers.pools[1] is not None
 
   @property
+  def segment_ids_B(self):
+    """Which sequence each row is a token of (a paged cache in an engine's flat step,
+    ``StepPlan.segmented``); None: every row is a sequence of its own."""
+    return None
+
+  @property
   @abc.abstractmethod
   def buffers(self) -> LayerCache:
     """The arrays behind the view (stacked over layers for a ``StackedLayerView``)."""

@@ -50,6 +50,21 @@ def topk_indices(logits_BTS, k: int):
   return idx
 
 
+def merge_topk(values_BTK, idx_BTK, logits_BTC, start):
+  """The top-k of ``(values_BTK, idx_BTK)`` (a running selection, -inf / -1 padded) and the
+  logits of keys ``start + c`` (``logits_BTC``): exactly ``topk_indices`` over all the keys
+  seen so far, with their values. Candidates are ordered by key index before ``lax.top_k``
+  (the running ones precede the chunk's, and among equal values they are in index order), so
+  ties still go to the lower index; a NaN logit counts as -inf."""
+  k = values_BTK.shape[-1]
+  logits_BTC = jnp.where(jnp.isnan(logits_BTC), -jnp.inf, logits_BTC)
+  cols_C = start + jnp.arange(logits_BTC.shape[-1], dtype=jnp.int32)
+  values = jnp.concatenate([values_BTK, logits_BTC], axis=-1)
+  idx = jnp.concatenate([idx_BTK, jnp.broadcast_to(cols_C, logits_BTC.shape)], axis=-1)
+  top_BTK, picked = jax.lax.top_k(values, k)
+  return top_BTK, jnp.where(top_BTK == -jnp.inf, -1, jnp.take_along_axis(idx, picked, -1))
+
+
 def _scoring_operands(q_BTGI, keys, w_BTG, *, pooled: bool):
   """``(q, keys, w, key scales or None)`` for ``Backend.indexer_logits``.
 
@@ -150,3 +165,32 @@ class Indexer(nnx.Module):
     idx = jax.lax.map(lambda args: score(*args), (to_chunks(q_BTGI), to_chunks(w_BTG),
                                                   to_chunks(ends_BT)))
     return jnp.moveaxis(idx, 0, 1).reshape(b, n * chunk_size, topk)[:, :t]
+
+  def select_in_key_chunks(self, x_BTD, q_resid_BTC, positions_BT, key_pool, key_rows,
+                           backend, *, key_chunk: int, num_keys):
+    """``select`` over a page pool, scoring ``key_chunk`` key positions at a time and only
+    up to ``num_keys`` (a traced scalar: the longest row's reach), so the work follows the
+    live context rather than a static bound. Equal to ``select`` (the same indices in the
+    same order: ``merge_topk``).
+
+    ``key_pool``: the pool of key rows (as ``select``'s pooled ``keys_BSI``);
+    ``key_rows(positions_BC)``: the pool row of each sequence's key positions (-1: none).
+    """
+    q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
+    q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, key_pool, w_BTG, pooled=True)
+    ends_BT = positions_BT + 1  # causal, self included
+    b, t = ends_BT.shape
+    topk = self.config.indexer.topk
+
+    def chunk(c, carry):
+      start = c * key_chunk
+      positions_BC = jnp.broadcast_to(start + jnp.arange(key_chunk, dtype=jnp.int32),
+                                      (b, key_chunk))
+      logits_BTC = backend.indexer_logits(
+          q_BTGI, keys, w_BTG, jnp.zeros_like(ends_BT), jnp.clip(ends_BT - start, 0, key_chunk),
+          k_scale_BS=k_scale, key_rows_BS=key_rows(positions_BC))
+      return merge_topk(*carry, logits_BTC, start)
+
+    init = (jnp.full((b, t, topk), -jnp.inf, jnp.float32), jnp.full((b, t, topk), -1, jnp.int32))
+    _, idx_BTK = jax.lax.fori_loop(0, (num_keys + key_chunk - 1) // key_chunk, chunk, init)
+    return idx_BTK

@@ -44,6 +44,10 @@ class PagedLayerCache:
     block_table_BN: int32 [B, N], shared by every layer: the physical page of each logical page.
     lengths_B: int32 [reps, B] cached tokens per sequence (the same in every layer).
     page_size: tokens per page (static).
+    segment_ids_B: int32 [B] or None. In an engine's flat step each row b is one token of
+      sequence ``segment_ids_B[b]`` (rows of one sequence share its block table, and
+      ``lengths_B`` is then each token's position); the segmented dense route attends within
+      segments (``StepPlan.segmented``). None: every row is a sequence of its own.
   """
 
   latent_RL: jax.Array
@@ -51,6 +55,7 @@ class PagedLayerCache:
   block_table_BN: jax.Array
   lengths_B: jax.Array
   page_size: int = dataclasses.field(metadata=dict(static=True))
+  segment_ids_B: jax.Array | None = None
 
   def layer_view(self, index) -> PagedLayerView:
     return PagedLayerView(self, index)
@@ -92,6 +97,10 @@ class PagedLayerView(CacheView):
   def buffers(self) -> PagedLayerCache:
     return self.stacked
 
+  @property
+  def segment_ids_B(self):
+    return self.stacked.segment_ids_B
+
   def physical_rows(self, positions):
     """Pool rows (within a layer) of logical ``positions`` [B, ...]; -1 stays -1."""
     page = self.stacked.page_size
@@ -115,12 +124,23 @@ class PagedLayerView(CacheView):
     return _readable((self._gather(self.stacked.latent_RL, rows_BS),
                       None if keys is None else self._gather(keys, rows_BS)))
 
+  def latent_rows_at(self, positions_BT):
+    """The stored latent rows (readable, fp8 as ``Fp8LatentRows``) at logical
+    ``positions_BT`` of each row's sequence: [B, T, L] (only those rows are read)."""
+    return fp8_cache.readable(self._gather(self.stacked.latent_RL,
+                                           self.physical_rows(positions_BT)))
+
   def _in_flat_pool(self, part, rows):
     """The whole pool ``part``, its layers flattened into rows (a free reshape), and this
     layer's ``rows`` as rows of it (-1 stays -1): what the ops read in place."""
-    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
-    rows = jnp.where(rows >= 0, rows + self.index * _rows_per_layer(part), -1)
-    return fp8_cache.readable(flat), rows
+    return self._flat_pool(part), self._flat_rows(part, rows)
+
+  @staticmethod
+  def _flat_pool(part):
+    return fp8_cache.readable(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part))
+
+  def _flat_rows(self, part, rows):
+    return jnp.where(rows >= 0, rows + self.index * _rows_per_layer(part), -1)
 
   def attention_rows(self, topk_BTK, num_rows: int):
     """The latent pool and the physical rows of ``topk_BTK``: the op gathers the selected
@@ -135,6 +155,14 @@ class PagedLayerView(CacheView):
     if keys is None:
       return None, None
     return self._in_flat_pool(keys, self.physical_rows(self._positions(num_rows)))
+
+  def index_key_pool(self):
+    """The whole key pool (layers flattened into rows) and, for logical key positions
+    [B, S], their rows in it: ``(pool, rows_of)``; the indexer scores chunks of positions
+    through it (``Indexer.select_in_key_chunks``)."""
+    keys = self.stacked.index_keys_RI
+    rows_of = lambda positions_BS: self._flat_rows(keys, self.physical_rows(positions_BS))
+    return self._flat_pool(keys), rows_of
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> PagedLayerView:
     lengths_B = self.lengths_B

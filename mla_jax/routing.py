@@ -96,10 +96,15 @@ def settle_masked_capability(cls, *, implemented: bool, method: str) -> None:
 
 
 def route_for_layers(layers, backend, *, num_new_tokens, num_cached_tokens,
-                     force_mqa: bool = False) -> PrefillRoute:
+                     force_mqa: bool = False, segmented: bool = False) -> PrefillRoute:
   """The one route of a step over ``layers`` (same config): an MHA route only if every layer
   (and the backend) can take it, so a shared-indexer layer never reads a skipped layer's
-  top-k and routes stay model-wide. See :func:`resolve_prefill_route` for the rules."""
+  top-k and routes stay model-wide. See :func:`resolve_prefill_route` for the rules.
+
+  ``segmented``: a flat step of several sequences (``StepPlan.segmented``), where
+  ``num_new_tokens`` bounds each sequence's new tokens. It has no masked route (its MHA form
+  attends over this step's rows only, which hold every key of a fresh sequence and not the
+  cached ones), so past the dense bound it takes the MQA route."""
   layers = tuple(layers)
   if not layers:
     raise ValueError("a step needs at least one attention layer")
@@ -114,7 +119,8 @@ def route_for_layers(layers, backend, *, num_new_tokens, num_cached_tokens,
     return PrefillRoute.DENSE_MHA if dense_ok else PrefillRoute.DENSE_MQA
   if dense_ok and cached + new <= indexer.topk:
     return PrefillRoute.DENSE_MHA
-  masked_ok = known and all(masked_mha_allowed(layer, backend) for layer in layers)
+  masked_ok = known and not segmented and all(masked_mha_allowed(layer, backend)
+                                              for layer in layers)
   if masked_ok and indexer.topk < cached + new <= backend.masked_mha_max_tokens:
     return PrefillRoute.MASKED_MHA
   return PrefillRoute.SPARSE_MQA

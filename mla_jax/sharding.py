@@ -59,6 +59,10 @@ REPLICATED = P()       # scalars (seeds, step counters) and anything every devic
 # shard, so every shard scores the same keys and selects the same top-k.
 BATCH_SPEC = P(DATA)
 HEADS_SPEC = P(DATA, None, TENSOR)
+# A flat step's segmented dense MHA is one sequence of all the step's rows ([1, T, ...]): its
+# batch cannot split over ``data``, so every data shard attends the whole step (heads still
+# split over ``tensor``).
+FLAT_HEADS_SPEC = P(None, None, TENSOR)
 OP_SPECS = {  # op -> (in_specs, out_specs)
     "sparse_mqa": ((HEADS_SPEC, BATCH_SPEC, BATCH_SPEC), (HEADS_SPEC, HEADS_SPEC)),
     "sparse_mqa_pool": ((HEADS_SPEC, REPLICATED, BATCH_SPEC), (HEADS_SPEC, HEADS_SPEC)),
@@ -70,6 +74,8 @@ OP_SPECS = {  # op -> (in_specs, out_specs)
                   (HEADS_SPEC, HEADS_SPEC)),
     "masked_mha": ((HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC),
                    (HEADS_SPEC, HEADS_SPEC)),
+    "segmented_mha": ((FLAT_HEADS_SPEC,) * 3 + (REPLICATED,) * 3,
+                      (FLAT_HEADS_SPEC, FLAT_HEADS_SPEC)),
 }
 # The routed experts under ``shard_map`` (``mla_jax.models.moe``): tokens [T, D] over
 # ``data``; stacked expert weights [E, F, D] / [E, D, F] over ``expert`` and their

@@ -42,6 +42,14 @@ class StepPlan:
     indexer_loss: training only: ``None | "dense" | "sparse"`` (``MLAAttentionBase``).
     carry_topk: IndexShare (GLM-5.2): each full layer hands its top-k to the shared layers
       after it. True only on a route that selects top-k in a model with shared layers.
+    segmented: a flat step (the engine's): every row is one token of the sequence its cache
+      view's ``segment_ids_B`` names, at the position its ``lengths_B`` gives, so
+      ``num_new_tokens`` is 1 and ``cached_bound`` is per sequence: 0 when every sequence
+      starts empty (the only case with an MHA route: ``DENSE_MHA`` over this step's rows,
+      masked to each sequence), None otherwise. See ``plan_flat_step``.
+    key_chunk: a segmented plan's indexer scores its keys this many positions at a time, up
+      to the longest row's reach only (``Indexer.select_in_key_chunks``), so ``kv_rows`` can
+      be the whole capacity without costing its scoring.
   """
 
   route: PrefillRoute
@@ -52,6 +60,8 @@ class StepPlan:
   backend_class: type
   indexer_loss: str | None = None
   carry_topk: bool = False
+  segmented: bool = False
+  key_chunk: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.route, PrefillRoute):
@@ -74,11 +84,35 @@ class StepPlan:
                          f"{', '.join(unable)}: it declares {flag} = False")
       if self.cached_bound is None:
         raise ValueError(f"a {self.route.name} step plan needs a static cached-token bound")
+    if self.segmented:
+      self._check_segmented()
+    elif self.key_chunk is not None:
+      raise ValueError("key_chunk is for segmented step plans (a page pool's flat step)")
     if self.carry_topk and not self.route.needs_topk:
       raise ValueError(f"carry_topk needs a route that selects top-k, not {self.route.name}")
     if self.cached_bound is not None and self.cached_bound + self.num_new_tokens > self.kv_rows:
       raise ValueError(f"kv_rows={self.kv_rows} is fewer than the {self.cached_bound} cached + "
                        f"{self.num_new_tokens} new rows this step can reach")
+
+  def _check_segmented(self) -> None:
+    if self.num_new_tokens != 1:
+      raise ValueError(f"a segmented step plan has one token per row, not {self.num_new_tokens}")
+    if self.route is PrefillRoute.MASKED_MHA:
+      raise ValueError("a segmented step plan has no MASKED_MHA route (its MHA form reads only "
+                       "this step's rows)")
+    if self.route is PrefillRoute.DENSE_MHA and self.cached_bound != 0:
+      raise ValueError("a segmented DENSE_MHA step plan needs every sequence fresh "
+                       "(cached_bound 0)")
+    if self.indexer_loss is not None:
+      raise ValueError("a segmented step plan is for inference: it takes no indexer loss")
+    if self.key_chunk is not None:
+      checks.static_int(self.key_chunk, "key_chunk", minimum=1)
+
+  @property
+  def bounds_cached_lengths(self) -> bool:
+    """Whether ``cached_bound`` bounds every row's cached length (a segmented plan's is per
+    sequence: its rows' lengths are their positions)."""
+    return self.cached_bound is not None and not self.segmented
 
   def check_layer(self, layer) -> None:
     """Refuses a plan resolved for other classes (it could carry a route they cannot run)."""
@@ -138,3 +172,25 @@ def plan_step(layers: Iterable, backend, *, num_new_tokens: int, num_cached_toke
                   layer_classes=tuple(dict.fromkeys(type(layer) for layer in layers)),
                   backend_class=type(backend), indexer_loss=indexer_loss,
                   carry_topk=shares_topk and route.needs_topk)
+
+
+def plan_flat_step(layers: Iterable, backend, *, fresh_tokens: int | None, kv_rows: int,
+                   key_chunk: int | None = None, shares_topk: bool = False) -> StepPlan:
+  """The plan of an engine's flat step over ``layers``: one token per row, each row's
+  sequence named by its cache view's segment ids (``StepPlan.segmented``).
+
+  ``fresh_tokens``: when every sequence of the step starts empty, a static bound on the
+  tokens any one of them holds (the dense route may then apply: ``routing.route_for_layers``
+  with ``segmented``); None when any sequence has cached rows or decodes, and the route is
+  then the MQA one, as in decode. ``kv_rows`` bounds the cache rows any row reads;
+  ``key_chunk``: see ``StepPlan``.
+  """
+  layers = tuple(layers)
+  fresh = static_count(fresh_tokens, "fresh_tokens")
+  route = route_for_layers(layers, backend, num_new_tokens=fresh or 1,
+                           num_cached_tokens=0 if fresh else None, segmented=True)
+  return StepPlan(route=route, num_new_tokens=1, cached_bound=0 if fresh else None,
+                  kv_rows=checks.static_int(kv_rows, "kv_rows", minimum=1),
+                  layer_classes=tuple(dict.fromkeys(type(layer) for layer in layers)),
+                  backend_class=type(backend), carry_topk=shares_topk and route.needs_topk,
+                  segmented=True, key_chunk=key_chunk)

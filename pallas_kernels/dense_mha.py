@@ -44,7 +44,8 @@ from pallas_kernels import _checks, _compat
 from pallas_kernels.block_config import DenseMHAKernelConfig, pow2_chunks
 
 
-def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len, topk_TK=None):
+def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len, topk_TK=None,
+                       segment_ids_T=None):
   """The one argument check of :func:`dense_mha` and :func:`dense_mha_reference`.
 
   Returns ``(sm_scale, q_offset, kv_len)``: a Python float and two int32 scalars.
@@ -72,6 +73,13 @@ def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len, topk_TK=
     if topk_TK.shape[0] != T:
       raise ValueError(f"{op}: topk_TK has {topk_TK.shape[0]} rows for the {T} tokens of q_THQ")
     _checks.int32_array(op, "topk_TK", topk_TK)
+  if segment_ids_T is not None:
+    _checks.array(op, "segment_ids_T", segment_ids_T, "T")
+    _checks.int32_array(op, "segment_ids_T", segment_ids_T)
+    if segment_ids_T.shape[0] != T or S != T:
+      raise ValueError(f"{op}: segment_ids_T names the segment of each of the T query rows, "
+                       f"which are also the key rows: need T == S == {segment_ids_T.shape[0]}, "
+                       f"got T={T}, S={S}")
   return sm_scale, q_offset, kv_len
 
 
@@ -88,14 +96,18 @@ def selected_keys(topk_TK, num_keys: int):
   return mask_TS[:, :num_keys]
 
 
-def visible_keys(num_tokens: int, num_keys: int, q_offset, kv_len, topk_TK=None):
+def visible_keys(num_tokens: int, num_keys: int, q_offset, kv_len, topk_TK=None,
+                 segment_ids_T=None):
   """[T, S] bool: query t sees key s when ``s <= q_offset + t`` and ``s < kv_len`` and, given
-  ``topk_TK``, ``s`` is in ``topk_TK[t]`` (:func:`selected_keys`)."""
+  ``topk_TK``, ``s`` is in ``topk_TK[t]`` (:func:`selected_keys`) and, given
+  ``segment_ids_T`` (then the key rows are the query rows), ``s`` is in t's segment."""
   rows_T = q_offset + jnp.arange(num_tokens, dtype=jnp.int32)
   cols_S = jnp.arange(num_keys, dtype=jnp.int32)
   visible_TS = (cols_S[None, :] <= rows_T[:, None]) & (cols_S[None, :] < kv_len)
   if topk_TK is not None:
     visible_TS &= selected_keys(topk_TK, num_keys)
+  if segment_ids_T is not None:
+    visible_TS &= segment_ids_T[:, None] == segment_ids_T[None, :]
   return visible_TS
 
 
@@ -120,7 +132,7 @@ def _sanitize_values(values):
 
 
 def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len,
-                        topk_TK=None):
+                        topk_TK=None, segment_ids_T=None):
   """Causal attention where query t sits at position ``q_offset + t``, optionally masked.
 
   Args:
@@ -134,6 +146,9 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
       the causal keys in ``topk_TK[t]``; -1 and indices >= S are ignored. With the indexer's
       top-k this equals sparse MQA over the same rows (``sparse_mqa_reference``), up to
       rounding.
+    segment_ids_T: None, or int32 [T] with S == T: the rows are several sequences laid end to
+      end (an engine's flat step), and query t sees only the keys of its own segment (with
+      the causal rule, its segment's rows up to itself). -1 is a segment like any other.
 
   Returns:
     ``(out_THV, lse_TH)``; out in the dtype of ``q_THQ``, natural-log LSE in float32.
@@ -149,7 +164,7 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
     ValueError, TypeError: from :func:`validate_dense_mha`, naming the argument.
   """
   sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset,
-                                                  kv_len, topk_TK)
+                                                  kv_len, topk_TK, segment_ids_T)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
   # Non-finite keys and values are zeroed and the queries that see their row get the NaN weight
@@ -159,7 +174,8 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
   logits_HTS = jnp.einsum(
       "thq,shq->hts", q_THQ, k_SHQ, preferred_element_type=jnp.float32
   ) * sm_scale
-  visible_TS = visible_keys(q_THQ.shape[0], k_SHQ.shape[0], q_offset, kv_len, topk_TK)
+  visible_TS = visible_keys(q_THQ.shape[0], k_SHQ.shape[0], q_offset, kv_len, topk_TK,
+                            segment_ids_T)
   logits_HTS = jnp.where((bad_k_SH | bad_v_SH).T[:, None, :], jnp.nan, logits_HTS)
   logits_HTS = jnp.where(visible_TS[None], logits_HTS, -jnp.inf)
   any_visible_T = visible_TS.any(axis=-1)
@@ -366,12 +382,13 @@ def _causal_variant(q_offset, kv_len, static):
       pl.BlockSpec((2,), lambda i, h: (0,))]
 
 
-def _masked_variant(visible_TS, static):
-  """``masked_mha_prefill``: the kernel, its name, and its operands and specs after q, k, v."""
+def _masked_variant(visible_TS, static, name: str = "masked_mha_prefill"):
+  """``masked_mha_prefill`` (or another ``name`` for the same kernel): the kernel, its name,
+  and its operands and specs after q, k, v."""
   config = static["config"]
   bits_WT, key_blocks_QN, num_blocks_Q = mask_operands(visible_TS, config)
   kernel = functools.partial(_masked_mha_kernel, **static)
-  return kernel, "masked_mha_prefill", (bits_WT, key_blocks_QN, num_blocks_Q), [
+  return kernel, name, (bits_WT, key_blocks_QN, num_blocks_Q), [
       pl.BlockSpec((bits_WT.shape[0], config.block_q), lambda i, h: (0, i)),
       pl.BlockSpec((_compat.SQUEEZED, key_blocks_QN.shape[1]), lambda i, h: (i, 0)),
       pl.BlockSpec((1,), lambda i, h: (i,)),
@@ -401,18 +418,20 @@ def _cost_estimate(q_THQ, k_SHQ, v_SHV, side_args, block_q: int) -> pl.CostEstim
 
 def dense_mha(
     q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len, topk_TK=None,
-    config: DenseMHAKernelConfig | None = None, interpret: bool = False,
+    segment_ids_T=None, config: DenseMHAKernelConfig | None = None, interpret: bool = False,
 ):
   """Pallas-Triton causal flash attention with the contract and checks of the reference.
 
   Without ``topk_TK``: the kernel ``dense_mha_prefill``. With it (the MASKED_MHA route):
   ``masked_mha_prefill``, which visits only the key blocks in which some query of a query
-  block sees a selected key. Differentiable in q, k and v through out and LSE (a
+  block sees a selected key. With ``segment_ids_T`` (an engine's flat step): the same kernel
+  as ``segmented_mha_prefill``, its bitmask the causal pairs within segments, so a key block
+  of other sequences only is never loaded. Differentiable in q, k and v through out and LSE (a
   ``jax.custom_vjp``): the backward kernels of :mod:`pallas_kernels.dense_mha_backward` run
   from the saved LSE with their own blocks (``DenseMHAKernelConfig.backward_for``).
   """
   sm_scale, q_offset, kv_len = validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len,
-                                                  topk_TK)
+                                                  topk_TK, segment_ids_T)
   _checks.kernel_config("dense_mha", config, DenseMHAKernelConfig)
   if (empty := _nothing_to_attend(q_THQ, k_SHQ, v_SHV)) is not None:
     return empty
@@ -420,21 +439,22 @@ def dense_mha(
   if config is None:
     config = DenseMHAKernelConfig.default_for(T, S, Q, V)
   return _attention((sm_scale, config, interpret), q_THQ, k_SHQ, v_SHV, q_offset, kv_len,
-                    topk_TK)
+                    topk_TK, segment_ids_T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK):
+def _attention(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, segment_ids_T):
   """``dense_mha`` on validated, non-empty inputs; ``static`` = (sm_scale, config, interpret).
   Differentiable in q, k and v (and through out and LSE both); the integer inputs get none."""
   sm_scale, config, interpret = static
   (T, H, Q), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
   static = dict(sm_scale=sm_scale, num_tokens=T, num_keys=S, config=config)
-  if topk_TK is None:
+  if topk_TK is None and segment_ids_T is None:
     kernel, name, side_args, side_specs = _causal_variant(q_offset, kv_len, static)
   else:
     kernel, name, side_args, side_specs = _masked_variant(
-        visible_keys(T, S, q_offset, kv_len, topk_TK), static)
+        visible_keys(T, S, q_offset, kv_len, topk_TK, segment_ids_T), static,
+        "masked_mha_prefill" if segment_ids_T is None else "segmented_mha_prefill")
   block_q, block_k = config.block_q, config.block_k
   padded_s = pl.cdiv(S, block_k) * block_k  # the key block overhangs; loads are masked
   sq = _compat.SQUEEZED
@@ -462,9 +482,11 @@ def _attention(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK):
   )(q_THQ, k_SHQ, v_SHV, *side_args)
 
 
-def _attention_fwd(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK):
-  out_THV, lse_TH = _attention(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK)
-  return (out_THV, lse_TH), (q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, out_THV, lse_TH)
+def _attention_fwd(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, segment_ids_T):
+  out_THV, lse_TH = _attention(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK,
+                               segment_ids_T)
+  return (out_THV, lse_TH), (q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, segment_ids_T,
+                             out_THV, lse_TH)
 
 
 def _attention_bwd(static, residuals, cotangents):
@@ -472,12 +494,12 @@ def _attention_bwd(static, residuals, cotangents):
   from pallas_kernels.dense_mha_backward import dense_mha_backward
 
   sm_scale, _, interpret = static
-  q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, out_THV, lse_TH = residuals
+  q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, segment_ids_T, out_THV, lse_TH = residuals
   dout_THV, dlse_TH = cotangents
   grads = dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH,
                              sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len,
-                             topk_TK=topk_TK, interpret=interpret)
-  return (*grads, None, None, None)
+                             topk_TK=topk_TK, segment_ids_T=segment_ids_T, interpret=interpret)
+  return (*grads, None, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -205,7 +205,7 @@ def _masked_mha_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bits
 
 
 def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, *,
-                       sm_scale: float, q_offset, kv_len, topk_TK=None,
+                       sm_scale: float, q_offset, kv_len, topk_TK=None, segment_ids_T=None,
                        configs: tuple[DenseMHAKernelConfig, DenseMHAKernelConfig] | None = None,
                        interpret: bool = False):
   """``(dq, dk, dv)`` of ``dense_mha`` (validated inputs, T, H, S > 0) given its outputs and
@@ -219,7 +219,7 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
   delta_TH = jnp.where(jnp.isfinite(lse_TH), delta_TH - dlse_TH, 0.0)
   sq = _compat.SQUEEZED
   padded_t = pl.cdiv(T, dkv_config.block_q) * dkv_config.block_q  # dk/dv programs read all q
-  if topk_TK is None:
+  if topk_TK is None and segment_ids_T is None:
     meta = jnp.stack([q_offset, kv_len])
     meta_spec = pl.BlockSpec((2,), lambda i, h: (0,))
     dq_kernel, dq_name, dq_side, dq_specs = (
@@ -228,7 +228,7 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
         _dense_mha_dkv_kernel, "dense_mha_dkv", (meta,), [meta_spec])
   else:
     # Each kernel tiles the pairs its own way: a bitmask and a block schedule for each.
-    visible_TS = fwd.visible_keys(T, S, q_offset, kv_len, topk_TK)
+    visible_TS = fwd.visible_keys(T, S, q_offset, kv_len, topk_TK, segment_ids_T)
     dq_bits_WT, dq_active_QN = fwd.mask_bits(visible_TS, dq_config)
     dkv_bits_WT, dkv_active_QN = fwd.mask_bits(visible_TS, dkv_config)
     key_blocks_QN, num_key_blocks_Q = fwd.block_schedule(dq_active_QN)

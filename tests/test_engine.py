@@ -80,8 +80,24 @@ def _mqa_only_contract(programs):
     assert c.plan.route.name == "SPARSE_MQA"
 
 
+def _recorded_steps(engine) -> list[dict]:
+  """What each step the engine schedules holds (decodes, fresh and continuing chunks)."""
+  steps, schedule = [], engine.scheduler.schedule
+
+  def recording():
+    batch = schedule()
+    steps.append(dict(decodes=len(batch.decodes),
+                      fresh=sum(c.start == 0 for c in batch.prefills),
+                      continuing=sum(c.start > 0 for c in batch.prefills)))
+    return batch
+
+  engine.scheduler.schedule = recording
+  return steps
+
+
 def test_tokens_equal_generate_with_chunks_and_random_arrivals(model, prompts, reference):
   engine = _engine(model)
+  steps = _recorded_steps(engine)
   rng = np.random.default_rng(1)
   order = rng.permutation(len(prompts))
   ids = {}
@@ -91,7 +107,10 @@ def test_tokens_equal_generate_with_chunks_and_random_arrivals(model, prompts, r
       engine.step()
   got = _run_all(engine, ids.values())
   assert [got[ids[i]] for i in range(len(prompts))] == reference
-  assert any(c.shape.kind == "prefill" and c.shape.cached_bound for c in engine.programs)
+  # A step mixed a fresh chunk with a continuing one, and decodes ran several steps a dispatch.
+  assert any(step["fresh"] and step["continuing"] for step in steps)
+  assert engine.stats.decode_dispatches > 0
+  assert any(c.shape.decode_steps > 1 for c in engine.programs)
   _no_leaks(engine)
 
 
@@ -262,40 +281,60 @@ def test_bad_sampling_settings_name_the_field(kwargs, match):
     SamplingParams(**kwargs)
 
 
-def _expected_route(shape, topk: int, limit: int) -> str:
-  """The route of a step program from its static shape alone (mla_jax.routing)."""
-  if shape.kind == "decode":
-    return "SPARSE_MQA"
-  reach = shape.cached_bound + shape.tokens
-  return "DENSE_MHA" if reach <= topk else "MASKED_MHA" if reach <= limit else "SPARSE_MQA"
+def _expected_route(shape) -> str:
+  """The route of a step program from its static shape alone (mla_jax.routing): dense only
+  when every sequence of the step starts empty within the top-k, else sparse."""
+  return "DENSE_MHA" if shape.fresh else "SPARSE_MQA"
+
+
+def _dense_capable_routes_hold(engine) -> None:
+  for c in engine.programs:
+    expected = _expected_route(c.shape)
+    assert c.plan.route.name == expected, c.shape
+    assert c.summary.scopes & ROUTES == {"mla_" + expected.lower()}, c.shape
+    assert ("indexer_score" in c.summary.scopes) == (expected != "DENSE_MHA")
 
 
 @pytest.mark.parametrize("backend", [XlaBackend(), XlaBackend(masked_mha_max_tokens=40)],
                          ids=["default_window", "window_40"])
-def test_dense_capable_engine_routes_each_program_by_its_window(backend):
-  """Fresh chunks within the top-k go dense; past it, up to the backend's threshold (cached
-  bound + tokens), masked; beyond it and in decode, sparse. Tokens equal ``generate``."""
+def test_dense_capable_engine_routes_each_program_by_its_bucket(backend):
+  """A step whose sequences all start empty within the top-k goes dense (segmented over the
+  step's rows); every other step (a decode, a cached prefix, a chunk past the top-k) sparse,
+  the masked window notwithstanding (a flat step has no masked route). Tokens equal
+  ``generate``."""
   model = _model("dense-capable", backend)
   rng = np.random.default_rng(2)
-  topk, limit = model.config.mla.indexer.topk, backend.masked_mha_max_tokens
+  topk = model.config.mla.indexer.topk
   engine = _engine(model, num_pages=32)
-  # Three prompts whose first chunks share one fresh step within the top-k, then one alone
-  # whose first chunk is fresh and 32 tokens long.
+  steps = _recorded_steps(engine)
+  # Three prompts whose first chunks share one fresh step within the top-k (the third cut),
+  # then one alone whose first chunk is fresh and past the top-k.
   for lengths in ((topk - 4, topk, 3 * topk), (2 * topk + 8,)):
     prompts = [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in lengths]
     outputs = engine.generate(prompts, max_tokens=NEW)
     assert [list(o.tokens) for o in outputs] == _reference(model, prompts)
-  routes = {c.shape: c for c in engine.programs}
-  for c in routes.values():
-    expected = _expected_route(c.shape, topk, limit)
-    assert c.plan.route.name == expected, c.shape
-    assert c.summary.scopes & ROUTES == {"mla_" + expected.lower()}, c.shape
-    assert ("indexer_score" in c.summary.scopes) == (expected != "DENSE_MHA")
-  prefill_routes = {c.plan.route.name for c in routes.values() if c.shape.kind == "prefill"}
-  # The lone prompt's fresh 32-token chunk is masked on both; a later chunk's cached bound is
-  # every row before it (at least 256 - 32 rows), past a threshold of 40.
-  assert {"DENSE_MHA", "MASKED_MHA"} <= prefill_routes
-  assert ("SPARSE_MQA" in prefill_routes) is (limit == 40)
+  _dense_capable_routes_hold(engine)
+  assert {c.plan.route.name for c in engine.programs} == {"DENSE_MHA", "SPARSE_MQA"}
+  assert steps[0] == dict(decodes=0, fresh=3, continuing=0)
+
+
+def test_dense_capable_steps_mixing_fresh_and_continuing_chunks_stay_sparse(monkeypatch):
+  """A short fresh prompt beside a continuing chunk (and beside decodes): the step is mixed,
+  so never dense; its tokens equal ``generate``. The bug this guards against is the seed
+  bug's shape: a mixed step's metadata taken as fresh (``any`` chunk instead of ``every``)
+  would attend the continuing chunk over its new tokens only."""
+  model = _model("dense-capable")
+  rng = np.random.default_rng(5)
+  engine = _engine(model, num_pages=32, max_step_tokens=24)
+  steps = _recorded_steps(engine)
+  long, short = (rng.integers(0, model.config.vocab_size, size=n).tolist() for n in (40, 6))
+  first = engine.add_request(long, SamplingParams(max_tokens=NEW))
+  engine.step()  # the first 24 tokens of the long prompt
+  second = engine.add_request(short, SamplingParams(max_tokens=NEW))
+  got = _run_all(engine, [first, second])
+  assert steps[1] == dict(decodes=0, fresh=1, continuing=1)
+  assert [got[first], got[second]] == _reference(model, [long, short])
+  _dense_capable_routes_hold(engine)
 
 
 def test_shared_programs_keep_only_the_most_recently_used(model, prompts, reference, monkeypatch):
@@ -306,5 +345,5 @@ def test_shared_programs_keep_only_the_most_recently_used(model, prompts, refere
   engine = _engine(model)
   assert [list(o.tokens) for o in engine.generate(prompts[:1], max_tokens=NEW)] == \
       reference[:1]
-  assert len(engine.programs) == 2  # its prefill and decode programs, held while it lives
+  assert len(engine.programs) == 2  # its prefill step and decode dispatch, held while it lives
   assert len(engine_module._COMPILED) == 1  # the process-wide cache kept the newest

@@ -65,7 +65,7 @@ class Backend(abc.ABC):
                       key_rows_S=None):
     """Per-sequence indexer logits; see ``pallas_kernels.indexer_logits_reference``."""
 
-  def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
+  def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len, segment_ids_T=None):
     raise NotImplementedError(f"backend {self.name!r} has no dense MHA prefill kernel")
 
   def _masked_mha(self, q_THQ, k_SHQ, v_SHV, topk_TK, *, sm_scale, q_offset, kv_len):
@@ -113,15 +113,26 @@ class Backend(abc.ABC):
     fn = jax.vmap(per_sequence, in_axes=(0, keys_axis, 0, 0, 0, keys_axis, 0))
     return fn(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS, key_rows_BS)
 
-  def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
-    """Causal attention; query t of sequence b sits at position ``q_offset_B[b] + t``."""
+  def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B,
+                segment_ids_BT=None):
+    """Causal attention; query t of sequence b sits at position ``q_offset_B[b] + t``.
+
+    ``segment_ids_BT`` (int32 [B, T], keys = queries, S == T): each row b holds several
+    sequences laid end to end, and a query sees only keys of its own segment (an engine's
+    flat step; see ``pallas_kernels.dense_mha_reference``)."""
     _same_batch("dense_mha", q_BTHQ=q_BTHQ, k_BSHQ=k_BSHQ, v_BSHV=v_BSHV, q_offset_B=q_offset_B,
                 kv_len_B=kv_len_B)
-    fn = jax.vmap(lambda q, k, v, off, n: self._dense_mha(q, k, v, sm_scale=sm_scale,
-                                                          q_offset=off, kv_len=n))
     # As arrays: a NumPy operand closed over by jit would reach the kernel's custom VJP as a
     # raw constant under vmap, which its residuals cannot hold.
-    return fn(q_BTHQ, k_BSHQ, v_BSHV, jnp.asarray(q_offset_B), jnp.asarray(kv_len_B))
+    offsets = (jnp.asarray(q_offset_B), jnp.asarray(kv_len_B))
+    if segment_ids_BT is None:
+      fn = jax.vmap(lambda q, k, v, off, n: self._dense_mha(q, k, v, sm_scale=sm_scale,
+                                                            q_offset=off, kv_len=n))
+      return fn(q_BTHQ, k_BSHQ, v_BSHV, *offsets)
+    _same_batch("dense_mha", q_BTHQ=q_BTHQ, segment_ids_BT=segment_ids_BT)
+    fn = jax.vmap(lambda q, k, v, off, n, seg: self._dense_mha(
+        q, k, v, sm_scale=sm_scale, q_offset=off, kv_len=n, segment_ids_T=seg))
+    return fn(q_BTHQ, k_BSHQ, v_BSHV, *offsets, jnp.asarray(segment_ids_BT))
 
   def masked_mha(self, q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, *, sm_scale: float, q_offset_B,
                  kv_len_B):

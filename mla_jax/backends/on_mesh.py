@@ -52,11 +52,18 @@ class MeshOps:
     return self._placed(op, fn, 7)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS,
                                    key_rows_BS)
 
-  def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B):
-    """``Backend.dense_mha`` on the mesh."""
-    fn = lambda q, k, v, off, n: self.backend.dense_mha(q, k, v, sm_scale=sm_scale,
-                                                        q_offset_B=off, kv_len_B=n)
-    return self._placed("dense_mha", fn, 5)(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)
+  def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B,
+                segment_ids_BT=None):
+    """``Backend.dense_mha`` on the mesh (segmented: the one flat sequence whole on every
+    data shard, ``sharding.FLAT_HEADS_SPEC``)."""
+    if segment_ids_BT is None:
+      fn = lambda q, k, v, off, n: self.backend.dense_mha(q, k, v, sm_scale=sm_scale,
+                                                          q_offset_B=off, kv_len_B=n)
+      return self._placed("dense_mha", fn, 5)(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B)
+    fn = lambda q, k, v, off, n, seg: self.backend.dense_mha(
+        q, k, v, sm_scale=sm_scale, q_offset_B=off, kv_len_B=n, segment_ids_BT=seg)
+    return self._placed("segmented_mha", fn, 6)(q_BTHQ, k_BSHQ, v_BSHV, q_offset_B, kv_len_B,
+                                                segment_ids_BT)
 
   def masked_mha(self, q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, *, sm_scale: float, q_offset_B,
                  kv_len_B):

@@ -34,10 +34,9 @@ class XlaBackend(Backend):
     return indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S=k_scale_S,
                                     key_rows_S=key_rows_S)
 
-  def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len):
-    return dense_mha_reference(
-        q_THQ, k_SHQ, v_SHV, sm_scale=sm_scale, q_offset=q_offset, kv_len=kv_len
-    )
+  def _dense_mha(self, q_THQ, k_SHQ, v_SHV, *, sm_scale, q_offset, kv_len, segment_ids_T=None):
+    return dense_mha_reference(q_THQ, k_SHQ, v_SHV, sm_scale=sm_scale, q_offset=q_offset,
+                               kv_len=kv_len, segment_ids_T=segment_ids_T)
 
   def _masked_mha(self, q_THQ, k_SHQ, v_SHV, topk_TK, *, sm_scale, q_offset, kv_len):
     return dense_mha_reference(

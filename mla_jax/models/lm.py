@@ -28,7 +28,7 @@ from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE, resolve_grouped_matmul
 from mla_jax.models.mtp import MTPLayer, check_mtp_inputs
 from mla_jax.routing import PrefillRoute
-from mla_jax.step_plan import StepPlan, cached_bound, plan_step, step_route
+from mla_jax.step_plan import StepPlan, cached_bound, plan_flat_step, plan_step, step_route
 
 ATTENTION_CLASSES = {"mqa-only": DeepseekV32Attention, "dense-capable": MLAAttention}
 
@@ -357,6 +357,14 @@ class CausalLM(nnx.Module):
                      force_mqa=force_mqa, indexer_loss=indexer_loss,
                      shares_topk=self.config.indexer_types is not None)
 
+  def flat_step_plan(self, fresh_tokens: int | None, *, kv_rows: int,
+                     key_chunk: int | None = None) -> StepPlan:
+    """The plan of an engine's flat step over this model's layers (one token per row, rows
+    of a sequence sharing its segment): see ``mla_jax.step_plan.plan_flat_step``."""
+    return plan_flat_step(self._attention_modules(), self.backend, fresh_tokens=fresh_tokens,
+                          kv_rows=kv_rows, key_chunk=key_chunk,
+                          shares_topk=self.config.indexer_types is not None)
+
   def prefill_routes(self, num_new_tokens: int, num_cached_tokens: int | None = 0, *,
                      force_mqa: bool = False) -> list[PrefillRoute]:
     """The route of every layer for a call with these static counts.
@@ -410,11 +418,12 @@ class CausalLM(nnx.Module):
     elif (num_cached_tokens, force_mqa, kv_rows) != (None, False, None):
       raise ValueError("pass either a plan or the static settings it is built from "
                        "(num_cached_tokens, force_mqa, kv_rows), not both")
-    logits_BTV, caches, _, hidden_BTD = self._forward(ids_BT, caches, plan, new_lens_B)
+    hidden_BTD, caches, _ = self._forward(ids_BT, caches, plan, new_lens_B)
+    logits_BTV = self.logits(hidden_BTD)
     return (logits_BTV, caches, hidden_BTD) if return_hidden else (logits_BTV, caches)
 
   def mtp_forward(self, index: int, hidden_BTD, next_ids_BT, mtp_caches, *, new_lens_B=None,
-                  plan: StepPlan | None = None):
+                  plan: StepPlan | None = None, logits: bool = True):
     """MTP layer ``index`` on T pairs: ``(logits_BTV, mtp_hidden_BTD, mtp_caches)``.
 
     Args:
@@ -429,6 +438,8 @@ class CausalLM(nnx.Module):
       plan: the step's ``StepPlan`` from ``step_plan`` (it covers the MTP layers: an
         MQA-only model's plan never routes them dense). None: built from the cache's
         concrete lengths, as ``__call__`` does.
+      logits: False skips the vocabulary projection (the logits come back None): for callers
+        that need a few rows' only (``mtp_logits``).
 
     Returns:
       float32 logits [B, T, vocab] for the token at p + 2, the layer's output hidden states
@@ -442,20 +453,25 @@ class CausalLM(nnx.Module):
     if plan is None:
       plan = self.step_plan(next_ids_BT.shape[1], cached_bound(None, cache.lengths_B),
                             capacity=cache.capacity)
-    elif plan.cached_bound is not None:
+    elif plan.bounds_cached_lengths:
       checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
     logits_BTV, h_BTD, attn = self._mtp_step(index, hidden_BTD, next_ids_BT, cache, plan,
-                                             new_lens_B)
+                                             new_lens_B, logits)
     return logits_BTV, h_BTD, mtp_caches[:index] + (attn.cache,) + mtp_caches[index + 1:]
 
-  def _mtp_step(self, index, hidden_BTD, next_ids_BT, cache, plan: StepPlan, new_lens_B):
-    """MTP layer ``index`` on checked inputs: ``(logits_BTV, h_BTD, AttentionOutput)``."""
+  def mtp_logits(self, index: int, mtp_hidden_XD):
+    """Float32 logits of MTP layer ``index``'s output hidden states (any leading axes)."""
+    return self.logits(self.mtp[index].shared_head.norm(mtp_hidden_XD))
+
+  def _mtp_step(self, index, hidden_BTD, next_ids_BT, cache, plan: StepPlan, new_lens_B,
+                logits: bool = True):
+    """MTP layer ``index`` on checked inputs: ``(logits_BTV or None, h_BTD,
+    AttentionOutput)``."""
     layer = self.mtp[index]
     embed_BTD = sharding.constrain(self.model.embed_tokens(next_ids_BT), self.mesh)
     h_BTD, attn = layer(embed_BTD, hidden_BTD, cache, plan,
                         new_lens_B=new_lens_B.astype(jnp.int32))
-    logits_BTV = self.lm_head(layer.shared_head.norm(h_BTD)).astype(jnp.float32)
-    return logits_BTV, h_BTD, attn
+    return self.mtp_logits(index, h_BTD) if logits else None, h_BTD, attn
 
   def forward_train(self, ids_BT, lens_B, *, indexer_loss: str | None = None):
     """A training forward from an empty cache: ``(logits [B, T, vocab], indexer loss)``.
@@ -474,9 +490,9 @@ class CausalLM(nnx.Module):
     caches = self.init_cache(batch, width)
     self._check_ids(ids_BT, caches)
     plan = self.step_plan(width, 0, capacity=width, kv_rows=width, indexer_loss=indexer_loss)
-    logits_BTV, _, loss, _ = self._forward(ids_BT, caches, plan,
-                                           self._new_lens(ids_BT, caches, lens_B))
-    return logits_BTV, loss
+    hidden_BTD, _, loss = self._forward(ids_BT, caches, plan,
+                                        self._new_lens(ids_BT, caches, lens_B))
+    return self.logits(hidden_BTD), loss
 
   def mtp_forward_train(self, ids_BT, lens_B, *, indexer_loss: str | None = None):
     """MTP layer 0's training forward from empty caches: ``(logits [B, T - 1, vocab],
@@ -496,7 +512,7 @@ class CausalLM(nnx.Module):
     self._check_ids(ids_BT, caches)
     lens_B = self._new_lens(ids_BT, caches, lens_B)
     plan = self.step_plan(width, 0, capacity=width, kv_rows=width)
-    _, _, _, hidden_BTD = self._forward(ids_BT, caches, plan, lens_B)
+    hidden_BTD, _, _ = self._forward(ids_BT, caches, plan, lens_B)
     pairs = width - 1
     mtp_plan = self.step_plan(pairs, 0, capacity=pairs, kv_rows=pairs, indexer_loss=indexer_loss)
     logits_BTV, _, attn = self._mtp_step(
@@ -515,11 +531,24 @@ class CausalLM(nnx.Module):
                       max_positions=self.config.mla.max_position_embeddings)
     return new_lens_B
 
+  def forward_hidden(self, ids_BT, caches: ModelCache, *, new_lens_B, plan: StepPlan):
+    """The final (normed) hidden states [B, T, D] and the updated caches, without the vocabulary
+    projection: for callers that need the logits of a few rows only (``logits``), as an
+    engine step does. ``plan`` is required (``step_plan`` or ``plan_flat_step``)."""
+    self._check_ids(ids_BT, caches)
+    new_lens_B = self._new_lens(ids_BT, caches, new_lens_B)
+    hidden_BTD, caches, _ = self._forward(ids_BT, caches, plan, new_lens_B)
+    return hidden_BTD, caches
+
+  def logits(self, hidden_XD):
+    """Float32 logits of final hidden states (any leading axes)."""
+    return self.lm_head(hidden_XD).astype(jnp.float32)
+
   def _forward(self, ids_BT, caches, plan: StepPlan, new_lens_B):
-    """The layer scans: logits, the new caches, the summed indexer losses and the final
-    (normed) hidden states."""
+    """The layer scans: the final (normed) hidden states, the new caches and the summed
+    indexer losses."""
     b, t = ids_BT.shape
-    if plan.cached_bound is not None:
+    if plan.bounds_cached_lengths:
       checks.within_cached_bound(caches.lengths_B, plan.cached_bound)
     # Shared-indexer layers read the top-k of the last full layer, carried through the scans.
     topk_BTK = (jnp.full((b, t, self.config.mla.indexer.topk), -1, jnp.int32)
@@ -531,9 +560,7 @@ class CausalLM(nnx.Module):
                                                         new_lens_B=new_lens_B)
       new_groups.append(group_caches)
       loss = loss + group_loss
-    h_BTD = self.model.norm(h_BTD)
-    logits_BTV = self.lm_head(h_BTD).astype(jnp.float32)
-    return logits_BTV, ModelCache(tuple(new_groups), caches.layout), loss, h_BTD
+    return self.model.norm(h_BTD), ModelCache(tuple(new_groups), caches.layout), loss
 
 
 def check_mesh(config: ModelConfig, mesh) -> None:

@@ -1,13 +1,15 @@
 """``Engine``: continuous batching over paged latent + indexer-key caches.
 
-Each ``step`` asks the scheduler for this step's work (decodes and prefill chunks), turns it
-into arrays padded to a few shape buckets, and runs at most two compiled step programs over the
-page pools: one for the decodes (one token each) and one for the prefill chunks. A program is
-compiled once per (kind, batch bucket, token bucket, cached-token bound, kv pages bucket) and
-resolves its ``StepPlan`` from those static values alone: the engine adds no routing of its
-own. A prefill program may take the dense-MHA route only when the model class and backend both
-can and the plan says so (every chunk fresh, all its keys within the top-k); an MQA-only model
-never compiles one. ``programs`` records what every compiled program contains (its traced
+Each ``step`` asks the scheduler for this step's work (decodes and prefill chunks) and runs
+it as one compiled program over one flat batch of tokens (``step_inputs``): every scheduled
+token in a row of its own, nothing padded per sequence. A program is compiled once per shape
+bucket (token rows; whether every sequence is fresh; decode steps) and resolves its
+``StepPlan`` from that bucket alone (``plan_flat_step``): the engine adds no routing of its
+own. A program may take the dense-MHA route only when the model class and backend both can
+and every sequence of the step starts empty with all its keys within the top-k; a mixed step
+never does, and an MQA-only model never compiles one. When a step holds plain decodes only
+and nothing waits, one dispatch runs up to ``decode_steps`` of them. ``warmup`` compiles
+every program the settings can run; ``programs`` records what each contains (its traced
 scopes), so tests walk them all.
 """
 
@@ -17,6 +19,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Iterable, Iterator
 
@@ -25,18 +28,20 @@ import numpy as np
 from flax import nnx
 
 from mla_jax import checks, sharding
-from mla_jax.cache import resolve_cache_dtype
+from mla_jax.cache import MIN_BUCKET, resolve_cache_dtype
 from mla_jax.checks import functionalize
+from mla_jax.decoding.text import IncrementalText
 from mla_jax.generation.programs import signature
 from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.models.lm import CausalLM
 from mla_jax.paged_cache import empty_pools
-from mla_jax.serving.pages import PageTable
+from mla_jax.routing import PrefillRoute
+from mla_jax.serving import step_inputs
+from mla_jax.serving.pages import PageTable, pages_for
 from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
                                       Sequence, Status, TokenLogprobs)
-from mla_jax.serving import step_inputs
-from mla_jax.serving.scheduler import Chunk, Scheduler, pages_for
-from mla_jax.serving.step_inputs import StepInputs, StepShape
+from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
+from mla_jax.serving.step_inputs import Buckets, StepInputs, StepShape
 from mla_jax.serving.step_program import StepProgram
 from mla_jax.step_plan import StepPlan
 from mla_jax.traces import ProgramSummary, summarize_jaxpr
@@ -48,6 +53,7 @@ logger = logging.getLogger("mla_jax")
 # most recently used ones (an engine also holds its own while it lives).
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
 MAX_SHARED_PROGRAMS = 256
+DEFAULT_DECODE_STEPS = 8  # decode steps per dispatch when only decodes run (as generate's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +66,8 @@ class CompiledStep:
 
 @dataclasses.dataclass
 class EngineStats:
-  steps: int = 0
+  steps: int = 0               # dispatches (a multi-step decode dispatch counts once)
+  decode_dispatches: int = 0   # of which multi-step decode dispatches
   computed_tokens: int = 0     # rows written (prompts, recomputes and decodes)
   output_tokens: int = 0
   draft_tokens: int = 0        # speculative decoding: drafts verified
@@ -70,31 +77,67 @@ class EngineStats:
   host_s: float = 0.0          # scheduling and step-input building (compiles excluded)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Results:
+  """What one dispatch gave the host, per chunk (slot) b: its new tokens, the accepted drafts,
+  token j's log-probabilities, and the drafts its next step verifies."""
+
+  outputs: tuple
+  multi: bool
+
+  def tokens(self, b: int, chunk: Chunk) -> list[int]:
+    if self.multi:
+      column = self.outputs[0][:, b]
+      return [int(t) for t in column[column >= 0]]
+    if not chunk.samples:
+      return []
+    return self.outputs[0][b, :int(self.outputs[1][b]) + 1].tolist()
+
+  def accepted(self, b: int) -> int:
+    return 0 if self.multi else int(self.outputs[1][b])
+
+  def logprobs(self, b: int, j: int, n: int) -> TokenLogprobs:
+    if self.multi:
+      tokens, chosen, top_ids, top = (a[j, b] for a in self.outputs)
+    else:
+      tokens, chosen, top_ids, top = (a[b, j] for a in (self.outputs[0], *self.outputs[2:5]))
+    return TokenLogprobs(int(tokens), float(chosen),
+                         tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
+
+  def drafts(self, b: int, count: int) -> list[int]:
+    return self.outputs[5][b, :count].tolist()
+
+
 class Engine:
   """Continuous batching for a ``CausalLM`` over ``num_pages`` pages of ``page_size`` tokens.
 
   Offline: ``engine.generate(prompts, max_tokens=..., temperature=...)`` (or one
   ``SamplingParams`` per prompt) returns a ``RequestOutput`` per prompt, in prompt order.
   Incremental: ``add_request`` / ``step`` / ``abort`` / ``has_unfinished``, and ``stream`` to
-  iterate over new tokens as steps produce them.
+  iterate over new tokens as steps produce them. ``warmup()`` compiles every step program
+  first (otherwise each compiles when a step first needs it).
 
   Args:
     model: the ``CausalLM`` (its backend and layer classes fix what routes can exist).
     num_pages, page_size: the page pool (every layer has one, of the same page ids).
     max_num_seqs: sequences running at once (seats).
-    max_step_tokens: tokens computed per step (decodes count one each; prefills fill the rest,
-      so a long prompt is prefilled over several steps).
+    max_step_tokens: tokens computed per step (decodes count one each, drafts one each;
+      prefills fill the rest, so a long prompt is prefilled over several steps).
     max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).
     cache_dtype: ``"fp32" | "bf16" | "fp8"`` (or a float dtype), as ``generate``'s caches.
-    tokenizer: for string prompts, ``text`` outputs and ``stop`` strings (``encode``/``decode``).
+    tokenizer: for string prompts, ``text`` outputs and ``stop`` strings (an object with
+      ``encode(str) -> ids`` and ``decode(ids) -> str``, as ``mla_jax.tokenizer``'s).
     eos_token_ids: ids that end every request (beside each request's ``stop_token_ids``).
     prefix_caching: reuse the cached pages of a shared prompt prefix.
     log_interval: seconds between stats lines on the ``mla_jax`` logger (None: never).
-    seed: draws the seed of requests that give none.
+    seed: draws the seed of requests that give none (an int in [0, 2**63)).
     max_speculative_tokens: the most draft tokens a request may ask for
       (``SamplingParams.speculative_tokens``, up to ``MAX_SPECULATIVE_TOKENS``); above 0 the
       model needs MTP layers, whose paged caches the engine then keeps for every request (one
       more layer per step): see ``mla_jax.serving.step_program``.
+    decode_steps: decode steps one dispatch runs when a step holds plain decodes only and
+      nothing waits (1: one step per dispatch). Stop ids and ``max_tokens`` end a request on
+      the device; stop strings after the dispatch, its tokens past the stop dropped.
   """
 
   def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
@@ -102,7 +145,7 @@ class Engine:
                max_model_len: int | None = None, cache_dtype="fp32", tokenizer=None,
                eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
                log_interval: float | None = 10.0, seed: int = 0,
-               max_speculative_tokens: int = 0):
+               max_speculative_tokens: int = 0, decode_steps: int = DEFAULT_DECODE_STEPS):
     if not isinstance(model, CausalLM):
       raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
     mla = model.config.mla
@@ -114,30 +157,39 @@ class Engine:
     self.max_model_len = checks.static_int(limit if max_model_len is None else max_model_len,
                                            "max_model_len", minimum=2, maximum=limit)
     self.cache_dtype = resolve_cache_dtype(cache_dtype, "cache_dtype")
-    self.eos_token_ids = tuple(checks.static_int(t, "eos_token_ids entry", minimum=0)
-                               for t in eos_token_ids)
+    self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
     self.max_speculative_tokens = checks.static_int(
         max_speculative_tokens, "max_speculative_tokens", minimum=0,
         maximum=MAX_SPECULATIVE_TOKENS)
     if self.max_speculative_tokens and not model.config.num_mtp_layers:
       raise ValueError("max_speculative_tokens > 0 needs a model with MTP layers (its config "
                        "counts num_mtp_layers = 0; load a checkpoint that stores them)")
-    self.tokenizer = tokenizer
-    self.log_interval = log_interval
+    self.decode_steps = checks.static_int(decode_steps, "decode_steps", minimum=1, maximum=256)
+    if not isinstance(prefix_caching, bool):
+      raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    self.tokenizer = _checked_tokenizer(tokenizer)
+    self.log_interval = _checked_interval(log_interval)
+    seed = checks.static_int(seed, "seed", minimum=0, maximum=2**63 - 1)
     self.model = model
     self._graphdef, state = nnx.split(model)
     self._state_leaves, self._state_def = jax.tree.flatten(state)
     self._multiprocess = jax.process_count() > 1
     mesh = model.mesh
-    self._data_shards = 1 if mesh is None else sharding.axis_size(mesh, sharding.DATA)
+    data_shards = 1 if mesh is None else sharding.axis_size(mesh, sharding.DATA)
     self._pools = self._empty_pools() if mesh is None else jax.jit(
         self._empty_pools, out_shardings=jax.sharding.NamedSharding(mesh, sharding.REPLICATED))()
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
     self.scheduler = Scheduler(
         self.pages, max_num_seqs=self.max_num_seqs, max_step_tokens=self.max_step_tokens,
-        prefix_caching=prefix_caching,
-        prefill_slots=lambda n, t: step_inputs.prefill_slots(n, t, self._data_shards))
+        prefix_caching=prefix_caching)
+    indexer = mla.indexer
+    # The indexer scores keys this many positions at a time, up to the live reach only.
+    self._key_chunk = None if indexer is None else max(MIN_BUCKET, indexer.topk)
+    self._logit_rows = 1 + self.max_speculative_tokens
+    self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs,
+                           pages_for(self.max_model_len, self.page_size),
+                           self._dense_bound(), self.decode_steps, data_shards)
     self._seqs: dict[str, Sequence] = {}
     self._ids = itertools.count()
     self._seed_rng = np.random.default_rng(seed)
@@ -145,6 +197,21 @@ class Engine:
     self.stats = EngineStats()
     self._last_log = time.perf_counter()
     self._log_tokens = 0
+
+  def _dense_bound(self) -> int | None:
+    """The tokens a fresh sequence may hold in a step that takes the dense route (within the
+    top-k, so dense attention is exact), or None when this model's plans take none."""
+    indexer = self.model.config.mla.indexer
+    bound = min(self.max_step_tokens, indexer.topk if indexer else self.max_model_len)
+    route = self._flat_plan(bound, pages_for(bound, self.page_size)).route
+    return bound if route is PrefillRoute.DENSE_MHA else None
+
+  def _flat_plan(self, fresh_tokens: int | None, kv_pages: int, *,
+                 segmented: bool = True) -> StepPlan:
+    rows = kv_pages * self.page_size
+    if not segmented:  # the one-token steps of further drafts, one row per sequence
+      return self.model.step_plan(1, None, capacity=rows, kv_rows=rows)
+    return self.model.flat_step_plan(fresh_tokens, kv_rows=rows, key_chunk=self._key_chunk)
 
   def _empty_pools(self):
     """``(main pools per group and unit, MTP pools per MTP layer or () without)``."""
@@ -179,6 +246,8 @@ class Engine:
       raise ValueError(f"request id {request_id!r} is already in use")
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(MAX_SEED))
     seq = Sequence(request_id, tokens, len(tokens), params, seed)
+    if self.tokenizer is not None:
+      seq.detok = IncrementalText(self.tokenizer.decode, params.stop)
     self._seqs[request_id] = seq
     self.scheduler.add(seq)
     return request_id
@@ -231,94 +300,121 @@ class Engine:
     return self.scheduler.has_unfinished()
 
   def output(self, request_id: str) -> RequestOutput:
-    return RequestOutput.of(self._seqs[request_id])
+    """A request's output so far; ``KeyError`` naming an unknown id."""
+    return RequestOutput.of(self._sequence(request_id))
 
   def release(self, request_id: str) -> RequestOutput:
     """A finished request's output, forgetting the request (its id may be used again)."""
-    seq = self._seqs[request_id]
+    seq = self._sequence(request_id)
     if seq.status is not Status.FINISHED:
       raise ValueError(f"request {request_id!r} has not finished")
     return RequestOutput.of(self._seqs.pop(request_id))
 
+  def _sequence(self, request_id: str) -> Sequence:
+    seq = self._seqs.get(request_id)
+    if seq is None:
+      raise KeyError(f"no request with id {request_id!r}")
+    return seq
+
   # ---- steps ----------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one step; returns the requests that got tokens in it."""
+    """Runs one step (or one multi-step decode dispatch); returns the requests that got tokens
+    in it."""
     self._only_on_process_0("step")
     t0, compile_before = time.perf_counter(), self.stats.compile_s
     batch = self.scheduler.schedule()
-    sampled, rows, run_s = {}, {}, 0.0
-    for chunks, kind in ((batch.prefills, "prefill"), (batch.decodes, "decode")):
-      if chunks:
-        outputs, seconds = self._run(chunks, kind)
-        tokens, accepted = outputs[0].tolist(), outputs[1].tolist()  # one conversion a step
-        for b, chunk in enumerate(chunks):
-          sampled[id(chunk)] = tokens[b][:accepted[b] + 1]
-          rows[id(chunk.seq)] = (chunk, outputs, b, accepted[b])
-        run_s += seconds
+    if self._multi_step(batch):
+      self.stats.decode_dispatches += 1
+    results, run_s = (self._run(batch) if batch else (None, 0.0))
+    chunks = batch.chunks
+    sampled = {id(c): results.tokens(b, c) for b, c in enumerate(chunks)}
+    # A multi-step dispatch wrote a row for every token it emitted; a step, its chunks' rows.
+    computed = (sum(map(len, sampled.values())) if batch.decode_steps > 1 else
+                sum(c.num_computed for c in chunks))
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)
+    slot = {id(c.seq): (b, c) for b, c in enumerate(chunks)}
     for seq, count in grown:
-      self._record(seq, count, *rows[id(seq)])
+      self._record(seq, count, *slot[id(seq)], results)
     self.stats.steps += 1
     self.stats.run_s += run_s
-    self.stats.computed_tokens += batch.num_tokens
+    self.stats.computed_tokens += computed
     self.stats.output_tokens += sum(count for _, count in grown)
     compiled = self.stats.compile_s - compile_before
     self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
     self._maybe_log(sum(count for _, count in grown))
     return [RequestOutput.of(seq, seq.tokens[-count:]) for seq, count in grown]
 
-  def _record(self, seq: Sequence, count: int, chunk: Chunk, outputs, b: int,
-              accepted: int) -> None:
-    """After ``seq`` took ``count`` tokens of row ``b`` (``accepted`` of its drafts): their
-    log-probabilities (if asked), the drafts' tally and the drafts its next step verifies."""
+  def _multi_step(self, batch: StepBatch) -> bool:
+    """Whether ``batch`` runs as a multi-step decode dispatch (pages reserved if so): plain
+    decodes only, nothing waiting, and every stop id checkable on the device."""
+    if self.decode_steps == 1 or self.scheduler.waiting or not batch.decodes or any(
+        c.seq.params.speculative_tokens or len(self._stop_ids(c.seq)) > step_inputs.STOP_IDS
+        for c in batch.decodes):
+      return False
+    return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
+
+  def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+    return seq.params.stop_token_ids + self.eos_token_ids
+
+  def _record(self, seq: Sequence, count: int, b: int, chunk: Chunk, results: _Results) -> None:
+    """After ``seq`` took ``count`` tokens of slot ``b``: their log-probabilities (if asked),
+    its text when it finished, the drafts' tally and the drafts its next step verifies."""
     if seq.params.logprobs is not None:
-      seq.logprobs.extend(_token_logprobs(outputs, b, j, seq.params.logprobs)
-                          for j in range(count))
+      seq.logprobs.extend(results.logprobs(b, j, seq.params.logprobs) for j in range(count))
+    if seq.status is Status.FINISHED and seq.detok is not None:
+      seq.detok.flush()
+      seq.text = seq.detok.text
     if not seq.params.speculative_tokens:
       return
+    accepted = results.accepted(b)
     seq.num_drafted += len(chunk.drafts)
     seq.num_accepted += accepted
     self.stats.draft_tokens += len(chunk.drafts)
     self.stats.accepted_tokens += accepted
-    # What the program drafted for this row (its rule: no more than the tokens left - 1).
+    # What the program drafted for it (its rule: no more than the tokens left - 1).
     wanted = min(seq.params.speculative_tokens, seq.params.max_tokens - len(seq.output) - 1)
-    drafting = seq.status is not Status.FINISHED and chunk.num_tokens == 1 and wanted > 0
-    seq.drafts = outputs[5][b, :wanted].tolist() if drafting else []
+    drafting = seq.status is not Status.FINISHED and wanted > 0
+    seq.drafts = results.drafts(b, wanted) if drafting else []
 
   def _stop_reason(self, seq: Sequence) -> str | None:
+    """After ``seq`` took a token: "stop" at a stop id or stop string, "length" at its last
+    allowed token, else None. Its text grows by the new token only (``IncrementalText``)."""
     token = seq.tokens[-1]
+    if seq.detok is not None:
+      seq.detok.extend([token])
+      seq.text = seq.detok.text
     if token in seq.params.stop_token_ids or token in self.eos_token_ids:
       return "stop"
-    if seq.params.stop:
-      seq.text = self.tokenizer.decode(seq.output)
-      if any(s in seq.text for s in seq.params.stop):
-        return "stop"
+    if seq.detok is not None and seq.detok.stop_at is not None:
+      return "stop"
     if len(seq.output) >= seq.params.max_tokens:
       return "length"
     return None
 
-  def _run(self, chunks: list[Chunk], kind: str):
-    """Runs one compiled step program over ``chunks`` (on every process): its outputs (row b
-    for chunk b; meaningless for chunks that do not sample) and the seconds it ran. The
-    outputs are host arrays (``StepProgram.build``): new tokens [B, J] (the first
-    ``accepted + 1`` of a row are its), accepted drafts [B], the tokens' log-probabilities
-    [B, J], the most likely tokens' ids and log-probabilities [B, J, K], next drafts [B, D]."""
-    shape = step_inputs.step_shape(chunks, kind, self.page_size, self._data_shards)
-    inputs = step_inputs.build(chunks, shape)
+  def _run(self, batch: StepBatch) -> tuple[_Results, float]:
+    """Runs one compiled step program over ``batch`` (on every process): what it gave the
+    host, and the seconds it ran."""
+    shape = self.buckets.shape(batch.chunks, batch.decode_steps)
+    inputs = step_inputs.build(batch.chunks, shape, logit_rows=self._logit_rows,
+                               stop_ids=self._stop_ids)
     if self._multiprocess:
       step_inputs.broadcast(shape.header(), inputs)
-    return self._execute(shape, inputs)
+    outputs, seconds = self._execute(shape, inputs)
+    return _Results(outputs, shape.decode_steps > 1), seconds
 
   def _execute(self, shape: StepShape, inputs: StepInputs):
     program = self._program(shape)
     mesh = self.model.mesh
-    arrays = inputs.arrays() if mesh is None else \
-        [sharding.put(a, mesh, sharding.BATCH_SPEC) for a in inputs.arrays()]
+    arrays = inputs.arrays()
+    if mesh is not None:  # token rows split over ``data``; the sequences' few values whole
+      n = StepInputs.NUM_TOKEN_ARRAYS
+      arrays = ([sharding.put(a, mesh, sharding.BATCH_SPEC) for a in arrays[:n]]
+                + [sharding.put(a, mesh, sharding.REPLICATED) for a in arrays[n:]])
     t0 = time.perf_counter()
-    sampled, self._pools = program(self._state_leaves, self._pools, *arrays)
-    sampled = [sharding.fetch(a) for a in sampled]  # collectives with several processes
-    return sampled, time.perf_counter() - t0
+    outputs, self._pools = program(self._state_leaves, self._pools, *arrays)
+    outputs = [sharding.fetch(a) for a in outputs]  # collectives with several processes
+    return outputs, time.perf_counter() - t0
 
   # ---- several processes ------------------------------------------------------------------
 
@@ -327,7 +423,7 @@ class Engine:
     ``shutdown``. Each process builds the same ``Engine`` (same model and settings)."""
     if not self._multiprocess or jax.process_index() == 0:
       raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
-    while (received := step_inputs.receive()) is not None:
+    while (received := step_inputs.receive(self._logit_rows)) is not None:
       self._execute(*received)
 
   def shutdown(self) -> None:
@@ -348,15 +444,29 @@ class Engine:
     """Every step program compiled so far, with its plan and what its trace contains."""
     return [entry for _, entry in self._programs.values()]
 
-  def _plan(self, shape: StepShape, tokens: int | None = None) -> StepPlan:
-    rows = shape.kv_pages * self.page_size
-    return self.model.step_plan(shape.tokens if tokens is None else tokens, shape.cached_bound,
-                                capacity=rows, kv_rows=rows)
+  def warmup(self, *, progress: bool = False) -> tuple[int, float]:
+    """Compiles every step program this engine's settings can run (``Buckets.all_shapes``),
+    so that serving never compiles; returns ``(programs compiled, seconds)``. Programs
+    already compiled (by this engine or another over the same model and pools) are reused.
+    ``progress``: a progress bar on stderr."""
+    from mla_jax.progress import progress_bar
+
+    t0, before = time.perf_counter(), self.stats.compile_s
+    shapes = self.buckets.all_shapes()
+    with progress_bar(len(shapes), "compiling step programs", unit="program",
+                      enabled=progress) as bar:
+      for shape in shapes:
+        self._program(shape)
+        bar.update(1)
+    seconds = time.perf_counter() - t0
+    logger.info("engine warm-up: %d step programs ready in %.1f s (%.1f s compiling, the rest "
+                "reused)", len(shapes), seconds, self.stats.compile_s - before)
+    return len(shapes), seconds
 
   def _program(self, shape: StepShape):
     if shape in self._programs:
       return self._programs[shape][0]
-    key = (shape, self.page_size, self._graphdef, self._state_def,
+    key = (shape, self.page_size, self._logit_rows, self._graphdef, self._state_def,
            signature((self._state_leaves, self._pools)))
     if key in _COMPILED:  # engines over the same model and pool shapes share programs
       _COMPILED.move_to_end(key)
@@ -370,21 +480,25 @@ class Engine:
 
   def _compile(self, shape: StepShape):
     t0 = time.perf_counter()
-    plan = self._plan(shape)
-    drafts = shape.kind == "decode" and shape.tokens > 1
-    program = StepProgram(shape.kind, plan, self._plan(shape, 1) if drafts else None,
-                          mtp=bool(self.max_speculative_tokens), page_size=self.page_size)
+    plan = self._flat_plan(self.buckets.dense_bound if shape.fresh else None, shape.kv_pages)
+    drafts = self._logit_rows > 1 and shape.decode_steps == 1
+    program = StepProgram(plan, self._flat_plan(None, shape.kv_pages, segmented=False)
+                          if drafts else None, mtp=bool(self.max_speculative_tokens),
+                          page_size=self.page_size, logit_rows=self._logit_rows,
+                          decode_steps=shape.decode_steps)
     step = program.build(self._graphdef, self._state_def, self.model.layer_groups)
     jitted = jax.jit(functionalize(step, False), donate_argnums=1)
     mesh = self.model.mesh
-    placed = None if mesh is None else jax.sharding.NamedSharding(mesh, sharding.BATCH_SPEC)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)
-            for a in StepInputs.zeros(shape).arrays()]
+    arrays = StepInputs.zeros(shape, self._logit_rows, step_inputs.STOP_IDS).arrays()
+    n = StepInputs.NUM_TOKEN_ARRAYS
+    placed = lambda spec: None if mesh is None else jax.sharding.NamedSharding(mesh, spec)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed(
+        sharding.BATCH_SPEC if i < n else sharding.REPLICATED)) for i, a in enumerate(arrays)]
     traced = jitted.trace(self._state_leaves, self._pools, *args)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - t0
-    logger.debug("compiled %s step %s (route %s) in %.1f s", shape.kind, shape,
-                 plan.route.name, seconds)
+    logger.debug("compiled step program %s (route %s) in %.1f s", shape, plan.route.name,
+                 seconds)
     run = lambda *args: compiled(*args)[1]  # (check error: always None unchecked, outputs)
     return run, CompiledStep(shape, plan, summarize_jaxpr(traced.jaxpr), seconds)
 
@@ -416,8 +530,8 @@ class Engine:
   def stream(self, request_id: str | None = None) -> Iterator[RequestOutput]:
     """Steps until no request is left (or, given ``request_id``, until that one finishes),
     yielding each update as it comes (only that request's, when given)."""
-    if request_id is not None and request_id not in self._seqs:
-      raise KeyError(f"no request with id {request_id!r}")
+    if request_id is not None:
+      self._sequence(request_id)
     while self.has_unfinished():
       if request_id is not None and self._seqs[request_id].status is Status.FINISHED:
         return
@@ -440,10 +554,30 @@ class Engine:
     self._last_log, self._log_tokens = now, 0
 
 
-def _token_logprobs(outputs, b: int, j: int, n: int) -> TokenLogprobs:
-  """Token ``j`` of row ``b`` of a step program's outputs as a ``TokenLogprobs`` with the
-  ``n`` most likely."""
-  tokens_BJ, _, logprob_BJ, top_ids_BJK, top_logprobs_BJK, _ = outputs
-  return TokenLogprobs(int(tokens_BJ[b, j]), float(logprob_BJ[b, j]),
-                       tuple(zip(top_ids_BJK[b, j, :n].tolist(),
-                                 top_logprobs_BJK[b, j, :n].tolist())))
+def _token_ids(ids, name: str) -> tuple[int, ...]:
+  """Token ids as a tuple of ints >= 0; a non-sequence (None, an int) is a ``TypeError``
+  naming ``name``."""
+  if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+    raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__} {ids!r}")
+  return tuple(checks.static_int(t, f"{name} entry", minimum=0) for t in ids)
+
+
+def _checked_tokenizer(tokenizer):
+  """None, or an object with callable ``encode`` and ``decode``."""
+  if tokenizer is not None and not all(callable(getattr(tokenizer, m, None))
+                                       for m in ("encode", "decode")):
+    raise TypeError(f"tokenizer must have encode(text) and decode(ids) methods (e.g. "
+                    f"mla_jax.tokenizer.ByteTokenizer()), got {type(tokenizer).__name__}")
+  return tokenizer
+
+
+def _checked_interval(seconds) -> float | None:
+  """None, or a finite number of seconds >= 0."""
+  if seconds is None:
+    return None
+  if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+    raise TypeError(f"log_interval must be a number of seconds or None, got "
+                    f"{type(seconds).__name__} {seconds!r}")
+  if not (seconds >= 0 and np.isfinite(seconds)):
+    raise ValueError(f"log_interval must be a finite number of seconds >= 0, got {seconds!r}")
+  return float(seconds)

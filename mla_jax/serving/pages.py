@@ -19,6 +19,11 @@ import collections
 from collections.abc import Sequence
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+  """Pages that hold ``num_tokens`` rows."""
+  return -(-num_tokens // page_size)
+
+
 class OutOfPages(RuntimeError):
   """No page is free and none can be evicted (the scheduler preempts before this happens)."""
 

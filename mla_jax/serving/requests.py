@@ -8,6 +8,7 @@ import enum
 import time
 
 from mla_jax import checks
+from mla_jax.decoding.text import IncrementalText
 from mla_jax.generation.sampling import SamplingConfig
 from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
 
@@ -109,6 +110,7 @@ class Sequence:
   text: str = ""
   logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # if asked, per output
   drafts: list[int] = dataclasses.field(default_factory=list)  # the next step verifies these
+  detok: IncrementalText | None = None  # its output's text as it grows (with a tokenizer)
   num_drafted: int = 0            # draft tokens verified so far
   num_accepted: int = 0           # of which accepted
 

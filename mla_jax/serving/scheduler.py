@@ -4,9 +4,12 @@ Every running sequence has uncomputed tokens ``tokens[num_computed:]``: exactly 
 decodes (its last sampled token, with the draft tokens to verify after it when it decodes
 speculatively), more while its prompt (or, after a preemption, its prompt and
 output) is prefilled. A step takes, oldest admission first, one token of each decode and then
-chunks of prefills, under ``max_step_tokens``; waiting requests are admitted first come first
-served while seats, budget and pages allow. A chunk that computes a sequence's last token
-samples its next one.
+chunks of prefills, under ``max_step_tokens`` (a step runs them all as one flat batch of
+tokens: every token counts once, nothing is padded per sequence); waiting requests are
+admitted first come first served while seats, budget and pages allow. A chunk that computes a
+sequence's last token samples its next one. When a step holds plain decodes only,
+``reserve_decode_steps`` takes pages for several decode steps at once (a multi-step
+dispatch).
 
 When a sequence needs a page and none is free, the most recently admitted running sequence is
 preempted: its pages are released (full ones stay in the prefix cache) and it waits again at
@@ -18,9 +21,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
 
-from mla_jax.serving.pages import PageTable, page_keys
+from mla_jax.serving.pages import PageTable, page_keys, pages_for
 from mla_jax.serving.requests import Sequence, Status
 
 
@@ -43,13 +45,14 @@ class Chunk:
   @property
   def rows(self) -> int:
     """Rows from ``start`` the step may write (its pages): the computed ones and, for a
-    speculative decode, the MTP rows of the next step's drafts (from past the accepted tokens;
-    never past the request's last token, where drafting stops)."""
+    speculative request's chunk that samples, the MTP rows of the next step's drafts (from
+    past the accepted tokens; never past the request's last token, where drafting stops)."""
     k = self.seq.params.speculative_tokens
-    if self.num_tokens > 1 or k == 0:
+    if not self.samples or k == 0:
       return self.num_computed
     last = self.seq.num_prompt + self.seq.params.max_tokens  # rows [0, last) at most
-    return min(len(self.drafts) + k, last - self.start)
+    return max(self.num_computed,
+               min(self.num_tokens + len(self.drafts) + k - 1, last - self.start))
 
   @property
   def samples(self) -> bool:
@@ -64,6 +67,12 @@ class Chunk:
 class StepBatch:
   decodes: list[Chunk] = dataclasses.field(default_factory=list)   # one token each
   prefills: list[Chunk] = dataclasses.field(default_factory=list)  # several tokens each
+  decode_steps: int = 1  # decode steps the decodes' pages are reserved for
+
+  @property
+  def chunks(self) -> list[Chunk]:
+    """Every chunk, in the order the step lays out their tokens."""
+    return [*self.decodes, *self.prefills]
 
   def add(self, chunk: Chunk) -> None:
     (self.decodes if chunk.num_tokens == 1 else self.prefills).append(chunk)
@@ -80,32 +89,15 @@ class StepBatch:
     return bool(self.decodes or self.prefills)
 
 
-def pages_for(num_tokens: int, page_size: int) -> int:
-  return -(-num_tokens // page_size)
-
-
-def exact_slots(num_chunks: int, longest: int) -> int:
-  """A prefill step's padded size if its rows were not bucketed at all (the tightest)."""
-  return num_chunks * longest
-
-
 class Scheduler:
-  """Decodes first, then prefill chunks, under ``max_step_tokens``.
-
-  ``prefill_slots(num_chunks, longest_chunk)`` is the padded size (rows x tokens) of the
-  prefill program such chunks run in. A step's first prefill chunk takes what the token budget
-  leaves; a later one joins (cut shorter if need be) only while the padded size plus the
-  decodes stays within ``max_step_tokens``, so a step's cost is bounded by its budget, not by
-  its longest chunk times its number of chunks.
-  """
+  """Decodes first, then prefill chunks, under ``max_step_tokens`` (every token computed,
+  drafts included, counts once)."""
 
   def __init__(self, pages: PageTable, *, max_num_seqs: int, max_step_tokens: int,
-               prefix_caching: bool = True,
-               prefill_slots: Callable[[int, int], int] = exact_slots):
+               prefix_caching: bool = True):
     self.pages = pages
     self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
     self.prefix_caching = prefix_caching
-    self.prefill_slots = prefill_slots
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []  # in admission order
     self.num_preemptions = 0
@@ -137,43 +129,40 @@ class Scheduler:
       if seq.num_uncomputed == 1:  # a decode, with as many of its drafts as the budget takes
         chunk = Chunk(seq, seq.num_computed, 1, tuple(seq.drafts[:budget - 1]))
       else:
-        chunk = Chunk(seq, seq.num_computed, self._chunk(batch, seq.num_uncomputed, budget))
+        chunk = Chunk(seq, seq.num_computed, min(seq.num_uncomputed, budget))
       if chunk.num_tokens == 0 or not self._reserve(seq, chunk.rows, batch):
         continue
       batch.add(chunk)
       budget -= chunk.num_computed
     while self.waiting and budget and len(self.running) < self.max_num_seqs:
       seq = self.waiting[0]
-      # A chunk of one token is the smallest that could join: if even it does not fit, wait.
-      if self._chunk(batch, 1, budget) == 0 or not self._admit(seq):
+      if not self._admit(seq):
         break
       self.waiting.popleft()
       self.running.append(seq)
       seq.status = Status.RUNNING
-      count = self._chunk(batch, seq.num_uncomputed, budget)
-      self._reserve(seq, count, batch)  # admission checked that the whole prompt fits
-      batch.add(Chunk(seq, seq.num_computed, count))
+      count = min(seq.num_uncomputed, budget)
+      chunk = Chunk(seq, seq.num_computed, count)
+      self._reserve(seq, chunk.rows, batch)  # admission checked that all its rows fit
+      batch.add(chunk)
       budget -= count
     return batch
 
-  def _chunk(self, batch: StepBatch, uncomputed: int, budget: int) -> int:
-    """Tokens of a prefill chunk of ``uncomputed`` tokens in this step: what the budget leaves
-    for the first; for a later one the most that keeps the padded prefill within the step's
-    tokens (0: it waits for a later step)."""
-    count = min(uncomputed, budget)
-    if not batch.prefills:
-      return count
-    rows = len(batch.prefills) + 1
-    longest = max(c.num_tokens for c in batch.prefills)
-    limit = self.max_step_tokens - batch.decode_tokens
-    fits = lambda n: self.prefill_slots(rows, max(longest, n)) <= limit
-    if not fits(1):
-      return 0
-    lo, hi = 1, count  # the largest n in [1, count] that fits (padded size grows with n)
-    while lo < hi:
-      mid = (lo + hi + 1) // 2
-      lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+  def reserve_decode_steps(self, batch: StepBatch, steps: int) -> bool:
+    """For a step of plain decodes only: pages for ``steps`` decode steps of each (never past
+    a request's last token), taken only if the free pages hold them all; preempts nothing.
+    True when reserved (``batch.decode_steps`` is then ``steps``)."""
+    if batch.prefills or not batch.decodes or any(c.drafts for c in batch.decodes):
+      return False
+    size = self.pages.page_size
+    extra = [max(0, pages_for(c.start + min(steps, _tokens_left(c.seq)), size)
+                 - len(c.seq.pages)) for c in batch.decodes]
+    if sum(extra) > self.pages.num_free:
+      return False
+    for c, count in zip(batch.decodes, extra):
+      c.seq.pages.extend(self.pages.allocate(count))
+    batch.decode_steps = steps
+    return True
 
   def _admit(self, seq: Sequence) -> bool:
     """Takes the longest cached prefix (leaving one token to compute, whose logits sample the
@@ -184,7 +173,10 @@ class Scheduler:
       keys = page_keys(seq.tokens[:len(seq.tokens) - 1], size, self.pages.salt)
       hits = self.pages.match(keys)
       seq.page_keys = keys[:len(hits)]
-    if pages_for(len(seq.tokens), size) - len(hits) > self.pages.num_free:
+    # The whole sequence must fit, with the MTP rows of its first drafts (``Chunk.rows``).
+    last = seq.num_prompt + seq.params.max_tokens
+    reach = min(len(seq.tokens) + max(seq.params.speculative_tokens - 1, 0), last)
+    if pages_for(reach, size) - len(hits) > self.pages.num_free:
       self.pages.release(hits)
       seq.page_keys = []
       return False
@@ -270,3 +262,8 @@ class Scheduler:
   def _finish(seq: Sequence, reason: str) -> None:
     seq.status, seq.finish_reason = Status.FINISHED, reason
     seq.finish_time = time.perf_counter()
+
+
+def _tokens_left(seq: Sequence) -> int:
+  """Tokens a running sequence may still emit."""
+  return seq.params.max_tokens - len(seq.output)

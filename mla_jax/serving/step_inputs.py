@@ -1,8 +1,12 @@
-"""A step's inputs as arrays padded to its shape bucket, and how they reach every process.
+"""A flat step's inputs: every scheduled token in one row each, padded to a few shape buckets,
+and how they reach every process.
 
-The scheduling process (process 0) builds them from the scheduler's chunks; with several
-processes it broadcasts them (a small header with the shape, then the arrays), and every process
-runs the same compiled program on them.
+A step's tokens are laid end to end, each sequence's consecutive and in order (decode
+tokens, drafts to verify, prefill chunks alike): per token its id, its sequence's slot and its
+position; per sequence slot its block table and sampling settings and which of its tokens'
+logits it samples from. The scheduling process (process 0) builds them from the scheduler's
+chunks; with several processes it broadcasts them (a small header with the shape, then the
+arrays), and every process runs the same compiled program on them.
 """
 
 from __future__ import annotations
@@ -11,34 +15,89 @@ import dataclasses
 
 import numpy as np
 
-from mla_jax.cache import MIN_BUCKET, power_of_two_bucket as bucket
-from mla_jax.serving.scheduler import Chunk, pages_for
+from mla_jax.cache import power_of_two_bucket as bucket
+from mla_jax.serving.scheduler import Chunk
 
-KINDS = ("decode", "prefill")
+MIN_TOKENS = 8  # the smallest token bucket of a step program
 
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-  """A step program's static shape: what it is compiled for."""
+  """A step program's static shape: what it is compiled for.
 
-  kind: str                  # "decode" or "prefill"
-  batch: int                 # sequence rows
-  tokens: int                # tokens per row (a decode's: 1 + the most draft tokens of a row)
-  cached_bound: int | None   # None in decode (unknown until run time)
-  kv_pages: int              # block-table width
+  ``tokens``: token rows (a power of two, a multiple of the mesh's data axis); ``seqs``:
+  sequence slots (as many, but at most the engine's seats' bucket). ``kv_pages``: block-table
+  width (a sequence's longest table). ``fresh``: every sequence starts empty and holds at most
+  the dense bound of tokens (the plan may then take the dense route; only an engine whose
+  model can take it makes such shapes). ``decode_steps``: 1 for one step; more for a
+  multi-step decode dispatch (row s is sequence s, one token per step).
+  """
+
+  tokens: int
+  seqs: int
+  kv_pages: int
+  fresh: bool = False
+  decode_steps: int = 1
 
   def header(self, command: int = 1) -> np.ndarray:
-    cached = -1 if self.cached_bound is None else self.cached_bound
-    return np.array([command, KINDS.index(self.kind), self.batch, self.tokens, cached,
-                     self.kv_pages], np.int32)
+    return np.array([command, self.tokens, self.seqs, self.kv_pages, int(self.fresh),
+                     self.decode_steps], np.int32)
 
   @classmethod
   def from_header(cls, header) -> StepShape | None:
     """The shape a header announces; None for the stop command."""
-    command, kind, batch, tokens, cached, kv_pages = (int(v) for v in header)
-    if command == 0:
-      return None
-    return cls(KINDS[kind], batch, tokens, None if cached < 0 else cached, kv_pages)
+    command, tokens, seqs, kv_pages, fresh, steps = (int(v) for v in header)
+    return None if command == 0 else cls(tokens, seqs, kv_pages, bool(fresh), steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  """An engine's static choices of step shapes (docs/serving.md, "Step programs").
+
+  Token rows are powers of two from ``MIN_TOKENS`` (multiples of ``batch_multiple``, the
+  mesh's data axis) up to the step budget's; sequence slots as many, at most the seats'
+  bucket; the block table is always ``max_pages`` wide, since the indexer scores keys up to
+  the live reach only (``StepPlan.key_chunk``). ``dense_bound``: the tokens a fresh sequence
+  may hold in a step the dense route can take (None: the model takes none).
+  """
+
+  max_step_tokens: int
+  max_num_seqs: int
+  max_pages: int
+  dense_bound: int | None = None
+  decode_steps: int = 1
+  batch_multiple: int = 1
+
+  def tokens(self, num_tokens: int) -> int:
+    return -(-bucket(num_tokens, MIN_TOKENS) // self.batch_multiple) * self.batch_multiple
+
+  def shape(self, chunks: list[Chunk], decode_steps: int = 1) -> StepShape:
+    """The bucket of a step over ``chunks`` (every token computed, drafts included): fresh when
+    the dense route may apply (every chunk starts its sequence and holds at most
+    ``dense_bound`` tokens)."""
+    fresh = self.dense_bound is not None and decode_steps == 1 and all(
+        c.start == 0 and c.num_tokens <= self.dense_bound for c in chunks)
+    return self._shape(self.tokens(sum(c.num_computed for c in chunks)), fresh, decode_steps)
+
+  def _shape(self, tokens: int, fresh: bool, decode_steps: int) -> StepShape:
+    return StepShape(tokens, min(tokens, self.tokens(self.max_num_seqs)), self.max_pages, fresh,
+                     decode_steps)
+
+  def all_shapes(self) -> list[StepShape]:
+    """Every shape a step of this engine can take: what ``Engine.warmup`` compiles."""
+    sizes, n = [], self.tokens(1)
+    while True:
+      sizes.append(n)
+      if n >= self.tokens(self.max_step_tokens):
+        break
+      n = self.tokens(n + 1)
+    shapes = [self._shape(n, False, 1) for n in sizes]
+    if self.dense_bound is not None:
+      shapes += [self._shape(n, True, 1) for n in sizes]
+    if self.decode_steps > 1:
+      shapes += [self._shape(n, False, self.decode_steps) for n in sizes
+                 if n <= self.tokens(self.max_num_seqs)]
+    return shapes
 
 
 STOP_HEADER = np.zeros(6, np.int32)
@@ -46,84 +105,87 @@ STOP_HEADER = np.zeros(6, np.int32)
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-  """Per row: token ids [B, T], new and cached lengths, block table [B, N], sampling state;
-  for the MTP layers (speculative engines): the token after each id [B, T] (-1: the one this
-  step samples), the draft tokens the row asks for and the tokens it may still emit."""
+  """The arrays of one step (or multi-step dispatch).
 
-  ids_BT: np.ndarray
-  new_lens_B: np.ndarray
-  lengths_B: np.ndarray
-  table_BN: np.ndarray
-  seeds_B: np.ndarray
-  counters_B: np.ndarray
-  temperature_B: np.ndarray
-  top_p_B: np.ndarray
-  next_ids_BT: np.ndarray
-  speculative_B: np.ndarray
-  remaining_B: np.ndarray
+  Per token row t [T]: ``ids_T``, its sequence slot ``seq_T``, its position ``pos_T``,
+  ``real_T`` (1 for a token, 0 for padding), ``next_ids_T`` (the token after it when known on
+  the host, for the MTP layers' pairs; -1: the token this step samples at that row),
+  ``logit_row_T`` (which of its sequence's logit rows it is, -1 for none).
+  Per sequence slot s [S]: ``table_SN``, ``seeds_S``, ``counters_S`` (tokens it has
+  generated), ``temperature_S``, ``top_p_S``, ``logit_rows_SJ`` (the token rows whose logits
+  it samples from: its last token, or a decode's token and drafts), ``num_logits_S`` (how
+  many: 0 when it does not sample), ``speculative_S`` (drafts it asks for), ``remaining_S``
+  (tokens it may still emit), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step
+  dispatch stops it on the device).
+  """
+
+  ids_T: np.ndarray
+  seq_T: np.ndarray
+  pos_T: np.ndarray
+  real_T: np.ndarray
+  next_ids_T: np.ndarray
+  logit_row_T: np.ndarray
+  table_SN: np.ndarray
+  seeds_S: np.ndarray
+  counters_S: np.ndarray
+  temperature_S: np.ndarray
+  top_p_S: np.ndarray
+  logit_rows_SJ: np.ndarray
+  num_logits_S: np.ndarray
+  speculative_S: np.ndarray
+  remaining_S: np.ndarray
+  stop_ids_SM: np.ndarray
 
   @classmethod
-  def zeros(cls, shape: StepShape) -> StepInputs:
-    b = shape.batch
+  def zeros(cls, shape: StepShape, logit_rows: int, stop_ids: int) -> StepInputs:
+    t, s = shape.tokens, shape.seqs
     ints = lambda *dims: np.zeros(dims, np.int32)
-    return cls(ints(b, shape.tokens), ints(b), ints(b), ints(b, shape.kv_pages), ints(b),
-               ints(b), np.zeros(b, np.float32), np.ones(b, np.float32),
-               ints(b, shape.tokens), ints(b), ints(b))
+    return cls(ints(t), ints(t), ints(t), ints(t), np.full(t, -1, np.int32),
+               np.full(t, -1, np.int32), ints(s, shape.kv_pages), ints(s), ints(s),
+               np.zeros(s, np.float32), np.ones(s, np.float32), ints(s, logit_rows), ints(s),
+               ints(s), ints(s), np.full((s, stop_ids), -1, np.int32))
 
   def arrays(self) -> tuple[np.ndarray, ...]:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
-
-def batch_bucket(num_rows: int, batch_multiple: int = 1) -> int:
-  """Rows of a step program: a power of two, a multiple of the mesh's data axis."""
-  return -(-bucket(num_rows, batch_multiple) // batch_multiple) * batch_multiple
+  NUM_TOKEN_ARRAYS = 6  # the first fields are per token row; the others per sequence slot
 
 
-def token_bucket(num_tokens: int) -> int:
-  """Tokens per row of a prefill program: a power of two, at least 16."""
-  return bucket(num_tokens, 16)
-
-
-def prefill_slots(num_chunks: int, longest: int, batch_multiple: int = 1) -> int:
-  """The padded size (rows x tokens) of the prefill program ``num_chunks`` chunks run in."""
-  return batch_bucket(num_chunks, batch_multiple) * token_bucket(longest)
-
-
-def step_shape(chunks: list[Chunk], kind: str, page_size: int, batch_multiple: int = 1
-               ) -> StepShape:
-  """The bucket of a step over ``chunks``: rows a power of two (a multiple of the mesh's data
-  axis), tokens a power of two (at least 16) or 1 in decode, kv pages covering the longest reach
-  in buckets of at least ``MIN_BUCKET`` rows. A prefill's cached bound is 0 when every chunk is
-  fresh (the dense route may then apply), else every row before the step's tokens: a true
-  bound that adds no programs of its own. A decode's tokens are 1 + the most draft tokens
-  its rows ask for (speculative decoding), and its pages cover every row it may write."""
-  starts = [c.start for c in chunks]
-  if kind == "decode":
-    tokens = 1 + max(c.seq.params.speculative_tokens for c in chunks)
-    reach = max(c.start + c.rows for c in chunks)
-  else:
-    tokens = token_bucket(max(c.num_tokens for c in chunks))
-    reach = max(starts) + tokens
-  kv_pages = bucket(pages_for(reach, page_size), pages_for(MIN_BUCKET, page_size))
-  cached = None if kind == "decode" else 0 if max(starts) == 0 else kv_pages * page_size - tokens
-  return StepShape(kind, batch_bucket(len(chunks), batch_multiple), tokens, cached, kv_pages)
-
-
-def build(chunks: list[Chunk], shape: StepShape) -> StepInputs:
-  """The chunks' rows; padding rows compute nothing (no new tokens) and sample nothing used."""
-  inputs = StepInputs.zeros(shape)
-  for b, c in enumerate(chunks):
-    seq = c.seq
-    inputs.ids_BT[b, :c.num_computed] = c.token_ids + list(c.drafts)
-    inputs.new_lens_B[b], inputs.lengths_B[b] = c.num_computed, c.start
-    inputs.table_BN[b, :len(seq.pages)] = seq.pages
-    inputs.seeds_B[b], inputs.counters_B[b] = seq.seed, len(seq.output)
-    inputs.temperature_B[b], inputs.top_p_B[b] = seq.params.temperature, seq.params.top_p
-    following = seq.tokens[c.start + 1:c.start + c.num_tokens + 1]
-    inputs.next_ids_BT[b, :c.num_tokens] = following + [-1] * (c.num_tokens - len(following))
-    inputs.speculative_B[b] = seq.params.speculative_tokens
-    inputs.remaining_B[b] = seq.params.max_tokens - len(seq.output)
+def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int, stop_ids) -> StepInputs:
+  """The chunks' tokens laid end to end, chunk b in sequence slot b; padding rows and slots
+  compute nothing and sample nothing used. ``stop_ids(seq)``: the ids that end a sequence
+  (a multi-step dispatch checks them on the device)."""
+  inputs = StepInputs.zeros(shape, logit_rows, STOP_IDS)
+  t = 0
+  for s, c in enumerate(chunks):
+    seq, n = c.seq, c.num_computed
+    rows = slice(t, t + n)
+    inputs.ids_T[rows] = c.token_ids + list(c.drafts)
+    inputs.seq_T[rows] = s
+    inputs.pos_T[rows] = np.arange(c.start, c.start + n)
+    inputs.real_T[rows] = 1
+    # The token after each one, where the host knows it: a prompt's next token (a chunk that
+    # samples has none after its last one; a decode's are what its verification accepts).
+    if not c.drafts:
+      following = seq.tokens[c.start + 1:c.start + c.num_tokens + 1]
+      inputs.next_ids_T[t:t + len(following)] = following
+    if c.samples:
+      first = t + c.num_tokens - 1  # the chunk's last token, then its drafts
+      inputs.logit_rows_SJ[s, :n - c.num_tokens + 1] = np.arange(first, t + n)
+      inputs.logit_row_T[first:t + n] = np.arange(t + n - first)
+      inputs.num_logits_S[s] = t + n - first
+    inputs.table_SN[s, :len(seq.pages)] = seq.pages
+    inputs.seeds_S[s], inputs.counters_S[s] = seq.seed, len(seq.output)
+    inputs.temperature_S[s], inputs.top_p_S[s] = seq.params.temperature, seq.params.top_p
+    inputs.speculative_S[s] = seq.params.speculative_tokens
+    inputs.remaining_S[s] = seq.params.max_tokens - len(seq.output)
+    ids = stop_ids(seq)[:STOP_IDS]
+    inputs.stop_ids_SM[s, :len(ids)] = ids
+    t += n
   return inputs
+
+
+STOP_IDS = 8  # stop ids per sequence a multi-step dispatch checks on the device
 
 
 def broadcast(header: np.ndarray, inputs: StepInputs | None) -> None:
@@ -135,12 +197,13 @@ def broadcast(header: np.ndarray, inputs: StepInputs | None) -> None:
     multihost_utils.broadcast_one_to_all(inputs.arrays())
 
 
-def receive() -> tuple[StepShape, StepInputs] | None:
+def receive(logit_rows: int) -> tuple[StepShape, StepInputs] | None:
   """A follower's side: the next step's shape and inputs, or None when process 0 stops."""
   from jax.experimental import multihost_utils
 
   shape = StepShape.from_header(np.asarray(multihost_utils.broadcast_one_to_all(STOP_HEADER)))
   if shape is None:
     return None
-  arrays = multihost_utils.broadcast_one_to_all(StepInputs.zeros(shape).arrays())
+  arrays = multihost_utils.broadcast_one_to_all(
+      StepInputs.zeros(shape, logit_rows, STOP_IDS).arrays())
   return shape, StepInputs(*(np.asarray(a) for a in arrays))

@@ -1,27 +1,37 @@
-"""The function an engine step program runs: the model over the page pools, then each row's
-new tokens; with MTP layers (a speculative engine) also their caches and the next drafts.
+"""The function an engine step program runs: the model over the page pools on one flat batch
+of tokens, then each sequence's new tokens; with MTP layers (a speculative engine) also their
+caches and the next drafts. A multi-step decode program runs several decode steps of that
+function in one dispatch.
 
-A prefill row samples one token after its chunk. A decode row holds its last token and the
-draft tokens to verify (``new_lens_B[b] - 1`` of them, up to ``T - 1``): the main model runs
-all of them, the longest acceptable prefix of drafts is kept and one token follows it, so a
-row emits ``accepted + 1`` tokens (one without drafts).
+The step's tokens lie end to end, one per row (``step_inputs``): each row is a sequence of
+one token for the layers, at its own position and with its sequence's block table, and the
+rows of one sequence share a segment id. Every route but the dense one is per token already
+(the indexer scores a row's query against its sequence's keys, sparse MQA gathers its top-k
+rows); the dense route, in a program whose sequences all start empty, attends within
+segments over the step's rows (``StepPlan.segmented``). Rows are written before any is read,
+so a prefill chunk's later tokens see its earlier ones.
+
+A sequence samples from up to J of its rows' logits (``logit_rows_SJ``): a chunk reaching its
+last token samples one token after it; a decode with drafts holds its last token and the drafts
+to verify, the longest acceptable prefix of drafts is kept and one token follows it, so it
+emits ``accepted + 1`` tokens. Only those rows go through the vocabulary projection.
 
 - Greedy rows accept a draft equal to the main model's argmax; the token after is the argmax.
 - Sampled rows draft greedily (the draft distribution q is one-hot on the draft, as vLLM's
   MTP proposer), so rejection sampling (Leviathan et al. 2023) keeps draft d with
   probability p(d) and replaces the first rejected one by a draw from p without d: the
   tokens have the main model's distribution p (after each row's temperature and top-p).
-  The randomness of a row's output token i comes from ``fold_in(key(seed), i)`` alone (the
-  plain sampler's key for the bonus token; folds 1 and 2 for the acceptance test and the
-  replacement), so a row's tokens never depend on the other rows.
+  The randomness of a sequence's output token i comes from ``fold_in(key(seed), i)`` alone
+  (the plain sampler's key for the bonus token; folds 1 and 2 for the acceptance test and
+  the replacement), so a sequence's tokens never depend on the others.
 
-MTP row p holds the pair (main hidden state h_p, token p + 1) at the main cache's page ids: a
-prefill writes its chunk's pairs, a decode the pairs of the tokens it accepted (the last with
-the token it sampled), from the row's cached length, so the MTP cache is never ahead of what
-is verified. It then drafts the row's next tokens: d_1 from the MTP's output at the last
-verified pair, d_{i+1} by one-token MTP steps on (its previous output, d_i) written past it
-(overwritten by the next step's pairs; past the MTP layers the last one repeats). A row
-drafts ``min(speculative_B, remaining - 1)`` tokens, so no MTP write passes its last token.
+MTP row p holds the pair (main hidden state h_p, token p + 1) at the main cache's page ids:
+every row of the step writes its pair, from the token after it (known on the host, or the
+token the step samples there), except a decode's rows past what its verification accepted, so
+the MTP cache is never ahead of what the main cache holds. Then each sequence that sampled
+drafts its next tokens: d_1 from its last pair's MTP output, then one-token MTP steps (layer
+``min(i, num_mtp_layers - 1)``, past the layers the last one repeats). A sequence drafts
+``min(speculative_S, remaining - 1)`` tokens, so no MTP write passes its last token.
 """
 
 from __future__ import annotations
@@ -42,72 +52,123 @@ from mla_jax.step_plan import StepPlan
 
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
-  """What a step program is built from (static): the kind of step, its plans and the model.
+  """What a step program is built from (static).
 
-  ``plan``: the main model's (and the MTP layers' pairs'); ``draft_plan``: a one-token step
-  for the further drafts (None without drafting). ``mtp``: run the MTP layers.
+  ``plan``: the flat step's ``StepPlan`` (``plan_flat_step``: the main model's and the MTP
+  layers' pairs'); ``draft_plan``: a one-token step per sequence for the further drafts
+  (None without drafting). ``mtp``: run the MTP layers. ``logit_rows``: J, rows a sequence
+  samples from (1 + the most draft tokens). ``decode_steps``: 1 for one step; more for a
+  multi-step decode dispatch (row s is sequence s, one token per step).
   """
 
-  kind: str
   plan: StepPlan
   draft_plan: StepPlan | None
   mtp: bool
   page_size: int
+  logit_rows: int
+  decode_steps: int = 1
 
   def build(self, graphdef, state_def, layout):
-    """``step(state_leaves, pools, *StepInputs arrays) -> (outputs, pools)``; outputs: new
-    tokens [B, J], accepted drafts [B], the tokens' log-probabilities [B, J] and the most
-    likely ones' ids and log-probabilities [B, J, K], next drafts [B, D]."""
-    page_size, num_drafts = self.page_size, self.plan.num_new_tokens - 1
+    """``step(state_leaves, pools, *StepInputs arrays) -> (outputs, pools)``.
 
-    def step(state_leaves, pools, ids_BT, new_lens_B, lengths_B, table_BN, seeds_B,
-             counters_B, temps_B, top_ps_B, next_ids_BT, speculative_B, remaining_B):
-      model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+    One step's outputs: new tokens [S, J] (the first ``accepted + 1`` of a sequence are its),
+    accepted drafts [S], the tokens' log-probabilities [S, J] and the most likely ones' ids
+    and log-probabilities [S, J, K], next drafts [S, D]. A multi-step dispatch's: new tokens
+    [N, S] (-1 once a sequence stopped), their log-probabilities [N, S] and the most likely
+    ones' [N, S, K]."""
+    page_size = self.page_size
+
+    def forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN):
+      """The main model on the flat rows: hidden states [T, D] and the pools."""
       main_pools, mtp_pools = pools
+      table_TN = table_SN[seq_T]
       caches = ModelCache(tuple(
-          tuple(PagedLayerCache(latent, keys, table_BN,
-                                jnp.broadcast_to(lengths_B, (group.reps, *lengths_B.shape)),
-                                page_size)
+          tuple(PagedLayerCache(latent, keys, table_TN,
+                                jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)), page_size,
+                                seq_T)
                 for latent, keys in unit)
           for group, unit in zip(layout, main_pools)), layout)
-      logits_BTV, caches, hidden_BTD = model(ids_BT, caches, new_lens_B=new_lens_B,
-                                             plan=self.plan, return_hidden=True)
-      sampling = (seeds_B, counters_B, temps_B, top_ps_B)
-      if self.kind == "decode":
-        accepted_B, tokens_BJ = accept(logits_BTV, ids_BT, new_lens_B, *sampling)
-        logits_BJV = logits_BTV
-      else:
-        logits_BJV = _row(logits_BTV, jnp.maximum(new_lens_B - 1, 0))[:, None]
-        tokens_BJ = sample_rows(logits_BJV[:, 0], *sampling)[:, None]
-        accepted_B = jnp.zeros_like(new_lens_B)
-      drafts_BD = jnp.zeros((ids_BT.shape[0], 0), jnp.int32)
-      if self.mtp:
-        views = _mtp_views(mtp_pools, table_BN, lengths_B, page_size)
-        if self.kind == "decode":  # the accepted pairs: tokens_BJ follow the verified ids
-          pairs_BT, pair_lens_B = tokens_BJ, (new_lens_B > 0) * (accepted_B + 1)
-        else:
-          pairs_BT = jnp.where(next_ids_BT < 0, tokens_BJ, next_ids_BT)
-          pair_lens_B = new_lens_B
-        mtp_logits_BTV, mtp_hidden_BTD, views = model.mtp_forward(
-            0, hidden_BTD, pairs_BT, views, new_lens_B=pair_lens_B, plan=self.plan)
-        if self.kind == "decode" and num_drafts:
-          last_B = jnp.maximum(pair_lens_B - 1, 0)
-          wanted_B = jnp.clip(jnp.minimum(speculative_B, remaining_B - pair_lens_B - 1), 0)
-          drafts_BD, views = _draft(model, _row(mtp_logits_BTV, last_B),
-                                    _row(mtp_hidden_BTD, last_B), views, lengths_B + pair_lens_B,
-                                    wanted_B, num_drafts, self.draft_plan)
-        mtp_pools = tuple(v.buffers.pools for v in views)
-      # Log-probabilities of the model's distribution (before temperature and top_p), for
-      # every row: a top-k over the vocabulary is small beside the step.
-      logprobs_BJV = jax.nn.log_softmax(logits_BJV.astype(jnp.float32), axis=-1)
-      chosen_BJ = jnp.take_along_axis(logprobs_BJV, tokens_BJ[..., None], axis=-1)[..., 0]
-      top_logprobs_BJK, top_ids_BJK = jax.lax.top_k(logprobs_BJV,
-                                                    min(MAX_LOGPROBS, logprobs_BJV.shape[-1]))
+      hidden_T1D, caches = model.forward_hidden(ids_T[:, None], caches, new_lens_B=real_T,
+                                                plan=self.plan)
       main_pools = tuple(tuple(c.pools for c in unit) for unit in caches.groups)
-      return ((tokens_BJ, accepted_B, chosen_BJ, top_ids_BJK, top_logprobs_BJK, drafts_BD),
-              (main_pools, mtp_pools))
+      return hidden_T1D[:, 0], (main_pools, mtp_pools)
 
-    return step
+    def step(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T, logit_row_T,
+             table_SN, seeds_S, counters_S, temps_S, top_ps_S, logit_rows_SJ, num_logits_S,
+             speculative_S, remaining_S, stop_ids_SM):
+      model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+      hidden_TD, pools = forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN)
+      logits_SJV = model.logits(hidden_TD[logit_rows_SJ])
+      accepted_S, tokens_SJ = accept(logits_SJV, ids_T[logit_rows_SJ], num_logits_S, seeds_S,
+                                     counters_S, temps_S, top_ps_S)
+      drafts_SD = jnp.zeros((seeds_S.shape[0], 0), jnp.int32)
+      if self.mtp:
+        main_pools, mtp_pools = pools
+        # Row t's pair: (h_t, the token after it): known on the host, or sampled here.
+        sampled_T = tokens_SJ[seq_T, jnp.maximum(logit_row_T, 0)]
+        pairs_T = jnp.where(next_ids_T < 0, sampled_T, next_ids_T)
+        valid_T = real_T * ((logit_row_T < 0) | (logit_row_T <= accepted_S[seq_T]))
+        views = _mtp_views(mtp_pools, table_SN[seq_T], pos_T, page_size, seq_T)
+        _, mtp_hidden_T1D, views = model.mtp_forward(
+            0, hidden_TD[:, None], pairs_T[:, None], views, new_lens_B=valid_T,
+            plan=self.plan, logits=False)
+        mtp_pools = tuple(v.buffers.pools for v in views)
+        if self.draft_plan is not None:
+          emitted_S = (num_logits_S > 0) * (accepted_S + 1)
+          last_S = jnp.take_along_axis(logit_rows_SJ, accepted_S[:, None], axis=1)[:, 0]
+          wanted_S = jnp.clip(jnp.minimum(speculative_S, remaining_S - emitted_S - 1), 0)
+          wanted_S = jnp.where(num_logits_S > 0, wanted_S, 0)
+          last_hidden_SD = mtp_hidden_T1D[last_S, 0]
+          drafts_SD, mtp_pools = _draft(
+              model, model.mtp_logits(0, last_hidden_SD), last_hidden_SD, mtp_pools, table_SN,
+              pos_T[last_S] + 1, wanted_S, self.logit_rows - 1, self.draft_plan, page_size)
+        pools = (main_pools, mtp_pools)
+      return (tokens_SJ, accepted_S, *_logprobs(logits_SJV, tokens_SJ), drafts_SD), pools
+
+    def decode_steps(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T,
+                     logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S,
+                     logit_rows_SJ, num_logits_S, speculative_S, remaining_S, stop_ids_SM):
+      """Up to N decode steps of every real row (row s: sequence s's last token), each
+      sampling one token; a sequence stops at a stop id or its last allowed token, and the
+      loop ends early once every sequence has."""
+      model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
+      n, s = self.decode_steps, ids_T.shape[0]
+      k = min(MAX_LOGPROBS, model.config.vocab_size)
+
+      def one_step(carry):
+        i, pools, ids_S, active_S, tokens_NS, chosen_NS, top_ids_NSK, top_NSK = carry
+        hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
+        logits_SV = model.logits(hidden_SD)
+        new_S = sample_rows(logits_SV, seeds_S, counters_S + i, temps_S, top_ps_S)
+        chosen_S1, top_ids_S1K, top_S1K = _logprobs(logits_SV[:, None], new_S[:, None])
+        emit_S = active_S > 0
+        stopped_S = emit_S & ((new_S[:, None] == stop_ids_SM).any(axis=1)
+                              | (i + 1 >= remaining_S))
+        put = lambda buffer, value, fill: buffer.at[i].set(
+            jnp.where(emit_S.reshape(-1, *[1] * (value.ndim - 1)), value, fill))
+        return (i + 1, pools, jnp.where(emit_S, new_S, ids_S),
+                active_S * ~stopped_S, put(tokens_NS, new_S, -1),
+                put(chosen_NS, chosen_S1[:, 0], 0.0), put(top_ids_NSK, top_ids_S1K[:, 0], 0),
+                put(top_NSK, top_S1K[:, 0], 0.0))
+
+      carry = (jnp.int32(0), pools, ids_T, real_T * (remaining_S > 0),
+               jnp.full((n, s), -1, jnp.int32), jnp.zeros((n, s), jnp.float32),
+               jnp.zeros((n, s, k), jnp.int32), jnp.zeros((n, s, k), jnp.float32))
+      carry = jax.lax.while_loop(lambda c: (c[0] < n) & (c[3].sum() > 0), one_step, carry)
+      _, pools, _, _, tokens_NS, chosen_NS, top_ids_NSK, top_NSK = carry
+      return (tokens_NS, chosen_NS, top_ids_NSK, top_NSK), pools
+
+    return step if self.decode_steps == 1 else decode_steps
+
+
+def _logprobs(logits_SJV, tokens_SJ):
+  """Log-probabilities of the model's distribution (before temperature and top_p): the
+  tokens' [S, J] and the most likely ones' ids and values [S, J, K] (a top-k over the
+  vocabulary is small beside the step)."""
+  logprobs_SJV = jax.nn.log_softmax(logits_SJV.astype(jnp.float32), axis=-1)
+  chosen_SJ = jnp.take_along_axis(logprobs_SJV, tokens_SJ[..., None], axis=-1)[..., 0]
+  top_SJK, top_ids_SJK = jax.lax.top_k(logprobs_SJV, min(MAX_LOGPROBS, logprobs_SJV.shape[-1]))
+  return chosen_SJ, top_ids_SJK, top_SJK
 
 
 def _row(x_BT, index_B):
@@ -151,31 +212,32 @@ def accept(logits_BJV, ids_BJ, new_lens_B, seeds_B, counters_B, temps_B, top_ps_
   return accepted_B, jnp.where(t_J < accepted_B[:, None], padded_BJ, next_B[:, None])
 
 
-def _mtp_views(mtp_pools, table_BN, lengths_B, page_size):
+def _mtp_views(mtp_pools, table_BN, lengths_B, page_size, segment_ids_B=None):
   """The MTP layers' paged caches (one layer each) at ``lengths_B``."""
-  return tuple(PagedLayerCache(latent, keys, table_BN, lengths_B[None], page_size).layer_view(0)
+  return tuple(PagedLayerCache(latent, keys, table_BN, lengths_B[None], page_size,
+                               segment_ids_B).layer_view(0)
                for latent, keys in mtp_pools)
 
 
-def _draft(model, logits_BV, hidden_BD, views, start_B, wanted_B, count: int, plan: StepPlan):
-  """``(drafts_BD, views)``: ``count`` greedy drafts per row, d_1 from ``logits_BV``, then one
-  MTP step each on (the previous output, the previous draft) at MTP row ``start_B + i``
-  (written only for the ``wanted_B`` drafts a row asks for). The steps of the repeated last
-  layer run as one ``lax.scan``, so the compile time does not grow with the drafts."""
+def _draft(model, logits_BV, hidden_BD, mtp_pools, table_BN, start_B, wanted_B, count: int,
+           plan: StepPlan, page_size: int):
+  """``(drafts_BD, mtp_pools)``: ``count`` greedy drafts per sequence, d_1 from
+  ``logits_BV``, then one MTP step each on (the previous output, the previous draft) at MTP
+  row ``start_B + i`` (written only for the ``wanted_B`` drafts a sequence asks for). The
+  steps of the repeated last layer run as one ``lax.scan``, so the compile time does not
+  grow with the drafts."""
   last = model.config.num_mtp_layers - 1
-  table_BN, page_size = views[0].buffers.block_table_BN, views[0].buffers.page_size
 
   def step(carry, i, layer):
     d_B, hidden_B1D, pools = carry
     views = _mtp_views(pools, table_BN, start_B + i, page_size)
-    logits_B1V, hidden_B1D, views = model.mtp_forward(
+    _, hidden_B1D, views = model.mtp_forward(
         layer, hidden_B1D, d_B[:, None], views,
-        new_lens_B=(i + 1 < wanted_B).astype(jnp.int32), plan=plan)
-    d_B = jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32)
+        new_lens_B=(i + 1 < wanted_B).astype(jnp.int32), plan=plan, logits=False)
+    d_B = jnp.argmax(model.mtp_logits(layer, hidden_B1D[:, 0]), axis=-1).astype(jnp.int32)
     return (d_B, hidden_B1D, tuple(v.buffers.pools for v in views)), d_B
 
-  carry = (jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), hidden_BD[:, None],
-           tuple(v.buffers.pools for v in views))
+  carry = (jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), hidden_BD[:, None], mtp_pools)
   drafts = [carry[0][:, None]]
   distinct = min(max(last - 1, 0), count - 1)  # steps before the last layer: layers 1..last-1
   for i in range(distinct):
@@ -185,5 +247,4 @@ def _draft(model, logits_BV, hidden_BD, views, start_B, wanted_B, count: int, pl
     carry, scanned_DB = jax.lax.scan(lambda c, i: step(c, i, last), carry,
                                      jnp.arange(distinct, count - 1))
     drafts.append(scanned_DB.T)
-  return (jnp.concatenate(drafts, axis=1),
-          _mtp_views(carry[2], table_BN, start_B, page_size))
+  return jnp.concatenate(drafts, axis=1), carry[2]

@@ -6,10 +6,9 @@ import random
 
 import pytest
 
-from mla_jax.serving import step_inputs
-from mla_jax.serving.pages import PageTable
+from mla_jax.serving.pages import PageTable, pages_for
 from mla_jax.serving.requests import SamplingParams, Sequence, Status
-from mla_jax.serving.scheduler import Scheduler, pages_for
+from mla_jax.serving.scheduler import Scheduler
 
 SIZE = 4
 
@@ -142,27 +141,39 @@ def test_decodes_come_first_and_prefills_fill_the_budget():
   loop.assert_all_done()
 
 
-def test_later_prefill_chunks_keep_the_padded_step_within_the_budget():
-  """Chunks of 40 and 3 tokens would run as 2 rows of 64 (128 slots for 43 tokens): the second
-  waits, and chunks that do join are cut to keep rows x tokens (power-of-two buckets) within
-  max_step_tokens."""
-  slots = lambda rows, longest: step_inputs.prefill_slots(rows, longest)
-  loop = Loop(64, max_num_seqs=8, max_step_tokens=64, prefill_slots=slots)
+def test_prefill_chunks_fill_the_budget_token_for_token():
+  """A step is one flat batch of tokens: chunks of 40 and 3 tokens and the first 21 of 30 make
+  64 tokens, nothing padded per sequence; the rest of the 30 follows beside the decodes."""
+  loop = Loop(64, max_num_seqs=8, max_step_tokens=64)
   loop.add(_prompt(40), max_tokens=2)
   loop.add(_prompt(3, first=60), max_tokens=2)
   loop.add(_prompt(30, first=70), max_tokens=2)
   first = loop.step()
-  assert [c.num_tokens for c in first.prefills] == [40]  # alone: 64 slots
-  second = loop.step()  # 1 decode; 3 tokens, then 16 of 30 (2 rows of 16 fit 63 slots)
-  assert [c.num_tokens for c in second.prefills] == [3, 16]
-  for _ in range(40):
-    batch = loop.step()
-    if len(batch.prefills) > 1:
-      longest = max(c.num_tokens for c in batch.prefills)
-      assert slots(len(batch.prefills), longest) + len(batch.decodes) <= 64
-    if not loop.scheduler.has_unfinished():
-      break
+  assert [c.num_tokens for c in first.prefills] == [40, 3, 21] and first.num_tokens == 64
+  second = loop.step()  # 2 decodes, then the last 9 tokens of the 30
+  assert len(second.decodes) == 2 and [c.num_tokens for c in second.prefills] == [9]
+  loop.run()
   loop.assert_all_done()
+
+
+def test_decode_steps_are_reserved_only_when_every_decode_fits():
+  """A multi-step decode dispatch takes pages for every decode's next steps (never past its
+  last token) up front, or none at all; a step with a prefill chunk never reserves."""
+  loop = Loop(7, max_num_seqs=2, max_step_tokens=16)
+  a, b = loop.add(_prompt(3), max_tokens=9), loop.add(_prompt(4, first=20), max_tokens=2)
+  batch = loop.step()  # the prefills
+  assert not loop.scheduler.reserve_decode_steps(batch, 8)
+  batch = loop.scheduler.schedule()  # two decodes, at positions 3 and 4
+  assert loop.scheduler.reserve_decode_steps(batch, 8) and batch.decode_steps == 8
+  # a: rows 3..10 (three pages); b: rows 4..4, its last token (two pages).
+  assert (len(a.pages), len(b.pages)) == (pages_for(3 + 8, SIZE), pages_for(4 + 1, SIZE))
+  assert loop.pages.num_free == 7 - 5
+  tight = Loop(4, max_num_seqs=2, max_step_tokens=16)
+  c = tight.add(_prompt(3), max_tokens=20)
+  tight.step()
+  batch = tight.scheduler.schedule()
+  assert not tight.scheduler.reserve_decode_steps(batch, 16)  # 19 rows: 5 pages of 4
+  assert batch.decode_steps == 1 and len(c.pages) == 1
 
 
 def test_max_num_seqs_bounds_the_running_set():
