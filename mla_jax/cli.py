@@ -22,6 +22,7 @@ from mla_jax.backends import BACKEND_NAMES, get_backend
 from mla_jax.cache import CACHE_DTYPE_NAMES, init_layer_cache
 from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, GenerationDefaults,
                                                    read_generation_config)
+from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
@@ -66,6 +67,19 @@ def float_in(low: float, high: float, *, low_open: bool = False):
     return value
 
   return parse
+
+
+def _compilation_cache(args) -> None:
+  """Points JAX's persistent compilation cache at ``--compilation-cache`` (every program,
+  however quick to compile: the step programs are many small ones)."""
+  if not args.compilation_cache:
+    return
+  import jax
+
+  Path(args.compilation_cache).mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _start_processes(args) -> None:
@@ -175,6 +189,7 @@ def cmd_generate(args) -> int:
   _start_processes(args)
   import jax
 
+  _compilation_cache(args)
   from mla_jax.generation import generate
 
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
@@ -236,6 +251,7 @@ def cmd_serve(args) -> int:
   _start_processes(args)
   import jax
 
+  _compilation_cache(args)
   from mla_jax.serving import Engine
   from mla_jax.serving.chat import ChatTemplate
   from mla_jax.serving.engine_loop import EngineLoop
@@ -255,7 +271,12 @@ def cmd_serve(args) -> int:
                   max_model_len=args.max_model_len, cache_dtype=args.cache_dtype,
                   tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
                   prefix_caching=args.prefix_caching, log_interval=args.log_interval,
-                  seed=args.seed, max_speculative_tokens=args.speculative_tokens)
+                  seed=args.seed, max_speculative_tokens=args.speculative_tokens,
+                  decode_steps=args.decode_steps)
+  if args.warmup:  # every process compiles every program before any step runs
+    count, seconds = engine.warmup(progress=jax.process_index() == 0)
+    if jax.process_index() == 0:
+      print(f"warm-up: {count} step programs compiled in {seconds:.1f} s", flush=True)
   if jax.process_index() != 0:
     engine.follow()
     return 0
@@ -406,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="multi-process run: number of processes")
   model.add_argument("--process-id", type=int_in(0),
                      help="multi-process run: this process, 0-based")
+  model.add_argument("--compilation-cache", metavar="DIR",
+                     help="keep compiled programs in DIR (JAX's persistent compilation cache), "
+                          "so that a restart compiles again only what changed")
   gen = sub.add_parser(
       "generate", parents=[common, model], formatter_class=argparse.RawDescriptionHelpFormatter,
       help="jit-compiled generation on a built-in or HF model",
@@ -465,6 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds SIGTERM leaves requests in flight before aborting them")
   serve.add_argument("--log-interval", type=float_in(0.0, math.inf, low_open=True),
                      default=10.0, help="seconds between engine stats lines (with -v)")
+  serve.add_argument("--decode-steps", type=int_in(1, 256), default=DECODE_STEPS_PER_DISPATCH,
+                     help="decode steps per dispatch when only decodes run and nothing waits")
+  serve.add_argument("--no-warmup", dest="warmup", action="store_false",
+                     help="serve at once, compiling each step program when a step first needs "
+                          "it (by default every one is compiled before the server listens)")
   _add_speculative_tokens(serve, "for every request (the engine keeps the MTP layers' paged "
                           "caches)")
   serve.set_defaults(func=cmd_serve)

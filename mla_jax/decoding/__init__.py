@@ -2,3 +2,7 @@
 acceptance, the stop rule and incremental text, the cache of compiled programs, and request
 settings checks. ``mla_jax.generation`` and ``mla_jax.serving`` both build on it and never on
 each other."""
+
+# Decode steps one dispatch runs (generate's decode programs, the engine's decode-only
+# dispatches): benchmarks/decode.py measured little per-token gain beyond about 8.
+DECODE_STEPS_PER_DISPATCH = 8

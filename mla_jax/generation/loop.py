@@ -20,6 +20,7 @@ from flax import nnx
 from mla_jax import sharding
 from mla_jax.cache import bucket_rows
 from mla_jax.checks import throw
+from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.generation import programs
 from mla_jax.generation.programs import (DecodeSettings, PrefillSettings,
                                          SpeculativePrefillSettings, SpeculativeSettings)
@@ -28,7 +29,7 @@ from mla_jax.generation.requests import Request, check_request
 from mla_jax.progress import progress_bar
 from mla_jax.routing import PrefillRoute
 
-DEFAULT_STEPS_PER_DISPATCH = 8  # benchmarks/decode.py: beyond ~8 the per-token gain is small
+DEFAULT_STEPS_PER_DISPATCH = DECODE_STEPS_PER_DISPATCH
 
 
 @dataclasses.dataclass

@@ -30,6 +30,7 @@ from flax import nnx
 from mla_jax import checks, sharding
 from mla_jax.cache import MIN_BUCKET, resolve_cache_dtype
 from mla_jax.checks import functionalize
+from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.decoding.text import IncrementalText
 from mla_jax.generation.programs import signature
 from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
@@ -53,7 +54,6 @@ logger = logging.getLogger("mla_jax")
 # most recently used ones (an engine also holds its own while it lives).
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
 MAX_SHARED_PROGRAMS = 256
-DEFAULT_DECODE_STEPS = 8  # decode steps per dispatch when only decodes run (as generate's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,8 @@ class Engine:
                max_model_len: int | None = None, cache_dtype="fp32", tokenizer=None,
                eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
                log_interval: float | None = 10.0, seed: int = 0,
-               max_speculative_tokens: int = 0, decode_steps: int = DEFAULT_DECODE_STEPS):
+               max_speculative_tokens: int = 0,
+               decode_steps: int = DECODE_STEPS_PER_DISPATCH):
     if not isinstance(model, CausalLM):
       raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
     mla = model.config.mla

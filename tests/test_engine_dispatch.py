@@ -1,0 +1,119 @@
+"""The engine's dispatches: multi-step decode stops where single steps stop, the warm-up
+compiles every program a run needs (and few), and the route walk catches a misrouted class."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax.misrouted import MisroutedV32Attention
+from mla_jax.models.config import tiny_lm
+from mla_jax.models.lm import CausalLM
+from mla_jax.serving.engine import Engine
+from mla_jax.serving.requests import SamplingParams
+from tests.test_engine import _model, _mqa_only_contract, _no_leaks, _reference
+
+pytestmark = pytest.mark.xdist_group("engine")  # shares test_engine.py's compiled programs
+
+NEW = 12
+SETTINGS = dict(page_size=8, num_pages=24, max_num_seqs=4, max_step_tokens=32,
+                log_interval=None)
+
+
+class Letters:
+  """A tokenizer whose every token is one letter, so a stop string can end on any token."""
+
+  def encode(self, text):
+    return [ord(c) - 65 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model("mqa-only")
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+  rng = np.random.default_rng(7)
+  return [rng.integers(0, model.config.vocab_size, size=n).tolist() for n in (9, 21, 4)]
+
+
+def _first_stop(tokens, stop: str) -> int:
+  """How many tokens a request keeps when ``stop`` ends it (the token completing it kept)."""
+  text = Letters().decode
+  return next(j + 1 for j in range(len(tokens)) if stop in text(tokens[:j + 1]))
+
+
+def test_stops_inside_a_dispatch_match_single_steps(model, prompts):
+  """A stop id, a stop string, an eos id and max_tokens that fall inside an 8-step dispatch
+  give the tokens and finish reasons of single steps, for requests of one dispatch."""
+  reference = _reference(model, prompts, NEW)
+  stop_string = Letters().decode(reference[1][4:6])
+  eos = reference[2][5]
+  params = [SamplingParams(max_tokens=NEW, stop_token_ids=(reference[0][3],)),
+            SamplingParams(max_tokens=NEW, stop=(stop_string,)),
+            SamplingParams(max_tokens=NEW),
+            SamplingParams(max_tokens=5)]
+  runs, computed = {}, {}
+  for steps in (1, 8):
+    engine = Engine(model, tokenizer=Letters(), decode_steps=steps, **SETTINGS)
+    outputs = engine.generate([prompts[0], prompts[1], prompts[2], prompts[0]], params)
+    ended = Engine(model, eos_token_ids=(eos,), decode_steps=steps, **SETTINGS).generate(
+        [prompts[2]], max_tokens=NEW)
+    runs[steps] = [(list(o.tokens), o.finish_reason, o.text) for o in outputs + ended]
+    computed[steps] = engine.stats.computed_tokens
+    assert (engine.stats.decode_dispatches > 0) == (steps > 1)
+    _no_leaks(engine)
+  assert runs[8] == runs[1]
+  assert computed[8] == computed[1]  # a dispatch computes nothing past a stop on the device
+  tokens = [t for t, _, _ in runs[8]]
+  assert tokens[0] == reference[0][:reference[0].index(reference[0][3]) + 1]
+  assert tokens[1] == reference[1][:_first_stop(reference[1], stop_string)]
+  assert tokens[2] == reference[2]
+  assert tokens[3] == reference[0][:5]
+  assert tokens[4] == reference[2][:reference[2].index(eos) + 1]
+  assert [r for _, r, _ in runs[8]] == ["stop", "stop", "length", "length", "stop"]
+  assert runs[8][1][2] == Letters().decode(tokens[1])  # the output's text, grown incrementally
+
+
+def test_warmup_compiles_every_program_and_serving_compiles_none(model, prompts):
+  engine = Engine(model, **{**SETTINGS, "max_step_tokens": 16, "max_num_seqs": 2})
+  count, _ = engine.warmup()
+  shapes = engine.buckets.all_shapes()
+  assert count == len(shapes) and {c.shape for c in engine.programs} == set(shapes)
+  compiled = engine.stats.compile_s
+  outputs = engine.generate(prompts, max_tokens=NEW)
+  assert [list(o.tokens) for o in outputs] == _reference(model, prompts, NEW)
+  assert engine.stats.compile_s == compiled and len(engine.programs) == len(shapes)
+
+
+@pytest.mark.parametrize("attention", ["mqa-only", "dense-capable"])
+def test_default_settings_need_few_programs(attention):
+  """``mla-jax serve``'s defaults (512 tokens a step, 32 seats, 8 decode steps) on the tiny
+  model: token rows 8..512, the decode dispatches', and the fresh (dense) steps' of a
+  dense-capable model: at most 24 programs, nothing compiled to count them."""
+  model = nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend="xla"))
+  shapes = Engine(model, num_pages=512).buckets.all_shapes()
+  assert len(shapes) == len(set(shapes)) <= 24
+  assert any(s.fresh for s in shapes) == (attention == "dense-capable")
+
+
+def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
+  """Positive control: engine buckets that take every fresh step for a dense one, over the
+  deliberately misrouted MQA-only layer (it skips scoring where the plan says the step is
+  fresh), give programs without indexer scoring, and the walk that every engine test runs
+  refuses them; the tokens are wrong too."""
+  monkeypatch.setattr(Engine, "_dense_bound", lambda self: self.model.config.mla.indexer.topk)
+  honest = _model("mqa-only")
+  bad = CausalLM(tiny_lm("mqa-only"), rngs=nnx.Rngs(0), backend="xla",
+                 attention_class=MisroutedV32Attention)
+  nnx.update(bad, nnx.state(honest, nnx.Param))
+  short = [p[:6] for p in prompts]
+  engine = Engine(bad, **SETTINGS)
+  outputs = engine.generate(short, max_tokens=4)
+  assert any(c.shape.fresh for c in engine.programs)
+  with pytest.raises(AssertionError):
+    _mqa_only_contract(engine.programs)
+  assert [list(o.tokens) for o in outputs] != _reference(honest, short, 4)
