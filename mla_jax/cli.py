@@ -386,7 +386,7 @@ def _add_speculative_tokens(parser, how: str) -> None:
   parser.add_argument("--speculative-tokens", type=int_in(0), default=0, metavar="K",
                       help=f"speculative decoding: K draft tokens per step from the model's MTP "
                            f"layers, {how} (default 0: plain decoding; at most "
-                           "generation.speculative.MAX_SPECULATIVE_TOKENS); a checkpoint is then "
+                           "decoding.speculative.MAX_SPECULATIVE_TOKENS); a checkpoint is then "
                            "loaded with its MTP layers, a random preset gets a random one")
 
 

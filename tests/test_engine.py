@@ -2,14 +2,13 @@
 prefix hits and aborts; no page leaks; bad requests refused without disturbing others; and every
 step program it compiled keeps the routing contract (walked on the traced programs)."""
 
-import collections
-
 import numpy as np
 import pytest
 from flax import nnx
 
 from mla_jax import testing as mt
 from mla_jax.backends import XlaBackend
+from mla_jax.decoding.programs import ProgramCache
 from mla_jax.generation.loop import generate
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
@@ -250,7 +249,7 @@ def test_logprobs_are_the_model_distribution_of_each_output_token(model, prompts
 
 
 @pytest.mark.parametrize("prompt, params, error, match", [
-    ([1] * 200, SamplingParams(max_tokens=8), ValueError, "exceeds max_model_len 128"),
+    ([1] * 200, SamplingParams(max_tokens=8), ValueError, "exceeds the model's context of 128"),
     ([1] * 100, SamplingParams(max_tokens=8), ValueError, "pages of 8 tokens, the whole pool"),
     ([], SamplingParams(), ValueError, "prompt is empty"),
     ([1, 999], SamplingParams(), ValueError, "token id 999 is outside the vocabulary"),
@@ -340,8 +339,7 @@ def test_dense_capable_steps_mixing_fresh_and_continuing_chunks_stay_sparse(monk
 def test_shared_programs_keep_only_the_most_recently_used(model, prompts, reference, monkeypatch):
   from mla_jax.serving import engine as engine_module
 
-  monkeypatch.setattr(engine_module, "_COMPILED", collections.OrderedDict())
-  monkeypatch.setattr(engine_module, "MAX_SHARED_PROGRAMS", 1)
+  monkeypatch.setattr(engine_module, "_COMPILED", ProgramCache(max_size=1))
   engine = _engine(model)
   assert [list(o.tokens) for o in engine.generate(prompts[:1], max_tokens=NEW)] == \
       reference[:1]

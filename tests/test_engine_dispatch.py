@@ -48,7 +48,9 @@ def _first_stop(tokens, stop: str) -> int:
 
 def test_stops_inside_a_dispatch_match_single_steps(model, prompts):
   """A stop id, a stop string, an eos id and max_tokens that fall inside an 8-step dispatch
-  give the tokens and finish reasons of single steps, for requests of one dispatch."""
+  give the tokens and finish reasons of single steps, for requests of one dispatch; and the
+  device computes nothing past a stop id, an eos id or the last allowed token (a stop string
+  is matched after the dispatch: the tokens past it are dropped)."""
   reference = _reference(model, prompts, NEW)
   stop_string = Letters().decode(reference[1][4:6])
   eos = reference[2][5]
@@ -60,21 +62,24 @@ def test_stops_inside_a_dispatch_match_single_steps(model, prompts):
   for steps in (1, 8):
     engine = Engine(model, tokenizer=Letters(), decode_steps=steps, **SETTINGS)
     outputs = engine.generate([prompts[0], prompts[1], prompts[2], prompts[0]], params)
-    ended = Engine(model, eos_token_ids=(eos,), decode_steps=steps, **SETTINGS).generate(
-        [prompts[2]], max_tokens=NEW)
-    runs[steps] = [(list(o.tokens), o.finish_reason, o.text) for o in outputs + ended]
-    computed[steps] = engine.stats.computed_tokens
     assert (engine.stats.decode_dispatches > 0) == (steps > 1)
     _no_leaks(engine)
+    device_stops = Engine(model, eos_token_ids=(eos,), decode_steps=steps, **SETTINGS)
+    ended = device_stops.generate([prompts[2], prompts[0], prompts[0]], [
+        SamplingParams(max_tokens=NEW), SamplingParams(max_tokens=5),
+        SamplingParams(max_tokens=NEW, stop_token_ids=(reference[0][3],))])
+    runs[steps] = [(list(o.tokens), o.finish_reason, o.text) for o in outputs + ended]
+    computed[steps] = device_stops.stats.computed_tokens
   assert runs[8] == runs[1]
-  assert computed[8] == computed[1]  # a dispatch computes nothing past a stop on the device
+  assert computed[8] == computed[1]
   tokens = [t for t, _, _ in runs[8]]
-  assert tokens[0] == reference[0][:reference[0].index(reference[0][3]) + 1]
+  assert tokens[0] == tokens[6] == reference[0][:reference[0].index(reference[0][3]) + 1]
   assert tokens[1] == reference[1][:_first_stop(reference[1], stop_string)]
   assert tokens[2] == reference[2]
-  assert tokens[3] == reference[0][:5]
+  assert tokens[3] == tokens[5] == reference[0][:5]
   assert tokens[4] == reference[2][:reference[2].index(eos) + 1]
-  assert [r for _, r, _ in runs[8]] == ["stop", "stop", "length", "length", "stop"]
+  assert [r for _, r, _ in runs[8]] == ["stop", "stop", "length", "length", "stop", "length",
+                                        "stop"]
   assert runs[8][1][2] == Letters().decode(tokens[1])  # the output's text, grown incrementally
 
 

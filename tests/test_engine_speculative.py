@@ -12,7 +12,9 @@ from scipy import stats
 from mla_jax.generation.loop import generate
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
-from mla_jax.serving import engine as engine_module, step_program
+from mla_jax.decoding import speculative
+from mla_jax.decoding.programs import ProgramCache
+from mla_jax.serving import engine as engine_module
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.requests import SamplingParams
 from tests.test_engine import _logprobs_reference, _mqa_only_contract
@@ -161,11 +163,10 @@ def test_rejection_sampling_keeps_the_plain_distribution(monkeypatch):
   print(f"acceptance {engine.stats.accepted_tokens}/{engine.stats.draft_tokens}, "
         f"p-value {_min_p_value(plain, spec):.3g}")
   assert _min_p_value(plain, spec) > 1e-3
-  monkeypatch.setattr(step_program, "residual", lambda p_BV, q_BV: p_BV)
-  # Recompile the programs that verify drafts (in a copy of the shared cache, so no other
-  # test meets them).
-  monkeypatch.setattr(engine_module, "_COMPILED", type(engine_module._COMPILED)(
-      (key, program) for key, program in engine_module._COMPILED.items() if key[0].tokens == 1))
+  monkeypatch.setattr(speculative, "residual", lambda p_BV, q_BV: p_BV)
+  # Recompile the programs with the wrong rule in a cache of their own, so no other test meets
+  # them.
+  monkeypatch.setattr(engine_module, "_COMPILED", ProgramCache())
   wrong = _counts(_engine(model, **WIDE), 2, 0, temperature=1.0)
   print(f"wrong rule: p-value {_min_p_value(plain, wrong):.3g}")
   assert _min_p_value(plain, wrong) < 1e-3

@@ -14,7 +14,8 @@ from scipy import stats
 
 import mla_jax as m
 from mla_jax import testing as mt
-from mla_jax.generation import programs, speculative
+from mla_jax.decoding import sampling, speculative as decoding_speculative
+from mla_jax.generation import programs, speculative as generation_speculative
 from mla_jax.models.config import tiny_lm
 from mla_jax.routing import PrefillRoute
 from mla_jax.traces import summarize_jaxpr
@@ -88,7 +89,9 @@ def test_greedy_tokens_equal_plain_decoding(name, k, batch):
   assert spec.tokens == plain.tokens
   assert spec.decode_tokens == plain.decode_tokens == 8 * len(prompts)
   assert 0 <= spec.acceptance_rate <= 1 and spec.drafted > 0
-  assert spec.drafted == k * (spec.drafted // k)
+  # A sequence with e tokens drafts min(k, 9 - e - 1) (none for its last token); accepted
+  # drafts skip iterations, so that is the most it can draft.
+  assert spec.drafted <= len(prompts) * sum(min(k, 9 - e - 1) for e in range(1, 9))
 
 
 def test_copying_head_is_always_accepted_and_stops_mid_iteration():
@@ -98,8 +101,9 @@ def test_copying_head_is_always_accepted_and_stops_mid_iteration():
   plain = m.generate(model, PROMPTS, 8)
   spec = m.generate(model, PROMPTS, 8, speculative_tokens=2)
   assert spec.tokens == plain.tokens and spec.acceptance_rate == 1.0
-  # 7 tokens after the prefill's: 3 iterations (the last cut to one token) for each row.
-  assert spec.drafted == 2 * 3 * len(PROMPTS)
+  # 7 tokens after the prefill's: 3 iterations for each row, drafting 2, 2 and none (a
+  # sequence never drafts past its last token).
+  assert spec.drafted == (2 + 2) * len(PROMPTS)
   eos = plain.tokens[0][2]  # the second token of the first iteration of row 0
   stopped = m.generate(model, PROMPTS, 8, speculative_tokens=2, eos_id=eos)
   for free, tokens in zip(plain.tokens, stopped.tokens):
@@ -133,13 +137,14 @@ def _p_values(plain, spec):
     pytest.param(dict(temperature=0.8, top_p=0.9), marks=pytest.mark.slow)])
 def test_sampling_keeps_the_plain_distribution(sampling, monkeypatch):
   """Positions 1 and 2 are the drafts' (k = 2), position 3 a bonus or a later iteration's;
-  1024 rows of a vocabulary of 8, fixed seeds (p-values above 0.4 measured). Replacing the
-  residual by p (a wrong rule) fails: p-values below 1e-5 at the first draft measured."""
-  model = _random(vocab_size=8)
+  1024 rows of a vocabulary of 8, fixed seeds. The copying head drafts the main model's most
+  likely token (greedy drafts: q one-hot), so drafts are often kept and often rejected;
+  replacing a rejected draft by a draw from p (a wrong rule) is detected."""
+  model = _copying(vocab_size=8)
   plain = _sampled(model, 0, 100, **sampling)
   spec = _sampled(model, 2, 0, **sampling)
   assert min(_p_values(plain, spec)[1:]) > 1e-3
-  monkeypatch.setattr(speculative, "residual", lambda p_BV, q_BV: p_BV)
+  monkeypatch.setattr(decoding_speculative, "residual", lambda p_BV, q_BV: p_BV)
   programs.cache.clear()
   wrong = _sampled(model, 2, 0, **sampling)
   programs.cache.clear()
@@ -175,7 +180,7 @@ def _speculative_programs(model, k=2, prompt_len=3, capacity=16):
   prefill = programs.trace(graphdef, state, caches, mtp_caches, ids, lens, seed,
                            settings=programs.SpeculativePrefillSettings(
                                model.step_plan(prompt_len, 0, capacity=capacity)))
-  draft_state = speculative.DraftState(
+  draft_state = generation_speculative.DraftState(
       tokens_B=lens, draft_BV=jnp.zeros((1, model.config.vocab_size)),
       hidden_BD=jnp.zeros((1, d)), done_B=jnp.zeros((1,), bool), emitted_B=lens,
       accepted_B=lens, drafted_B=lens)
@@ -243,48 +248,53 @@ def test_drafts_past_the_layers_repeat_the_last_one():
   assert spec.tokens == plain.tokens and spec.drafted > 0
 
 
+def _accept(verify_BJV, ids_BJ, temperature: float, top_p: float = 1.0, seed: int = 0):
+  """``decoding.speculative.accept`` with every draft offered and one setting for all rows,
+  row b keyed by ``key(seed + b)``."""
+  b = verify_BJV.shape[0]
+  return decoding_speculative.accept(
+      verify_BJV, ids_BJ, jnp.full((b,), ids_BJ.shape[1], jnp.int32),
+      sampling.seed_keys(seed + jnp.arange(b, dtype=jnp.uint32)), jnp.zeros((b,), jnp.int32),
+      jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_p, jnp.float32))
+
+
 def test_greedy_acceptance_is_ragged():
   """Row 0 agrees on both drafts (bonus from the last position), row 1 on the first only,
-  row 2 on none: each row its own accepted count and next token."""
+  row 2 on none: each row its own accepted count and next token, after its kept drafts."""
   best = np.array([[3, 5, 7], [3, 6, 1], [2, 5, 4]])
   verify = jax.nn.one_hot(best, 8) * 4.0
-  drafts = jnp.array([[3, 5], [3, 5], [3, 5]], jnp.int32)
-  accepted, next_ = speculative.accept_greedy(verify, drafts)
+  ids = jnp.array([[0, 3, 5], [0, 3, 5], [0, 3, 5]], jnp.int32)
+  accepted, tokens = _accept(verify, ids, 0.0)
   np.testing.assert_array_equal(accepted, [2, 1, 0])
-  np.testing.assert_array_equal(next_, [7, 6, 2])
+  np.testing.assert_array_equal(tokens, [[3, 5, 7], [3, 6, 6], [2, 2, 2]])
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_rejection_sampling_draws_from_the_main_distribution(top_p):
-  """One draft drawn from q, then accepted or redrawn: the token is distributed as p (the
-  exact distribution, 200000 draws; measured errors below 1.1e-3), the acceptance rate is
-  sum(min(p, q)), and the bonus after an accepted draft follows p's next row. With the
-  residual replaced by p the first token is off by 0.14."""
-  sampling = m.generation.SamplingConfig(1.0, top_p)
+  """A greedy draft d (q one-hot on it, as the MTP drafts are), accepted or redrawn: the
+  first token is distributed as p (the exact distribution, 200000 rows each keyed by its own
+  seed), d is kept at the rate p(d), and the bonus after a kept draft follows p's next row.
+  With the residual replaced by p the first token is off."""
+  transformed = lambda logits: sampling.row_logits(logits, jnp.ones(logits.shape[:1]),
+                                                   jnp.full(logits.shape[:1], top_p))
   rng, n = np.random.default_rng(0), 200_000
   main_KV = jnp.asarray(rng.normal(size=(2, 8)) * 1.5, jnp.float32)
-  draft_V = jnp.asarray(rng.normal(size=(8,)) * 1.5, jnp.float32)
-  keys = jax.random.split(jax.random.key(1), 2)
-  drafts = m.generation.sample(jnp.broadcast_to(draft_V, (n, 8)), keys[0], sampling)
+  p = np.asarray(jax.nn.softmax(transformed(main_KV), axis=-1), np.float64)
+  d = int(np.argsort(-p[0])[1])  # the second most likely token: often kept, often not
+  ids = jnp.broadcast_to(jnp.array([0, d], jnp.int32), (n, 2))
 
-  def run(residual):
-    with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(speculative, "residual", residual)
-      return speculative.accept_sampled(jnp.broadcast_to(main_KV, (n, 2, 8)),
-                                        jnp.broadcast_to(draft_V, (n, 1, 8)), drafts[:, None],
-                                        keys[1], sampling)
+  def run():
+    return _accept(jnp.broadcast_to(main_KV, (n, 2, 8)), ids, 1.0, top_p)
 
-  accepted, next_ = run(speculative.residual)
-  first = np.where(accepted == 1, drafts, next_)
-  p = np.asarray(m.generation.sampling.probabilities(main_KV, sampling))
-  freq = np.bincount(first, minlength=8) / n
+  accepted, tokens = run()
+  freq = np.bincount(np.asarray(tokens[:, 0]), minlength=8) / n
   assert np.abs(freq - p[0]).max() < 4e-3
-  q = np.asarray(m.generation.sampling.probabilities(draft_V, sampling))
-  assert abs(np.mean(accepted) - np.minimum(p[0], q).sum()) < 4e-3  # the acceptance rate
-  bonus = np.bincount(np.asarray(next_)[np.asarray(accepted) == 1], minlength=8)
+  assert abs(np.mean(accepted) - p[0][d]) < 4e-3  # the acceptance rate: sum(min(p, q))
+  bonus = np.bincount(np.asarray(tokens[:, 1])[np.asarray(accepted) == 1], minlength=8)
   assert np.abs(bonus / bonus.sum() - p[1]).max() < 6e-3
-  accepted, next_ = run(lambda p_BV, q_BV: p_BV)
-  wrong = np.bincount(np.where(accepted == 1, drafts, next_), minlength=8) / n
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(decoding_speculative, "residual", lambda p_BV, q_BV: p_BV)
+    wrong = np.bincount(np.asarray(run()[1][:, 0]), minlength=8) / n
   assert np.abs(wrong - p[0]).max() > 0.03
 
 

@@ -19,8 +19,9 @@ class IncrementalText:
 
   ``decode`` maps token ids to text; ``stop``: strings whose first occurrence ends the text
   (``stop_at``: the index where it begins, None until one appears). Text is appended only
-  once its characters are complete: a trailing U+FFFD waits for the tokens after it, and
-  ``flush`` takes it as it is when no more will come.
+  once its characters are complete: a trailing U+FFFD waits for the tokens after it (the
+  complete characters before it go at once), and ``flush`` takes it as it is when no more
+  will come.
   """
 
   def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
@@ -30,6 +31,7 @@ class IncrementalText:
     self._tokens: list[int] = []
     self._prefix = 0  # tokens before it are in ``text``; it starts a complete character
     self._read = 0    # tokens before it are decoded into ``text``
+    self._partial = 0  # characters of the window past ``_read`` already in ``text``
     self._reach = max((len(s) for s in self.stop), default=1) - 1
 
   def extend(self, tokens: Sequence[int]) -> str:
@@ -45,11 +47,16 @@ class IncrementalText:
     if self._read == len(self._tokens):
       return ""
     before = self.decode(self._tokens[self._prefix:self._read])
-    after = self.decode(self._tokens[self._prefix:])
-    if len(after) <= len(before) or (after.endswith(INCOMPLETE) and not final):
+    window = self.decode(self._tokens[self._prefix:])[len(before):]
+    waiting = not final and window.endswith(INCOMPLETE)
+    complete = window.rstrip(INCOMPLETE) if waiting else window
+    new = complete[self._partial:]
+    if waiting:  # the window's tokens are decoded again once the character is whole
+      self._partial = len(complete)
+    else:
+      self._prefix, self._read, self._partial = self._read, len(self._tokens), 0
+    if not new:
       return ""
-    new = after[len(before):]
-    self._prefix, self._read = self._read, len(self._tokens)
     start = max(len(self.text) - self._reach, 0)
     self.text += new
     if self.stop and self.stop_at is None:

@@ -18,12 +18,12 @@ holds the compiled programs (a bounded cache) and their public tracing entry poi
 then the decode dispatches.
 """
 
+from mla_jax.decoding.sampling import SamplingConfig, sample
+from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.generation.loop import DEFAULT_STEPS_PER_DISPATCH, GenerationResult, generate
 from mla_jax.generation.programs import (DecodeSettings, PrefillSettings,
                                          SpeculativePrefillSettings, SpeculativeSettings,
                                          trace_counts)
-from mla_jax.generation.sampling import SamplingConfig, sample
-from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
 
 __all__ = ["DEFAULT_STEPS_PER_DISPATCH", "DecodeSettings", "GenerationResult",
            "MAX_SPECULATIVE_TOKENS", "PrefillSettings", "SamplingConfig",

@@ -143,7 +143,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       iteration drafts k tokens with the model's MTP layers (``config.num_mtp_layers >= 1``)
       and verifies them in one forward of k + 1 tokens. Greedy tokens are the plain ones;
       sampled tokens have the plain distribution (rejection sampling), not the same draws.
-      At most ``speculative.MAX_SPECULATIVE_TOKENS``; the cache needs k more rows;
+      At most ``decoding.speculative.MAX_SPECULATIVE_TOKENS``; the cache needs k more rows;
       ``steps_per_dispatch`` then counts iterations; not with ``return_logits``.
 
   Integer arguments may be Python or NumPy ints. Each decode dispatch reads only the cache

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.checks import functionalize, static_int
+from mla_jax.decoding import programs
+from mla_jax.decoding.programs import signature
+from mla_jax.decoding.sampling import SamplingConfig, sample
+from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.decoding.stops import is_stop
 from mla_jax.generation import speculative
-from mla_jax.generation.sampling import SamplingConfig, sample
 from mla_jax.step_plan import StepPlan
 
 trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
@@ -94,7 +97,7 @@ class SpeculativeSettings:
     _check_plan(self.verify_plan)
     _check_plan(self.draft_plan)
     object.__setattr__(self, "steps", static_int(self.steps, "steps", minimum=1))
-    limit = speculative.MAX_SPECULATIVE_TOKENS
+    limit = MAX_SPECULATIVE_TOKENS
     if not 2 <= self.verify_plan.num_new_tokens <= limit + 1:
       raise ValueError(f"verify_plan must be a step of k + 1 tokens with k in [1, {limit}], "
                        f"got {self.verify_plan.num_new_tokens}")
@@ -149,7 +152,7 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
       key = jax.random.fold_in(jax.random.key(seed), step)
       next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, settings.sampling), tokens_B)
       if eos_id is not None:
-        done_B = done_B | (active_B & jnp.isin(next_B, jnp.asarray(eos_id, jnp.int32)))
+        done_B = done_B | (active_B & is_stop(next_B, jnp.asarray(eos_id, jnp.int32)))
       emitted_B = jnp.where(active_B, next_B, -1)
       return (next_B, done_B, caches), (emitted_B,
                                         logits_B1V[:, 0] if settings.keep_logits else None)
@@ -237,42 +240,18 @@ def trace(graphdef, state, *args, settings) -> jax.stages.Traced:
   return jitted(graphdef, state_def, settings).trace(state_leaves, *args)
 
 
-def signature(tree):
-  """What a compiled program is specialised to: the tree and every leaf's type and place."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
-
-
-class ProgramCache:
-  """The ``max_size`` most recently used compiled programs, keyed by the settings, the model
-  structure and the arguments' signature. A hit costs one hash of the key (once per
-  ``generate`` and bucket, never per dispatch); eviction frees the executable."""
-
-  def __init__(self, max_size: int = 32):
-    self.max_size = static_int(max_size, "max_size", minimum=1)
-    self._programs: collections.OrderedDict = collections.OrderedDict()
+class ProgramCache(programs.ProgramCache):
+  """``generate``'s programs (``decoding.programs.ProgramCache``), keyed by the settings, the
+  model structure and the arguments' signature: a hit costs one hash of the key, once per
+  ``generate`` and bucket, never per dispatch."""
 
   def get(self, graphdef, state_def, state_leaves, *args, settings
           ) -> tuple[jax.stages.Compiled, float]:
     """The compiled program for these arguments and the seconds spent compiling it (0 when
     it was cached). Call it as ``program(state_leaves, *args)``."""
     key = (settings, graphdef, state_def, signature((state_leaves, args)))
-    if key in self._programs:
-      self._programs.move_to_end(key)
-      return self._programs[key], 0.0
-    t0 = time.perf_counter()
-    program = jitted(graphdef, state_def, settings).lower(state_leaves, *args).compile()
-    seconds = time.perf_counter() - t0
-    self._programs[key] = program
-    if len(self._programs) > self.max_size:
-      self._programs.popitem(last=False)
-    return program, seconds
-
-  def clear(self) -> None:
-    self._programs.clear()
-
-  def __len__(self) -> int:
-    return len(self._programs)
+    return self.lookup(key, lambda: jitted(graphdef, state_def, settings).lower(
+        state_leaves, *args).compile())
 
 
 cache = ProgramCache()  # generate's programs, shared by every call in the process

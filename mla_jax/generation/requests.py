@@ -15,8 +15,9 @@ import numpy as np
 
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import is_int
-from mla_jax.generation.sampling import SamplingConfig
-from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.decoding.requests import checked_prompt
+from mla_jax.decoding.sampling import SamplingConfig
+from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.models.lm import CausalLM
 
 
@@ -65,19 +66,7 @@ def pad_prompts(prompt_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
   prompts = list(prompt_ids)
   if not prompts:
     raise ValueError("prompt_ids holds no prompt")
-  for i, p in enumerate(prompts):
-    if isinstance(p, (str, bytes)) or not isinstance(p, Iterable):
-      raise TypeError(f"prompt {i} must be a list of int ids, got {type(p).__name__}")
-    prompts[i] = p = list(p)
-    if not p:
-      raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-    wrong_type = [t for t in p if not is_int(t)]
-    if wrong_type:
-      raise TypeError(f"prompt {i} holds {type(wrong_type[0]).__name__} values "
-                      f"({wrong_type[:3]}); token ids must be ints")
-    bad = [t for t in p if not 0 <= t < vocab_size]
-    if bad:
-      raise ValueError(f"prompt {i} has ids outside [0, {vocab_size}): {bad[:5]}")
+  prompts = [checked_prompt(p, vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
   lens_B = np.array([len(p) for p in prompts], np.int32)
   ids_BT = np.zeros((len(prompts), lens_B.max()), np.int32)
   for i, p in enumerate(prompts):

@@ -15,7 +15,6 @@ scopes), so tests walk them all.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -32,8 +31,9 @@ from mla_jax.cache import MIN_BUCKET, resolve_cache_dtype
 from mla_jax.checks import functionalize
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.decoding.text import IncrementalText
-from mla_jax.generation.programs import signature
-from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.decoding.programs import ProgramCache, signature
+from mla_jax.decoding.requests import check_fits, checked_prompt
+from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.models.lm import CausalLM
 from mla_jax.paged_cache import empty_pools
 from mla_jax.routing import PrefillRoute
@@ -52,8 +52,7 @@ logger = logging.getLogger("mla_jax")
 
 # Compiled step programs of every engine in the process, keyed by shape, model and pools: the
 # most recently used ones (an engine also holds its own while it lives).
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-MAX_SHARED_PROGRAMS = 256
+_COMPILED = ProgramCache(max_size=256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +103,9 @@ class _Results:
     return TokenLogprobs(int(tokens), float(chosen),
                          tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
 
-  def drafts(self, b: int, count: int) -> list[int]:
-    return self.outputs[5][b, :count].tolist()
+  def drafts(self, b: int) -> list[int]:
+    """The drafts the program made for slot b's next step (as many as it meant)."""
+    return self.outputs[5][b, :int(self.outputs[6][b])].tolist()
 
 
 class Engine:
@@ -238,7 +238,7 @@ class Engine:
     """
     self._only_on_process_0("add_request")
     params = SamplingParams() if params is None else params
-    tokens = self._checked_prompt(prompt, params)
+    tokens = self.check_request(prompt, params)
     if request_id is None:
       request_id = f"req-{next(self._ids)}"
     elif not isinstance(request_id, str) or not request_id:
@@ -253,32 +253,23 @@ class Engine:
     self.scheduler.add(seq)
     return request_id
 
-  def _checked_prompt(self, prompt, params) -> list[int]:
-    """The prompt's token ids, once the request is known to fit (see ``add_request``)."""
+  def check_request(self, prompt, params: SamplingParams, name: str = "prompt") -> list[int]:
+    """The prompt's token ids, once the request is known to fit; refused by name otherwise
+    (see ``add_request``; ``name`` is what errors call the prompt). The one check of a
+    request (the server calls it before queueing); it reads only the engine's fixed
+    settings, so any thread may call it."""
     if not isinstance(params, SamplingParams):
       raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise TypeError("a string prompt needs the engine's tokenizer (Engine(..., tokenizer=))")
       prompt = self.tokenizer.encode(prompt)
-    if isinstance(prompt, np.ndarray):
-      prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)) or not all(checks.is_int(t) for t in prompt):
-      raise TypeError(f"a prompt must be a list of token ids or a string, got "
-                      f"{type(prompt).__name__}")
-    if not prompt:
-      raise ValueError("the prompt is empty: give at least one token")
-    vocab = self.model.config.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-      raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    total = len(prompt) + params.max_tokens
-    if total > self.max_model_len:
-      raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = "
-                       f"{total} exceeds max_model_len {self.max_model_len}")
-    if pages_for(total, self.page_size) > self.num_pages:
-      raise ValueError(f"the request needs {pages_for(total, self.page_size)} pages of "
-                       f"{self.page_size} tokens, the whole pool has {self.num_pages}")
+    ids = checked_prompt(prompt, self.model.config.vocab_size, name)
+    check_fits(len(ids), params.max_tokens, self.max_model_len, name)
+    pages = pages_for(len(ids) + params.max_tokens, self.page_size)
+    if pages > self.num_pages:
+      raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, the whole "
+                       f"pool has {self.num_pages}")
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=))")
     if params.speculative_tokens > self.max_speculative_tokens:
@@ -287,7 +278,7 @@ class Engine:
                        + ("" if self.max_speculative_tokens else
                           " (Engine(..., max_speculative_tokens=K) with a model that has MTP "
                           "layers)"))
-    return [int(t) for t in prompt]
+    return ids
 
   def abort(self, request_id: str) -> None:
     """Stops a request (waiting or running) and frees its pages; ``KeyError`` if unknown."""
@@ -373,10 +364,7 @@ class Engine:
     seq.num_accepted += accepted
     self.stats.draft_tokens += len(chunk.drafts)
     self.stats.accepted_tokens += accepted
-    # What the program drafted for it (its rule: no more than the tokens left - 1).
-    wanted = min(seq.params.speculative_tokens, seq.params.max_tokens - len(seq.output) - 1)
-    drafting = seq.status is not Status.FINISHED and wanted > 0
-    seq.drafts = results.drafts(b, wanted) if drafting else []
+    seq.drafts = results.drafts(b) if seq.status is not Status.FINISHED else []
 
   def _stop_reason(self, seq: Sequence) -> str | None:
     """After ``seq`` took a token: "stop" at a stop id or stop string, "length" at its last
@@ -469,15 +457,10 @@ class Engine:
       return self._programs[shape][0]
     key = (shape, self.page_size, self._logit_rows, self._graphdef, self._state_def,
            signature((self._state_leaves, self._pools)))
-    if key in _COMPILED:  # engines over the same model and pool shapes share programs
-      _COMPILED.move_to_end(key)
-    else:
-      _COMPILED[key] = self._compile(shape)
-      self.stats.compile_s += _COMPILED[key][1].compile_s
-      if len(_COMPILED) > MAX_SHARED_PROGRAMS:
-        _COMPILED.popitem(last=False)
-    self._programs[shape] = _COMPILED[key]
-    return _COMPILED[key][0]
+    # Engines over the same model and pool shapes share programs.
+    self._programs[shape], seconds = _COMPILED.lookup(key, lambda: self._compile(shape))
+    self.stats.compile_s += seconds
+    return self._programs[shape][0]
 
   def _compile(self, shape: StepShape):
     t0 = time.perf_counter()
@@ -522,7 +505,7 @@ class Engine:
     if len(per_prompt) != len(prompts):
       raise ValueError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
     # Refuse bad input before queueing any (strings are tokenized once, here).
-    token_ids = [self._checked_prompt(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+    token_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
     ids = [self.add_request(tokens, p) for tokens, p in zip(token_ids, per_prompt)]
     while any(self._seqs[i].status is not Status.FINISHED for i in ids):
       self.step()

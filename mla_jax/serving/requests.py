@@ -9,8 +9,8 @@ import time
 
 from mla_jax import checks
 from mla_jax.decoding.text import IncrementalText
-from mla_jax.generation.sampling import SamplingConfig
-from mla_jax.generation.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.decoding.sampling import SamplingConfig
+from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 
 MAX_SEED = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from mla_jax.decoding.requests import ContextLengthError
 from mla_jax.serving import protocol
 from mla_jax.serving.chat import ChatTemplate, TemplateError
 from mla_jax.serving.engine_loop import EngineFailure, EngineLoop
@@ -207,8 +208,8 @@ class _Handlers:
     body = protocol.parse(CompletionRequest, await _read_body(request,
                                                               self.settings.max_body_bytes))
     self._check_model(body.model)
-    prompts = [self._prompt_ids(p, f"prompt.{i}" if len(body.prompts) > 1 else "prompt")
-               for i, p in enumerate(body.prompts)]
+    tokenizer = self.settings.tokenizer
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
     max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
     return await self._serve(request, body, prompts, max_tokens, body.logprobs, chat=False)
 
@@ -222,8 +223,7 @@ class _Handlers:
     except TemplateError as e:
       raise APIError(400, f"messages: {e}", param="messages") from None
     # A template spells its own special tokens (as HF's apply_chat_template encodes it).
-    ids = self.settings.tokenizer.encode(text, add_special_tokens=template.is_plain)
-    prompt = self._prompt_ids(ids, "messages")
+    prompt = self.settings.tokenizer.encode(text, add_special_tokens=template.is_plain)
     max_tokens = body.token_limit
     if max_tokens is None:  # as vLLM: whatever the context (and the page pool) leaves
       room = min(self.settings.max_model_len, self.settings.pool_tokens)
@@ -238,28 +238,17 @@ class _Handlers:
       raise APIError(404, f"model {name!r} does not exist: this server serves "
                      f"{self.settings.model_name!r}", param="model", code="model_not_found")
 
-  def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
-    ids = self.settings.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    vocab = self.settings.vocab_size
-    bad = [t for t in ids if t >= vocab]
-    if bad:
-      raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                     param=param)
-    if not ids:
-      raise APIError(400, f"{param}: the prompt is empty", param=param)
-    return ids
+  def _checked(self, prompt: list[int], params: SamplingParams, param: str) -> list[int]:
+    """The engine's own check of a request (``Engine.check_request``), as a 400 naming
+    ``param`` (and OpenAI's ``context_length_exceeded`` code for a prompt that does not fit)."""
+    try:
+      return self.loop.engine.check_request(prompt, params, name=param)
+    except ContextLengthError as e:
+      raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+    except (ValueError, TypeError) as e:
+      raise APIError(400, str(e), param=param) from None
 
-  def _params(self, body, prompt: list[int], max_tokens: int, logprobs: int | None,
-              param: str) -> SamplingParams:
-    limit = self.settings.max_model_len
-    if len(prompt) >= limit:
-      raise APIError(400, f"{param}: the prompt has {len(prompt)} tokens, the model's context "
-                     f"is {limit} (prompt + max_tokens must fit)", param=param,
-                     code="context_length_exceeded")
-    if len(prompt) + max_tokens > limit:
-      raise APIError(400, f"max_tokens: {len(prompt)} prompt tokens + max_tokens {max_tokens} "
-                     f"exceed the model's context of {limit} tokens", param="max_tokens",
-                     code="context_length_exceeded")
+  def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
     try:
       return SamplingParams(
           max_tokens=max_tokens,
@@ -268,15 +257,18 @@ class _Handlers:
           top_p=self.settings.top_p if body.top_p is None else body.top_p,
           seed=body.seed, stop=body.stop_strings, logprobs=logprobs,
           speculative_tokens=self.settings.speculative_tokens)
-    except (ValueError, TypeError) as e:  # the engine's own checks, past the protocol's
+    except (ValueError, TypeError) as e:  # the sampling settings' own checks
       raise APIError(400, str(e)) from None
 
   # ---- running a request ----------------------------------------------------------------
 
   async def _serve(self, request: Request, body, prompts: list[list[int]], max_tokens: int,
                    logprobs: int | None, *, chat: bool):
-    param = "messages" if chat else "prompt"
-    params = [self._params(body, p, max_tokens, logprobs, param) for p in prompts]
+    sampling = self._params(body, max_tokens, logprobs)
+    names = (["messages"] if chat else
+             [f"prompt.{i}" if len(prompts) > 1 else "prompt" for i in range(len(prompts))])
+    prompts = [self._checked(p, sampling, name) for p, name in zip(prompts, names)]
+    params = [sampling] * len(prompts)
     if self.pending + len(prompts) > self.settings.max_pending:
       raise APIError(429, f"the server is full ({self.pending} requests in flight): retry "
                      "later", type="rate_limit_error", code="server_busy",
@@ -308,7 +300,7 @@ class _Handlers:
                                                                     deliver))
     except BaseException as e:
       self._release(choices)
-      if isinstance(e, (ValueError, TypeError)):  # the engine's refusal (checked above: rare)
+      if isinstance(e, (ValueError, TypeError)):  # a refusal past ``_checked``'s (a race)
         raise APIError(400, str(e)) from None
       raise
 

@@ -8,7 +8,8 @@ import pytest
 from mla_jax.checkpoints.errors import CheckpointError
 from mla_jax.serving.chat import ChatTemplate, TemplateError
 from mla_jax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
-from mla_jax.serving.text import TextStream, stop_cut
+from mla_jax.decoding.text import IncrementalText
+from mla_jax.serving.text import TextStream
 from mla_jax.tokenizer import ByteTokenizer
 
 
@@ -68,9 +69,33 @@ def test_text_stream_waits_for_a_whole_utf8_character():
   assert stream.update([*b"a", *euro], finished=False) == "€"
 
 
-def test_stop_cut_finds_the_earliest_stop_string():
-  assert stop_cut("one two three", ("three", "two")) == 4
-  assert stop_cut("nothing", ("x",)) is None
+def test_incremental_text_finds_the_earliest_stop_string_across_tokens():
+  tok = ByteTokenizer()
+  text = IncrementalText(tok.decode, stop=("three", "two"))
+  for t in b"one tw":
+    text.extend([t])
+  assert text.stop_at is None and text.pending_stop() == 2  # "tw" may begin "two"
+  text.extend(list(b"o three"))
+  assert text.stop_at == 4 and text.text == "one two three"
+  assert IncrementalText(tok.decode, stop=("x",)).extend(list(b"nothing")) == "nothing"
+
+
+def test_incremental_text_decodes_each_token_a_bounded_number_of_times():
+  """Feeding n tokens one at a time decodes O(n) tokens in all (the whole output after
+  every token would be n^2 / 2), multi-byte characters included."""
+  tok, decoded = ByteTokenizer(), []
+
+  def counting(ids):
+    decoded.append(len(ids))
+    return tok.decode(ids)
+
+  text = IncrementalText(counting, stop=("never",))
+  data = ("é€ mixed text " * 80).encode()
+  for t in data:
+    text.extend([t])
+  text.flush()
+  assert text.text == data.decode() and text.stop_at is None
+  assert sum(decoded) <= 8 * len(data)
 
 
 def test_chat_template_renders_as_hf_and_refuses_by_its_own_words():

@@ -1,4 +1,10 @@
-"""Sampling settings and the sampler the compiled programs call for every new token."""
+"""Sampling settings and the one sampler ``generate``'s programs and the engine's call.
+
+Every row draws with a key of its own, ``fold_in(base key of the row, token index)``: the
+engine's rows take their request's seed (``seed_keys``), ``generate``'s rows fold their index
+into the step's key (``sample``). So a row's token depends on its logits, settings and key
+alone, never on the other rows of the batch.
+"""
 
 from __future__ import annotations
 
@@ -28,25 +34,15 @@ class SamplingConfig:
 
 
 def sample(logits_BV, key, sampling: SamplingConfig):
-  """Greedy at temperature 0; otherwise nucleus sampling over ``logits / temperature``."""
+  """Greedy at temperature 0; otherwise nucleus sampling over ``logits / temperature``, row b
+  with key ``fold_in(key, b)`` (``sample_rows`` with one setting for every row)."""
   if sampling.temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, transformed(logits_BV, sampling), axis=-1).astype(jnp.int32)
-
-
-def transformed(logits_XV, sampling: SamplingConfig):
-  """The logits ``sample`` draws from at temperature > 0: divided by the temperature, every
-  token outside the nucleus -inf. Any leading axes."""
-  logits_XV = logits_XV / sampling.temperature
-  if sampling.top_p < 1:
-    flat_NV = nucleus(logits_XV.reshape(-1, logits_XV.shape[-1]), jnp.float32(sampling.top_p))
-    logits_XV = flat_NV.reshape(logits_XV.shape)
-  return logits_XV
-
-
-def probabilities(logits_XV, sampling: SamplingConfig):
-  """The distribution ``sample`` draws from at temperature > 0 (zero outside the nucleus)."""
-  return jax.nn.softmax(transformed(logits_XV, sampling), axis=-1)
+  b = logits_BV.shape[0]
+  keys_B = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b, dtype=jnp.uint32))
+  return sample_rows(logits_BV, keys_B, jnp.zeros((b,), jnp.int32),
+                     jnp.full((b,), sampling.temperature, jnp.float32),
+                     jnp.full((b,), sampling.top_p, jnp.float32))
 
 
 def nucleus(logits_BV, top_p):
@@ -69,15 +65,20 @@ def row_logits(logits_BV, temperature_B, top_p_B):
   return jnp.where(top_p_B[:, None] >= 1, scaled_BV, nucleus(scaled_BV, top_p_B))
 
 
-def row_keys(seeds_B, counters_B):
-  """Row b's key for its token at index ``counters_B[b]``: ``fold_in(key(seed), counter)``."""
-  return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds_B, counters_B)
+def seed_keys(seeds_B):
+  """A base key per row from its request's seed: ``key(seed)``."""
+  return jax.vmap(jax.random.key)(seeds_B)
 
 
-def sample_rows(logits_BV, seeds_B, counters_B, temperature_B, top_p_B):
-  """``sample`` with settings per row: row b draws with key ``fold_in(key(seeds_B[b]),
-  counters_B[b])`` (its own seed and token index), so a row's token depends on its logits and
+def row_keys(keys_B, counters_B):
+  """Row b's key for its token at index ``counters_B[b]``: ``fold_in(keys_B[b], counter)``."""
+  return jax.vmap(jax.random.fold_in)(keys_B, counters_B)
+
+
+def sample_rows(logits_BV, keys_B, counters_B, temperature_B, top_p_B):
+  """Sampling with settings per row: row b draws with key ``fold_in(keys_B[b],
+  counters_B[b])`` (its base key and token index), so a row's token depends on its logits and
   settings alone, never on the other rows of the batch. Temperature 0 rows are greedy."""
-  drawn_B = jax.vmap(jax.random.categorical)(row_keys(seeds_B, counters_B),
+  drawn_B = jax.vmap(jax.random.categorical)(row_keys(keys_B, counters_B),
                                              row_logits(logits_BV, temperature_B, top_p_B))
   return jnp.where(temperature_B == 0, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
