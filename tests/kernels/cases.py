@@ -59,10 +59,15 @@ def indexer_grad_case(kernel, T, G, I, S, dtype=BF16, k_scale=False, pool_rows=N
   return fn, (sds((T, S), F32), *args)
 
 
-def mha_case(T, S, H, D, V, dtype=BF16, topk=None):
-  """Causal dense MHA; given ``topk`` (K), the masked kernel with a [T, K] top-k."""
+def mha_case(T, S, H, D, V, dtype=BF16, topk=None, segmented=False):
+  """Causal dense MHA; given ``topk`` (K), the masked kernel with a [T, K] top-k; with
+  ``segmented`` (T == S), the segmented kernel of a flat step with [T] segment ids."""
   args = (sds((T, H, D), dtype), sds((S, H, D), dtype), sds((S, H, V), dtype), sds((), I32),
           sds((), I32))
+  if segmented:
+    fn = lambda q, k, v, off, n, seg: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off,
+                                                kv_len=n, segment_ids_T=seg)
+    return fn, args + (sds((T,), I32),)
   if topk is None:
     return lambda q, k, v, off, n: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n), args
   fn = lambda q, k, v, off, n, idx: dense_mha(q, k, v, sm_scale=D**-0.5, q_offset=off, kv_len=n,

@@ -53,9 +53,10 @@ def numpy_dequantize_rows(rows):
   return np.concatenate([values * scales, np.asarray(rows.rope).astype(np.float64)], -1)
 
 
-def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len, topk=None):
+def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len, topk=None, segments=None):
   """Causal attention from ``q_offset`` over keys below ``kv_len``; given ``topk`` [T, K], each
-  query sees only the keys its row names (-1, indices >= S and repeats select nothing more)."""
+  query sees only the keys its row names (-1, indices >= S and repeats select nothing more);
+  given ``segments`` [T] (keys = queries), only the keys of its own segment."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   T, H, _ = q.shape
   out, lse = np.zeros((T, H, v.shape[-1])), np.full((T, H), np.inf)
@@ -63,6 +64,8 @@ def numpy_dense_mha(q, k, v, sm_scale, q_offset, kv_len, topk=None):
     keys = np.arange(min(q_offset + t + 1, kv_len, k.shape[0]))
     if topk is not None:
       keys = np.intersect1d(keys, np.asarray(topk[t]))
+    if segments is not None:
+      keys = keys[np.asarray(segments)[keys] == np.asarray(segments)[t]]
     if keys.size == 0:
       continue
     logits = np.einsum("hd,shd->hs", q[t], k[keys]) * sm_scale

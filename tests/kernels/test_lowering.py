@@ -57,6 +57,8 @@ CASES = {
     "masked_mha_tiny": (mha_case(37, 150, 2, 48, 32, F32, topk=7), "masked_mha_prefill"),
     "masked_mha_dsv32": (mha_case(4096, 4096, 128, 192, 128, topk=2048), "masked_mha_prefill"),
     "masked_mha_glm5": (mha_case(4096, 4096, 64, 256, 256, topk=2048), "masked_mha_prefill"),
+    "segmented_mha_dsv32": (mha_case(512, 512, 128, 192, 128, segmented=True),
+                            "segmented_mha_prefill"),
     # The sparse MQA backward: DeepSeek-V3.2 (H 128) and GLM-5 (H 64) share the 576/512 rows.
     "sparse_mqa_dq_tiny": (sparse_bwd_case("dq", 3, 5, 80, 64, 100, 7, F32), "sparse_mqa_dq"),
     "sparse_mqa_dq_dsv32": (sparse_bwd_case("dq", 4, 128, 576, 512, 8192, 2048), "sparse_mqa_dq"),
