@@ -337,9 +337,13 @@ def cmd_routes(args) -> int:
   return 0
 
 
+DEFAULT_PLAN_MESH = "tensor=8"
+
+
 def cmd_plan(args) -> int:
   from mla_jax import plan
 
+  args.mesh = args.mesh or [DEFAULT_PLAN_MESH]
   plans = [plan.make_plan(args.model, mesh, args.dtype, args.batch, args.context,
                           args.cache_dtype, args.mtp_layers) for mesh in args.mesh]
   mtp = f" with {args.mtp_layers} MTP layer(s)" if args.mtp_layers else ""
@@ -506,8 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="per-device bytes of a full-size model on a mesh "
                             "(nothing is allocated)")
   plan.add_argument("--model", choices=sorted(FULL_SIZE), default="deepseek_v32")
-  plan.add_argument("--mesh", action="append", required=True, metavar="SPEC",
-                    help="e.g. data=1,tensor=2,expert=4 (repeat for several meshes)")
+  plan.add_argument("--mesh", action="append", metavar="SPEC",
+                    help="e.g. data=1,tensor=2,expert=4 (repeat for several meshes; default "
+                         f"{DEFAULT_PLAN_MESH}: one host of 8 GPUs)")
   plan.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                     help="parameter storage (fp8: 128x128 block-scaled e4m3 projections)")
   plan.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16")

@@ -191,6 +191,13 @@ class PageCapacity:
     return self.data_shards * (self.pages // -(-context // self.page_size))
 
 
+def pages_that_fit(device_bytes: float, param_bytes: int, page_bytes: int) -> int:
+  """The pages of ``page_bytes`` each that fit in ``FIT_FRACTION`` of a device of
+  ``device_bytes`` after ``param_bytes`` of weights (0 when the weights alone do not fit):
+  the rule of ``mla-jax plan`` and of ``mla-jax serve --num-pages auto``."""
+  return max(0, int((FIT_FRACTION * device_bytes - param_bytes) // page_bytes))
+
+
 def page_capacity(p: Plan, gpu: str, page_size: int = 64) -> PageCapacity:
   """The pages of ``page_size`` tokens that fit next to ``p``'s weights on ``gpu`` (none
   when the weights alone do not fit)."""
@@ -199,8 +206,47 @@ def page_capacity(p: Plan, gpu: str, page_size: int = 64) -> PageCapacity:
   if not checks.is_int(page_size) or page_size < 1:
     raise ValueError(f"page size must be a positive int, got {page_size!r}")
   page_bytes = int(page_size) * p.token_bytes
-  pages = max(0, int((budget(gpu) - p.param_bytes) // page_bytes))
+  pages = pages_that_fit(GPUS[gpu], p.param_bytes, page_bytes)
   return PageCapacity(gpu, int(page_size), page_bytes, pages, p.data_shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveCapacity:
+  """What ``--num-pages auto`` found on the devices of a live model."""
+
+  device_bytes: int  # the busiest device's memory (a GPU's limit, or the host's available)
+  param_bytes: int   # the weights on the busiest device
+  page_bytes: int    # one page of every pool, on every device (the engine replicates them)
+  pages: int
+
+  def describe(self) -> str:
+    gib = lambda b: f"{b / 2**30:,.1f} GiB"
+    return (f"{self.pages:,} pages: {gib(self.device_bytes)} per device x {FIT_FRACTION:.0%}, "
+            f"minus {gib(self.param_bytes)} of weights, over {self.page_bytes:,} B per page "
+            f"(the rest is left for activations and XLA's workspace)")
+
+
+def live_capacity(model, page_bytes: int) -> LiveCapacity:
+  """The pages of ``page_bytes`` that fit next to ``model``'s weights on its busiest device:
+  a GPU's memory limit (``memory_stats``), or on a host without one the memory available
+  (``/proc/meminfo``) plus the weights already loaded into it, since the pools then live in
+  host memory too."""
+  state = nnx.state(model)
+  per_device = collections.Counter()
+  for leaf in jax.tree.leaves(state):
+    for shard in getattr(leaf, "addressable_shards", ()):
+      per_device[shard.device] += shard.data.nbytes
+  device, params = per_device.most_common(1)[0] if per_device else (jax.devices()[0], 0)
+  stats = device.memory_stats() or {}
+  memory = stats.get("bytes_limit") or _host_available_bytes() + params
+  return LiveCapacity(int(memory), int(params), int(page_bytes),
+                      pages_that_fit(memory, params, page_bytes))
+
+
+def _host_available_bytes() -> int:
+  with open("/proc/meminfo") as f:
+    fields = dict(line.split(":", 1) for line in f)
+  return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 def format_pages(plans: list[Plan], page_size: int) -> str:

@@ -42,6 +42,7 @@ from mla_jax.models.config import ATTENTION_KINDS
 from mla_jax.models import hf_layout
 from mla_jax.models.hf_layout import param_layouts
 from mla_jax.models.lm import CausalLM, state_shardings
+from mla_jax.models.moe import resolve_grouped_matmul
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 _MAX_LISTED = 50  # per problem kind, to keep one error readable
@@ -233,7 +234,8 @@ def read_config(path: Path) -> dict:
 
 def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
                     attention: str = "mqa-only", backend: str | Backend = "auto",
-                    mesh=None, mtp: bool | None = None) -> CausalLM:
+                    mesh=None, mtp: bool | None = None,
+                    grouped_matmul: str = "auto") -> CausalLM:
   """A ``CausalLM`` from an HF directory (``config.json`` + safetensors, single or sharded).
 
   Args:
@@ -260,14 +262,17 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
       DeepSeek-V3 config counts one). False skips their tensors, memory and the check of
       their embedding and head copies (one full read of each), and gives
       ``config.num_mtp_layers == 0``: enough for plain decoding.
+    grouped_matmul: the MoE's grouped matmul, as ``CausalLM``'s
+      (``models.moe.resolve_grouped_matmul``: ``"auto"``, ``"tiled"`` or ``"ragged_dot"``).
 
   Raises:
     CheckpointError: a bad config, file or tensor set; every tensor mismatch is listed
       together and nothing is read before all checks pass.
-    ValueError: a bad ``dtype``, ``compute_dtype`` or ``attention``, or a mesh the model
-      cannot be split over.
+    ValueError: a bad ``dtype``, ``compute_dtype``, ``attention`` or ``grouped_matmul``, or a
+      mesh the model cannot be split over.
   """
   param_dtype, keep_fp8 = _param_dtype(dtype, compute_dtype)
+  grouped_matmul = resolve_grouped_matmul(grouped_matmul)
   if attention not in ATTENTION_KINDS:
     raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
   path = Path(path)
@@ -288,7 +293,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
   # Shapes only; on a mesh this also refuses heads, experts or dimensions that do not split,
   # before the checkpoint is opened.
   shapes = lambda config: nnx.eval_shape(lambda: CausalLM(
-      config, rngs=nnx.Rngs(0), backend=backend, param_dtype=param_dtype, mesh=mesh))
+      config, rngs=nnx.Rngs(0), backend=backend, param_dtype=param_dtype, mesh=mesh,
+      grouped_matmul=grouped_matmul))
   abstract = shapes(config)
   tensors = open_checkpoint(path)
   if (mtp is None and config.num_mtp_layers
