@@ -26,10 +26,11 @@ no query of the block selected is never loaded. Every visited block is masked (a
 is never whole), with the causal kernel's NaN rules.
 
 Both variants are differentiable: ``dense_mha`` is a ``jax.custom_vjp`` whose backward
-(:mod:`pallas_kernels.dense_mha_backward`) reuses these walks, the bitmask test and the block
-schedule from the saved LSE. ``dense_mha_reference`` is differentiated by plain autodiff (the
-XLA backend's training path); it zeroes non-finite keys and values before the dots, so a
-hidden NaN cannot reach a gradient through a zero cotangent.
+(:mod:`pallas_kernels.dense_mha_backward`) runs from the saved LSE with the same walks, bitmask
+test and block schedule, which both import from :mod:`pallas_kernels.dense_mha_tiles`.
+``dense_mha_reference`` is differentiated by plain autodiff (the XLA backend's training path);
+it zeroes non-finite keys and values before the dots, so a hidden NaN cannot reach a gradient
+through a zero cotangent.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _checks, _compat
 from pallas_kernels.block_config import DenseMHAKernelConfig, pow2_chunks
+from pallas_kernels.dense_mha_backward import dense_mha_backward
+from pallas_kernels.dense_mha_tiles import (block_schedule, causal_pairs, causal_walks, mask_bits,
+                                            masked_walks, query_rows, sanitize_values,
+                                            selected_keys, selected_pairs, visible_keys)
 
 
 def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len, topk_TK=None,
@@ -83,52 +88,10 @@ def validate_dense_mha(q_THQ, k_SHQ, v_SHV, sm_scale, q_offset, kv_len, topk_TK=
   return sm_scale, q_offset, kv_len
 
 
-def selected_keys(topk_TK, num_keys: int):
-  """The keys each query selected as a bool mask [T, S]: -1 and indices >= S select nothing.
-
-  A scatter of T*K entries (never a [T, K, S] one-hot). A repeated index selects its key once,
-  where sparse MQA would count it twice; the indexer's top-k has no repeats.
-  """
-  valid_TK = (topk_TK >= 0) & (topk_TK < num_keys)
-  cols_TK = jnp.where(valid_TK, topk_TK, num_keys)  # invalid slots land in a spare column
-  rows_TK = jnp.broadcast_to(jnp.arange(topk_TK.shape[0])[:, None], topk_TK.shape)
-  mask_TS = jnp.zeros((topk_TK.shape[0], num_keys + 1), jnp.bool_).at[rows_TK, cols_TK].set(True)
-  return mask_TS[:, :num_keys]
-
-
-def visible_keys(num_tokens: int, num_keys: int, q_offset, kv_len, topk_TK=None,
-                 segment_ids_T=None):
-  """[T, S] bool: query t sees key s when ``s <= q_offset + t`` and ``s < kv_len`` and, given
-  ``topk_TK``, ``s`` is in ``topk_TK[t]`` (:func:`selected_keys`) and, given
-  ``segment_ids_T`` (then the key rows are the query rows), ``s`` is in t's segment."""
-  rows_T = q_offset + jnp.arange(num_tokens, dtype=jnp.int32)
-  cols_S = jnp.arange(num_keys, dtype=jnp.int32)
-  visible_TS = (cols_S[None, :] <= rows_T[:, None]) & (cols_S[None, :] < kv_len)
-  if topk_TK is not None:
-    visible_TS &= selected_keys(topk_TK, num_keys)
-  if segment_ids_T is not None:
-    visible_TS &= segment_ids_T[:, None] == segment_ids_T[None, :]
-  return visible_TS
-
-
 def _nothing_to_attend(q_THQ, k_SHQ, v_SHV):
   """T, H or S is 0: every row (if any) sees no key, out 0 and LSE +inf, with no kernel run."""
   (T, H, _), S, V = q_THQ.shape, k_SHQ.shape[0], v_SHV.shape[-1]
   return _checks.no_attention(T, H, V, q_THQ.dtype) if 0 in (T, H, S) else None
-
-
-def _sanitize_values(values):
-  """``values`` with NaN/inf replaced by 0, and a bool mask of the rows (all axes but the last)
-  that held any.
-
-  One value row may be hidden from one query and seen by another of the same dot, so it cannot
-  be zeroed per query: its non-finite values are zeroed for all (0 * NaN would be NaN for the
-  queries that must not see it), and the queries that do see it get a NaN weight for it
-  instead, which makes their output and LSE NaN as an unmasked NaN would.
-  """
-  finite = jnp.isfinite(values)
-  bad_rows = jnp.where(finite, 0.0, 1.0).max(axis=-1) > 0  # Triton has no reduction over bools
-  return jnp.where(finite, values, 0), bad_rows
 
 
 def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_len,
@@ -169,8 +132,8 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
     return empty
   # Non-finite keys and values are zeroed and the queries that see their row get the NaN weight
   # instead: a hidden NaN times its zero cotangent would make every gradient NaN.
-  k_SHQ, bad_k_SH = _sanitize_values(k_SHQ)
-  v_SHV, bad_v_SH = _sanitize_values(v_SHV)
+  k_SHQ, bad_k_SH = sanitize_values(k_SHQ)
+  v_SHV, bad_v_SH = sanitize_values(v_SHV)
   logits_HTS = jnp.einsum(
       "thq,shq->hts", q_THQ, k_SHQ, preferred_element_type=jnp.float32
   ) * sm_scale
@@ -189,12 +152,6 @@ def dense_mha_reference(q_THQ, k_SHQ, v_SHV, *, sm_scale: float, q_offset, kv_le
 
 # ---- the kernels: one flash walk over key blocks, two ways of choosing and masking them ------
 
-def _query_rows(block_q: int, num_tokens: int):
-  """This program's query rows and the mask of those that exist (the last block overhangs)."""
-  rows_Q = pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  return rows_Q, rows_Q < num_tokens
-
-
 def _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, *, sm_scale, num_tokens, num_keys,
                 block_k):
   """The online softmax of one (query block, head) program over key blocks; stores out and LSE.
@@ -205,7 +162,7 @@ def _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, *, sm_scale, num_t
   the program sees whole (no mask work at all).
   """
   block_q = q_ref.shape[0]
-  _, row_mask_Q = _query_rows(block_q, num_tokens)
+  _, row_mask_Q = query_rows(block_q, num_tokens)
   qk_chunks, v_chunks = pow2_chunks(q_ref.shape[-1]), pow2_chunks(v_ref.shape[-1])
   precision = _compat.dot_precision(q_ref.dtype)
   q_chunks = [
@@ -239,7 +196,7 @@ def _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, *, sm_scale, num_t
         for c0, cw in v_chunks
     ]
     if visible_QK is not None:
-      sanitized = [_sanitize_values(v_KC) for v_KC in v_chunks_KC]
+      sanitized = [sanitize_values(v_KC) for v_KC in v_chunks_KC]
       v_chunks_KC = [v_KC for v_KC, _ in sanitized]
       bad_K = functools.reduce(jnp.logical_or, [bad_K for _, bad_K in sanitized])
       # Hidden pairs get p = 0 (also keeping fully masked rows at 0 while m_new is still the
@@ -271,95 +228,23 @@ def _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, *, sm_scale, num_t
   _compat.store(lse_ref, lse_Q, mask=row_mask_Q)
 
 
-def _causal_walks(meta_ref, *, num_keys, block_q, block_k):
-  """The key-block loops (``_flash_walk``'s ``walks``) of the causal program of query block
-  ``program_id(0)``: the blocks it sees whole, then those on the diagonal or at ``kv_len``."""
-  # kv_len beyond S would let the diagonal mask pass the key block's zero-filled overhang.
-  q_offset, kv_len = meta_ref[0], jnp.minimum(meta_ref[1], num_keys)
-  rows_Q = pl.program_id(0) * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  positions_Q = q_offset + rows_Q
-
-  def causal(start, cols_K):
-    return (cols_K[None, :] <= positions_Q[:, None]) & (cols_K[None, :] < kv_len)
-
-  # Key blocks before num_full are seen whole by every query of the block (no masks needed);
-  # keys past the block's last query position or past kv_len are never visible.
-  first_position = q_offset + pl.program_id(0) * block_q
-  last_visible = jnp.minimum(kv_len, first_position + block_q)
-  num_blocks = jnp.clip(pl.cdiv(last_visible, block_k), 0, pl.cdiv(num_keys, block_k))
-  seen_by_all = jnp.minimum(first_position + 1, kv_len)
-  num_full = jnp.clip(jnp.maximum(seen_by_all, 0) // block_k, 0, num_blocks)
-  in_order = lambda j: j
-  return [(0, num_full, in_order, None), (num_full, num_blocks, in_order, causal)]
-
-
 def _dense_mha_kernel(
     q_ref, k_ref, v_ref, meta_ref, out_ref, lse_ref, *, sm_scale, num_tokens, num_keys, config
 ):
-  walks = _causal_walks(meta_ref, num_keys=num_keys, block_q=config.block_q,
-                        block_k=config.block_k)
+  walks = causal_walks(meta_ref, num_keys=num_keys, block_q=config.block_q,
+                       block_k=config.block_k)
   _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, sm_scale=sm_scale,
               num_tokens=num_tokens, num_keys=num_keys, block_k=config.block_k)
-
-
-_WORD = 32  # keys per word of the selection bitmask
-
-
-def selected_pairs(bits_ref, rows, row_mask_Q, start, cols_K):
-  """[block_q, block_k] bool: query ``rows`` (a slice of the bitmask's token axis) selected key
-  ``cols_K`` (the key block from ``start``), read as bit ``s % 32`` of word ``s // 32``: one
-  coalesced load of the block's query rows per word."""
-  block_k = cols_K.shape[0]
-  first_word = start // _WORD
-  words = [_compat.load(bits_ref.at[first_word + w, rows], mask=row_mask_Q, other=0)
-           for w in range(max(1, block_k // _WORD))]
-  word_of_col_K = jnp.arange(block_k, dtype=jnp.int32) // _WORD
-  word_QK = words[0][:, None]
-  for w in range(1, len(words)):
-    word_QK = jnp.where((word_of_col_K == w)[None, :], words[w][:, None], word_QK)
-  bit_K = (cols_K % _WORD).astype(jnp.uint32)
-  return (jnp.right_shift(word_QK, bit_K[None, :]) & 1) == 1
-
-
-def _masked_walks(bits_ref, key_blocks_ref, num_blocks_ref, *, num_tokens, block_q):
-  """The one key-block loop of the masked program of query block ``program_id(0)``: only the
-  key blocks in which some of its queries selected a key, in ascending order."""
-  _, row_mask_Q = _query_rows(block_q, num_tokens)
-  selected = functools.partial(selected_pairs, bits_ref, pl.ds(0, block_q), row_mask_Q)
-  return [(0, num_blocks_ref[0], lambda n: key_blocks_ref[n], selected)]
 
 
 def _masked_mha_kernel(
     q_ref, k_ref, v_ref, bits_ref, key_blocks_ref, num_blocks_ref, out_ref, lse_ref, *, sm_scale,
     num_tokens, num_keys, config
 ):
-  walks = _masked_walks(bits_ref, key_blocks_ref, num_blocks_ref, num_tokens=num_tokens,
-                        block_q=config.block_q)
+  walks = masked_walks(bits_ref, key_blocks_ref, num_blocks_ref, num_tokens=num_tokens,
+                       block_q=config.block_q)
   _flash_walk(q_ref, k_ref, v_ref, out_ref, lse_ref, walks, sm_scale=sm_scale,
               num_tokens=num_tokens, num_keys=num_keys, block_k=config.block_k)
-
-
-def block_schedule(active_XN):
-  """Per row of the bool tile map ``active_XN``: its active columns ascending, then the others
-  (never read); and how many are active."""
-  order_XN = jnp.argsort(~active_XN, axis=-1, stable=True).astype(jnp.int32)
-  return order_XN, active_XN.sum(axis=-1, dtype=jnp.int32)
-
-
-def mask_bits(visible_TS, config: DenseMHAKernelConfig):
-  """``(bits_WT, active_QN)``: the bitmask of ``visible_TS`` (see :func:`mask_operands`) and the
-  [query blocks, key blocks] map of the tiles in which some query sees a key."""
-  block_q, block_k = config.block_q, config.block_k
-  T, S = visible_TS.shape
-  num_q_blocks, num_k_blocks = pl.cdiv(T, block_q), pl.cdiv(S, block_k)
-  num_words = pl.cdiv(num_k_blocks * block_k, _WORD)
-  padded_TS = jnp.pad(visible_TS, ((0, num_q_blocks * block_q - T), (0, num_words * _WORD - S)))
-  powers = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))
-  # Distinct powers of two: their sum is their bitwise or.
-  bits_TW = (padded_TS[:T].reshape(T, num_words, _WORD) * powers).sum(-1, dtype=jnp.uint32)
-  tiles = padded_TS[:, :num_k_blocks * block_k].reshape(num_q_blocks, block_q, num_k_blocks,
-                                                        block_k)
-  return bits_TW.T, tiles.any(axis=(1, 3))
 
 
 def mask_operands(visible_TS, config: DenseMHAKernelConfig):
@@ -393,11 +278,6 @@ def _masked_variant(visible_TS, static, name: str = "masked_mha_prefill"):
       pl.BlockSpec((_compat.SQUEEZED, key_blocks_QN.shape[1]), lambda i, h: (i, 0)),
       pl.BlockSpec((1,), lambda i, h: (i,)),
   ]
-
-
-def causal_pairs(num_tokens: int, num_keys: int) -> int:
-  """The (query, key) pairs of a fresh causal prefill (q_offset 0, kv_len S)."""
-  return sum(min(t + 1, num_keys) for t in range(num_tokens))
 
 
 def _cost_estimate(q_THQ, k_SHQ, v_SHV, side_args, block_q: int) -> pl.CostEstimate:
@@ -490,9 +370,6 @@ def _attention_fwd(static, q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, segme
 
 
 def _attention_bwd(static, residuals, cotangents):
-  # Imported here: the backward kernels build on this module's walks and mask helpers.
-  from pallas_kernels.dense_mha_backward import dense_mha_backward
-
   sm_scale, _, interpret = static
   q_THQ, k_SHQ, v_SHV, q_offset, kv_len, topk_TK, segment_ids_T, out_THV, lse_TH = residuals
   dout_THV, dlse_TH = cotangents

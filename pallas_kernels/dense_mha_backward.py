@@ -28,8 +28,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels import dense_mha as fwd
 from pallas_kernels.block_config import DenseMHAKernelConfig, pow2_chunks
+from pallas_kernels.dense_mha_tiles import (block_schedule, causal_pairs, causal_walks, mask_bits,
+                                            masked_walks, query_rows, sanitize_values,
+                                            selected_pairs, visible_keys)
 
 
 def _load_chunks(ref, rows, row_mask, chunks):
@@ -64,7 +66,7 @@ def _dq_walk(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, walks, *, 
              num_tokens, num_keys, block_k):
   """dq of one (query block, head) program over the forward's key-block ``walks``."""
   block_q = q_ref.shape[0]
-  _, row_mask_Q = fwd._query_rows(block_q, num_tokens)
+  _, row_mask_Q = query_rows(block_q, num_tokens)
   qk_chunks, v_chunks = pow2_chunks(q_ref.shape[-1]), pow2_chunks(v_ref.shape[-1])
   all_rows = pl.ds(0, block_q)
   q_chunks = _load_chunks(q_ref, all_rows, row_mask_Q, qk_chunks)
@@ -82,7 +84,7 @@ def _dq_walk(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, walks, *, 
     _, ds_QK = _tile(q_chunks, k_chunks, do_chunks, v_chunks_KC, lse_Q, delta_Q, visible_QK,
                      sm_scale)
     if visible_QK is not None:  # a hidden NaN key times its zero ds would still be NaN
-      k_chunks = [fwd._sanitize_values(k_KC)[0] for k_KC in k_chunks]
+      k_chunks = [sanitize_values(k_KC)[0] for k_KC in k_chunks]
     return tuple(acc_QC + _dot(ds_QK.astype(k_KC.dtype), k_KC)
                  for acc_QC, k_KC in zip(accs, k_chunks))
 
@@ -148,8 +150,8 @@ def _dkv_walk(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, w
 
 def _dense_mha_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, meta_ref, dq_ref, *,
                          sm_scale, num_tokens, num_keys, config):
-  walks = fwd._causal_walks(meta_ref, num_keys=num_keys, block_q=config.block_q,
-                            block_k=config.block_k)
+  walks = causal_walks(meta_ref, num_keys=num_keys, block_q=config.block_q,
+                       block_k=config.block_k)
   _dq_walk(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, walks, sm_scale=sm_scale,
            num_tokens=num_tokens, num_keys=num_keys, block_k=config.block_k)
 
@@ -157,8 +159,8 @@ def _dense_mha_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, meta_r
 def _masked_mha_dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bits_ref,
                           key_blocks_ref, num_blocks_ref, dq_ref, *, sm_scale, num_tokens,
                           num_keys, config):
-  walks = fwd._masked_walks(bits_ref, key_blocks_ref, num_blocks_ref, num_tokens=num_tokens,
-                            block_q=config.block_q)
+  walks = masked_walks(bits_ref, key_blocks_ref, num_blocks_ref, num_tokens=num_tokens,
+                       block_q=config.block_q)
   _dq_walk(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, walks, sm_scale=sm_scale,
            num_tokens=num_tokens, num_keys=num_keys, block_k=config.block_k)
 
@@ -196,8 +198,8 @@ def _masked_mha_dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bits
   cols_K = first_key + jnp.arange(block_k, dtype=jnp.int32)
 
   def selected(start, rows_Q):
-    return fwd.selected_pairs(bits_ref, pl.ds(start, block_q), rows_Q < num_tokens, first_key,
-                              cols_K)
+    return selected_pairs(bits_ref, pl.ds(start, block_q), rows_Q < num_tokens, first_key,
+                          cols_K)
 
   walks = [(0, num_blocks_ref[0], lambda n: query_blocks_ref[n], selected)]
   _dkv_walk(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, walks,
@@ -228,11 +230,11 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
         _dense_mha_dkv_kernel, "dense_mha_dkv", (meta,), [meta_spec])
   else:
     # Each kernel tiles the pairs its own way: a bitmask and a block schedule for each.
-    visible_TS = fwd.visible_keys(T, S, q_offset, kv_len, topk_TK, segment_ids_T)
-    dq_bits_WT, dq_active_QN = fwd.mask_bits(visible_TS, dq_config)
-    dkv_bits_WT, dkv_active_QN = fwd.mask_bits(visible_TS, dkv_config)
-    key_blocks_QN, num_key_blocks_Q = fwd.block_schedule(dq_active_QN)
-    query_blocks_KN, num_query_blocks_K = fwd.block_schedule(dkv_active_QN.T)
+    visible_TS = visible_keys(T, S, q_offset, kv_len, topk_TK, segment_ids_T)
+    dq_bits_WT, dq_active_QN = mask_bits(visible_TS, dq_config)
+    dkv_bits_WT, dkv_active_QN = mask_bits(visible_TS, dkv_config)
+    key_blocks_QN, num_key_blocks_Q = block_schedule(dq_active_QN)
+    query_blocks_KN, num_query_blocks_K = block_schedule(dkv_active_QN.T)
     dq_kernel, dq_name, dq_side, dq_specs = (
         _masked_mha_dq_kernel, "masked_mha_dq", (dq_bits_WT, key_blocks_QN, num_key_blocks_Q), [
             pl.BlockSpec((dq_bits_WT.shape[0], dq_config.block_q), lambda i, h: (0, i)),
@@ -250,7 +252,7 @@ def dense_mha_backward(q_THQ, k_SHQ, v_SHV, out_THV, lse_TH, dout_THV, dlse_TH, 
   static = dict(sm_scale=sm_scale, num_tokens=T, num_keys=S)
   # As the forward's estimate: every causal pair, an upper bound for the masked kernels. dq
   # takes three dots a pair (s, dp, ds k), dk/dv four (s, dp, p^T dout, ds^T q).
-  pairs, itemsize = fwd.causal_pairs(T, S), q_THQ.dtype.itemsize
+  pairs, itemsize = causal_pairs(T, S), q_THQ.dtype.itemsize
   row_bytes = itemsize * H * (T * (2 * Q + V) + S * (2 * Q + 2 * V)) + 8 * T * H
   estimate = lambda flops: pl.CostEstimate(flops=flops, transcendentals=H * pairs,
                                            bytes_accessed=row_bytes)

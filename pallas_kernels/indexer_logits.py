@@ -15,7 +15,8 @@ to row 0, gathers those rows (and their fp8 scales) and replaces the invalid col
 the sparse MQA kernel's gather. No per-sequence copy of the keys is ever made.
 
 ``indexer_logits`` is a ``jax.custom_vjp``: the forward saves only its inputs, the backward
-recomputes the dots in two kernels of their own (:mod:`pallas_kernels.indexer_logits_backward`).
+recomputes the dots in two kernels of their own (:mod:`pallas_kernels.indexer_logits_backward`),
+which read the keys with the same two readers (:mod:`pallas_kernels.indexer_logits_tiles`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _checks, _compat
 from pallas_kernels.block_config import IndexerLogitsKernelConfig
+from pallas_kernels.indexer_logits_backward import indexer_logits_vjp
+from pallas_kernels.indexer_logits_tiles import FP8, key_tile, pooled_key_rows, valid_rows
 
 
 _INDEXER_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
-_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S=None):
@@ -59,7 +61,7 @@ def validate_indexer_logits(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_
   else:
     _checks.array(op, "key_rows_S", key_rows_S, "S")
     _checks.int32_array(op, "key_rows_S", key_rows_S)
-    if (q_TGI.dtype == _FP8) != (k_SI.dtype == _FP8):
+    if (q_TGI.dtype == FP8) != (k_SI.dtype == FP8):
       raise TypeError(f"{op}: k_SI dtype {k_SI.dtype} and q_TGI dtype {q_TGI.dtype}: fp8 keys "
                       "need fp8 queries (a float pool is cast to the queries' dtype per row)")
   _checks.float_dtype(op, "w_TG", w_TG)
@@ -79,13 +81,6 @@ def _nothing_to_score(q_TGI, k_SI, key_rows_S):
   """T, S or the pool is empty: the logits (all -inf, maybe empty), with no kernel run."""
   T, S = q_TGI.shape[0], _num_scored(k_SI, key_rows_S)
   return jnp.full((T, S), -jnp.inf, jnp.float32) if 0 in (T, S, k_SI.shape[0]) else None
-
-
-def _valid_rows(key_rows_S, num_rows):
-  """``(valid_S, safe_S)``: row ids inside the pool, and every id clamped to a real row (the
-  invalid ones read row 0 and are masked by the caller)."""
-  valid_S = (key_rows_S >= 0) & (key_rows_S < num_rows)
-  return valid_S, jnp.where(valid_S, key_rows_S, 0)
 
 
 def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None,
@@ -125,7 +120,7 @@ def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=N
     return empty
   has_key_S = jnp.ones(k_SI.shape[:1], bool)
   if key_rows_S is not None:  # the reference gathers the rows it scores
-    has_key_S, safe_S = _valid_rows(key_rows_S, k_SI.shape[0])
+    has_key_S, safe_S = valid_rows(key_rows_S, k_SI.shape[0])
     k_SI = k_SI[safe_S].astype(q_TGI.dtype)
     k_scale_S = None if k_scale_S is None else k_scale_S[safe_S]
   # fp8 keys and their scales are constants (a quantized cache): no cotangent reaches them.
@@ -153,25 +148,6 @@ def indexer_logits_reference(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=N
 
 
 # ---- the kernel: one tile body, two ways of reading the key rows --------------------------
-
-def _key_tile(col_mask_S, k_ref, scale_ref=None):
-  """Contiguous keys: the tile's BlockSpec block. ``(has_key_S, k_SI, read_scale or None)``;
-  ``read_scale()`` loads the per-key scales, called after the head loop (see the kernel)."""
-  k_SI = _compat.load(k_ref, mask=col_mask_S[:, None], other=0)
-  read_scale = None if scale_ref is None else (
-      lambda: _compat.load(scale_ref, mask=col_mask_S, other=0.0))
-  return col_mask_S, k_SI, read_scale
-
-
-def _pooled_key_rows(col_mask_S, rows_ref, k_ref, scale_ref=None, *, dtype):
-  """Pooled keys: the tile's row ids, then those rows of the whole pool (cast to ``dtype``);
-  returns what :func:`_key_tile` does."""
-  rows_S = _compat.load(rows_ref, mask=col_mask_S, other=-1)
-  has_key_S, safe_S = _valid_rows(rows_S, k_ref.shape[0])
-  k_SI = k_ref[safe_S, pl.ds(0, k_ref.shape[1])].astype(dtype)
-  read_scale = None if scale_ref is None else (lambda: scale_ref[safe_S])
-  return has_key_S, k_SI, read_scale
-
 
 def _indexer_logits_kernel(
     q_ref, w_ref, starts_ref, ends_ref, *key_refs, read_keys, num_tokens, num_keys, num_heads,
@@ -249,11 +225,11 @@ def _forward_kernel(config, interpret, q_TGI, k_SI, w_TG, starts_T, ends_T, k_sc
   whole = lambda a: pl.BlockSpec(a.shape, lambda t, s: (0,) * a.ndim)  # every program, every row
   scales = () if k_scale_S is None else (k_scale_S.astype(jnp.float32),)
   if key_rows_S is None:
-    read_keys = _key_tile
+    read_keys = key_tile
     key_args = (k_SI, *scales)
     key_specs = [key_block(I), *(key_block() for _ in scales)]
   else:
-    read_keys = functools.partial(_pooled_key_rows, dtype=q_TGI.dtype)
+    read_keys = functools.partial(pooled_key_rows, dtype=q_TGI.dtype)
     key_args = (key_rows_S, k_SI, *scales)
     key_specs = [key_block(), *(whole(a) for a in key_args[1:])]
   kernel = functools.partial(
@@ -298,8 +274,6 @@ def _forward_with_residuals(config, interpret, *args):
 
 def _backward(config, interpret, args, dlogits_TS):
   del config  # the backward kernels pick their own blocks
-  # Imported here: the backward module reads keys with this module's tile readers.
-  from pallas_kernels.indexer_logits_backward import indexer_logits_vjp
   return indexer_logits_vjp(dlogits_TS, *args, interpret=interpret)
 
 

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels.block_config import IndexerLogitsKernelConfig
-from pallas_kernels.indexer_logits import _FP8, _key_tile, _pooled_key_rows, _valid_rows
+from pallas_kernels.indexer_logits_tiles import FP8, key_tile, pooled_key_rows, valid_rows
 
 
 def meeting_blocks(starts_T, ends_T, num_keys: int, block_t: int, block_s: int):
@@ -56,12 +56,13 @@ def _block_lists(meets_NM):
 def _key_operands(k_SI, k_scale_S, key_rows_S, dtype, block: int, key_block):
   """``(read_keys, args, specs, num_per_key)`` of the key inputs: the per-key ones (keys and
   scales, or the pool's row ids) in blocks of ``block`` at block ``key_block(*program ids)``,
-  the pool and its scales whole; ``read_keys`` is the forward's tile reader."""
+  the pool and its scales whole; ``read_keys`` is the forward's tile reader (contiguous or
+  pooled, from :mod:`pallas_kernels.indexer_logits_tiles`)."""
   scales = () if k_scale_S is None else (k_scale_S.astype(jnp.float32),)
   if key_rows_S is None:
-    read_keys, per_key, pool = _key_tile, (k_SI, *scales), ()
+    read_keys, per_key, pool = key_tile, (k_SI, *scales), ()
   else:
-    read_keys = functools.partial(_pooled_key_rows, dtype=dtype)
+    read_keys = functools.partial(pooled_key_rows, dtype=dtype)
     per_key, pool = (key_rows_S,), (k_SI, *scales)
   blocked = lambda a: pl.BlockSpec((block, *a.shape[1:]),
                                    lambda *ids: (key_block(*ids),) + (0,) * (a.ndim - 1))
@@ -71,7 +72,7 @@ def _key_operands(k_SI, k_scale_S, key_rows_S, dtype, block: int, key_block):
 
 def _second_dot_dtype(dtype):
   """The operand dtype of the dots with relu' weights: fp8 q and k are widened to bf16 (exact)."""
-  return jnp.bfloat16 if jnp.dtype(dtype) == _FP8 else dtype
+  return jnp.bfloat16 if jnp.dtype(dtype) == FP8 else dtype
 
 
 def _scored(starts_T, ends_T, cols_S, has_key_S):
@@ -281,7 +282,7 @@ def sum_into_rows(d_SI, rows_S, num_rows: int):
   (ids outside [0, num_rows) are dropped), deterministically: a segmented scan over the columns
   sorted by row id, then one write per distinct row (no scatter-add, whose atomics would sum a
   repeated row in a varying order)."""
-  valid_S, _ = _valid_rows(rows_S, num_rows)
+  valid_S, _ = valid_rows(rows_S, num_rows)
   order_S = jnp.argsort(jnp.where(valid_S, rows_S, num_rows), stable=True)
   rows_S, d_SI = jnp.where(valid_S, rows_S, num_rows)[order_S], d_SI[order_S]
   new_row_S = jnp.concatenate([jnp.ones((1,), bool), rows_S[1:] != rows_S[:-1]])
@@ -306,5 +307,5 @@ def indexer_logits_vjp(dlogits_TS, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_
   kwargs = dict(k_scale_S=k_scale_S, key_rows_S=key_rows_S, interpret=interpret)
   args = (dlogits_TS, q_TGI, k_SI, w_TG, starts_T, ends_T)
   dq_TGI, dw_TG = indexer_logits_dq(*args, **kwargs)
-  dk_SI = None if k_SI.dtype == _FP8 else indexer_logits_dk(*args, **kwargs)
+  dk_SI = None if k_SI.dtype == FP8 else indexer_logits_dk(*args, **kwargs)
   return dq_TGI, dk_SI, dw_TG, None, None, None, None

@@ -17,6 +17,8 @@ own accumulator, so no dequantized row is ever assembled or written back.
 Backward (``sparse_mqa_backward.py``): ``sparse_mqa`` is a ``jax.custom_vjp`` whose backward
 recomputes the probabilities from the saved LSE in two more kernels, one for dq and one for
 each (token, slot)'s row gradient, and a third sums the row gradients per row in a fixed order.
+Those read slots and rows with the forward's readers, which both import from
+``sparse_mqa_tiles.py``.
 
 Batching: the kernel is per sequence, with request-local indices into that sequence's rows.
 Batches (ragged prefill or decode) are ``jax.vmap`` of it, which Pallas turns into one more grid
@@ -33,9 +35,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _checks, _compat
+from pallas_kernels import sparse_mqa_tiles as tiles
 from pallas_kernels.block_config import (SparseMQABackwardConfig, SparseMQAKernelConfig,
                                          pow2_chunks)
 from pallas_kernels.fp8_rows import Fp8LatentRows, dequantize_rows, validate_fp8_rows
+from pallas_kernels.sparse_mqa_backward import sparse_mqa_backward
 
 _FP8_QUERY_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -140,18 +144,6 @@ def sparse_mqa_reference(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int):
 
 # ---- the kernels: a shared walk over the top-k slots, two ways of reading rows ----------------
 
-def _slot_block(topk_ref, j, *, block_k, topk, num_rows):
-  """Slots ``[j * block_k, (j + 1) * block_k)``: ``(valid_K, safe_K)``, invalid ones clamped
-  to row 0 (and masked by every caller)."""
-  slots_K = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-  idx_K = _compat.load(
-      topk_ref.at[pl.ds(pl.multiple_of(j * block_k, block_k), block_k)],
-      mask=slots_K < topk, other=-1,
-  )
-  valid_K = (idx_K >= 0) & (idx_K < num_rows)
-  return valid_K, jnp.where(valid_K, idx_K, 0)
-
-
 def _softmax_step(m_H, l_H, logits_HK, valid_K):
   """One online-softmax update: ``(m_new_H, l_new_H, alpha_H, p_HK)``."""
   # Replaces the logits of invalid slots, whatever the row they read (row 0) holds.
@@ -194,7 +186,7 @@ def _sparse_mqa_kernel(
 
   def body(j, carry):
     m_H, l_H, (acc_HV,) = carry
-    valid_K, safe_K = _slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
+    valid_K, safe_K = tiles.slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
     logits_HK = None
     for (c0, cw), q_HC in zip(qk_chunks, q_chunks):
       rows_KC = kv_ref[safe_K, pl.ds(c0, cw)]
@@ -219,32 +211,6 @@ def _sparse_mqa_kernel(
   _compat.store(lse_ref, lse_H, mask=head_mask_H)
 
 
-def _latent_chunks(latent_width: int, tile: int):
-  """``(start, width, tile index)`` power-of-two column chunks of the latent, none crossing a
-  scale tile: A 512 in tiles of 128 -> four 128 chunks; A 96 in one tile -> 64 + 32."""
-  return tuple((z * tile + c0, cw, z) for z in range(latent_width // tile)
-               for c0, cw in pow2_chunks(tile))
-
-
-def _read_fp8_rows(values_ref, scales_ref, rope_ref, safe_K, valid_K, *, latent_chunks,
-                   rope_chunks, dtype):
-  """The gathered fp8 rows of one slot block as ``(latent, rope)`` lists of ``[block_k, width]``
-  chunks, dequantized into ``dtype``.
-
-  Dequantized before any dot; invalid slots read row 0 and become zeros whatever row 0 (values,
-  scale or RoPE) holds, so NaN there never meets a probability.
-  """
-  keep_K1 = valid_K[:, None]
-  latent = [
-      jnp.where(keep_K1, values_ref[safe_K, pl.ds(c0, cw)].astype(jnp.float32)
-                * scales_ref[safe_K, pl.ds(z, 1)], 0.0).astype(dtype)
-      for c0, cw, z in latent_chunks
-  ]
-  rope = [jnp.where(keep_K1, rope_ref[safe_K, pl.ds(c0, cw)].astype(dtype), 0)
-          for c0, cw in rope_chunks]
-  return latent, rope
-
-
 def _sparse_mqa_fp8_kernel(
     q_ref, values_ref, scales_ref, rope_ref, topk_ref, out_ref, lse_ref, *, sm_scale, num_heads,
     num_rows, topk, tile, config
@@ -253,7 +219,7 @@ def _sparse_mqa_fp8_kernel(
   heads_H = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
   head_mask_H = heads_H < num_heads
   latent_width, dtype = values_ref.shape[-1], q_ref.dtype
-  latent_chunks = _latent_chunks(latent_width, tile)
+  latent_chunks = tiles.latent_chunks(latent_width, tile)
   rope_chunks = pow2_chunks(rope_ref.shape[-1])
   precision = _compat.dot_precision(dtype)
   load_q = lambda c0, cw: _compat.load(q_ref.at[:, pl.ds(c0, cw)], mask=head_mask_H[:, None],
@@ -263,10 +229,10 @@ def _sparse_mqa_fp8_kernel(
 
   def body(j, carry):
     m_H, l_H, accs = carry
-    valid_K, safe_K = _slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
-    latent, rope = _read_fp8_rows(values_ref, scales_ref, rope_ref, safe_K, valid_K,
-                                  latent_chunks=latent_chunks, rope_chunks=rope_chunks,
-                                  dtype=dtype)
+    valid_K, safe_K = tiles.slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
+    latent, rope = tiles.read_fp8_rows(values_ref, scales_ref, rope_ref, safe_K, valid_K,
+                                       latent_chunks=latent_chunks, rope_chunks=rope_chunks,
+                                       dtype=dtype)
     logits_HK = None
     for q_HC, rows_KC in zip(q_latent + q_rope, latent + rope):
       part_HK = jax.lax.dot_general(
@@ -352,9 +318,6 @@ def _differentiable_fwd(q_THL, kv_SL, topk_TK, sm_scale, d_v, config, backward_c
 
 def _differentiable_bwd(sm_scale, d_v, config, backward_config, drows_max_bytes, interpret,
                         residuals, cotangents):
-  # Imported here: the backward module builds on this module's kernel helpers.
-  from pallas_kernels.sparse_mqa_backward import sparse_mqa_backward
-
   del config
   dq_THL, dkv_SL = sparse_mqa_backward(
       *residuals, *cotangents, sm_scale=sm_scale, d_v=d_v, config=backward_config,
@@ -363,10 +326,6 @@ def _differentiable_bwd(sm_scale, d_v, config, backward_config, drows_max_bytes,
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
-
-
-def _whole(a):
-  return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # every row, every program
 
 
 def _forward(q_THL, kv_SL, topk_TK, *, sm_scale, d_v, config, interpret):
@@ -395,7 +354,7 @@ def _forward(q_THL, kv_SL, topk_TK, *, sm_scale, d_v, config, interpret):
       grid=(T, pl.cdiv(H, block_h)),
       in_specs=[
           pl.BlockSpec((sq, block_h, L), lambda t, h: (t, h, 0)),
-          *(_whole(a) for a in kv_args),
+          *(tiles.whole(a) for a in kv_args),
           pl.BlockSpec((sq, padded_k), lambda t, h: (t, 0)),
       ],
       out_specs=[

@@ -15,9 +15,10 @@ cotangent enters as ``p * dlse``, since d lse / d logits = p):
 * ``sparse_mqa_row_sum``: one program per row s of ``dkv[S, L]``, adding the row gradients of
   the slots that name s, in slot order.
 
-dq and drows read rows as the forward does (clamped gather, invalid slots zeroed before any
-dot), in column chunks whose first ones are exactly the ``d_v`` value columns, so ``dp`` reuses
-the gathered chunks. Invalid slots and empty rows (LSE +inf) get ``p = ds = 0``.
+dq and drows read rows as the forward does, with the readers of
+:mod:`pallas_kernels.sparse_mqa_tiles` (clamped gather, invalid slots zeroed before any dot), in
+column chunks whose first ones are exactly the ``d_v`` value columns, so ``dp`` reuses the
+gathered chunks. Invalid slots and empty rows (LSE +inf) get ``p = ds = 0``.
 
 The row sum is deterministic: a stable sort of the slot indices (int32, outside the kernels)
 gives each row its run of slots, which the row's program reads in place in a fixed order, so
@@ -42,9 +43,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels import sparse_mqa_tiles as tiles
 from pallas_kernels.block_config import SparseMQABackwardConfig, pow2_chunks
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from pallas_kernels.sparse_mqa import _latent_chunks, _read_fp8_rows, _slot_block, _whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +71,14 @@ def _float_layout(width: int, d_v: int) -> _RowLayout:
 
 
 def _fp8_layout(rows: Fp8LatentRows, dtype) -> _RowLayout:
-  latent_chunks = _latent_chunks(rows.latent_width, rows.tile)
+  latent_chunks = tiles.latent_chunks(rows.latent_width, rows.tile)
   rope_chunks = pow2_chunks(rows.rope.shape[-1])
   chunks = (tuple((c0, cw) for c0, cw, _ in latent_chunks)
             + tuple((rows.latent_width + c0, cw) for c0, cw in rope_chunks))
 
   def read(row_refs, safe_K, valid_K):
-    latent, rope = _read_fp8_rows(*row_refs, safe_K, valid_K, latent_chunks=latent_chunks,
-                                  rope_chunks=rope_chunks, dtype=dtype)
+    latent, rope = tiles.read_fp8_rows(*row_refs, safe_K, valid_K, latent_chunks=latent_chunks,
+                                       rope_chunks=rope_chunks, dtype=dtype)
     return latent + rope
 
   return _RowLayout(chunks, len(latent_chunks), read)
@@ -118,7 +119,7 @@ def _sparse_mqa_dq_kernel(q_ref, *refs, layout, sm_scale, num_heads, num_rows, t
                                                       slice(None), head_mask_H, layout)
 
   def body(j, accs):
-    valid_K, safe_K = _slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
+    valid_K, safe_K = tiles.slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
     rows = layout.read(row_refs, safe_K, valid_K)
     _, ds_HK = _score_grads(q_chunks, dout_chunks, rows, valid_K, lse_H, delta_H,
                             sm_scale=sm_scale, precision=precision)
@@ -138,7 +139,7 @@ def _sparse_mqa_drows_kernel(q_ref, kv_ref, topk_ref, dout_ref, lse_ref, delta_r
                              layout, sm_scale, num_heads, num_rows, topk, config):
   block_h, block_k = config.block_h, config.block_k
   j = pl.program_id(1)
-  valid_K, safe_K = _slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
+  valid_K, safe_K = tiles.slot_block(topk_ref, j, block_k=block_k, topk=topk, num_rows=num_rows)
   rows = layout.read((kv_ref,), safe_K, valid_K)  # read once, used by every head block
   dtype, precision = q_ref.dtype, _compat.dot_precision(q_ref.dtype)
   # [H, K] x [H, C] -> [K, C]: the head block is the contraction.
@@ -197,7 +198,7 @@ def sparse_mqa_dq(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_scale
       grid=(T, pl.cdiv(H, block_h)),
       in_specs=[
           pl.BlockSpec((sq, block_h, L), lambda t, h: (t, h, 0)),
-          *(_whole(a) for a in kv_args),
+          *(tiles.whole(a) for a in kv_args),
           pl.BlockSpec((sq, padded_k), lambda t, h: (t, 0)),
           pl.BlockSpec((sq, block_h, d_v), lambda t, h: (t, h, 0)),
           pl.BlockSpec((sq, block_h), lambda t, h: (t, h)),
@@ -233,7 +234,7 @@ def sparse_mqa_drows(q_THL, kv_SL, topk_TK, dout_THV, lse_TH, delta_TH, *, sm_sc
       grid=(T, pl.cdiv(K, block_k)),
       in_specs=[
           pl.BlockSpec((sq, padded_h, L), lambda t, j: (t, 0, 0)),
-          _whole(kv_SL),
+          tiles.whole(kv_SL),
           pl.BlockSpec((sq, padded_k), lambda t, j: (t, 0)),
           pl.BlockSpec((sq, padded_h, d_v), lambda t, j: (t, 0, 0)),
           pl.BlockSpec((sq, padded_h), lambda t, j: (t, 0)),
@@ -282,8 +283,8 @@ def sparse_mqa_row_sum(drows_NL, order_N, start_S, end_S, *, interpret=False):
       in_specs=[
           pl.BlockSpec((1,), lambda s: (s,)),
           pl.BlockSpec((1,), lambda s: (s,)),
-          _whole(order_N),
-          _whole(drows_NL),
+          tiles.whole(order_N),
+          tiles.whole(drows_NL),
       ],
       out_specs=pl.BlockSpec((sq, L), lambda s: (s, 0)),
       out_shape=jax.ShapeDtypeStruct((S, L), jnp.float32),
