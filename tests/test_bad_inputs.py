@@ -526,6 +526,8 @@ CHECKPOINT_CASES = {
     "compute_dtype_without_fp8": (None, dict(compute_dtype=jnp.float32), ValueError,
                                   "compute_dtype float32 differs from dtype bfloat16"),
     "attention_unknown": (None, dict(attention="mha"), ValueError, "attention must be one of"),
+    "grouped_matmul_unknown": (None, dict(grouped_matmul="fast"), ValueError,
+                               "grouped_matmul must be one of"),
     "config_a_list": ("[1, 2]", {}, CheckpointError, "config.json: must hold a JSON object"),
     "config_not_json": ("{not json", {}, CheckpointError, "config.json: invalid JSON"),
     "hidden_size_string": (dict(hidden_size="big"), {}, CheckpointError,

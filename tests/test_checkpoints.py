@@ -69,6 +69,11 @@ def test_round_trip_runs_and_is_bitwise(tmp_path, kind, model_type):
   loaded = load_pretrained(tmp_path / "a", dtype=jnp.float32)
   assert loaded.config == source.config
   _assert_same_params(source, loaded)
+  assert loaded.grouped_matmul == "tiled"  # "auto" on a CPU
+  ragged = load_pretrained(tmp_path / "a", dtype=jnp.float32, grouped_matmul="ragged_dot")
+  assert ragged.grouped_matmul == "ragged_dot"
+  np.testing.assert_allclose(_logits(ragged, _ids()), _logits(source, _ids()), rtol=1e-5,
+                             atol=1e-5)
   logits = _logits(loaded, _ids())
   assert np.isfinite(logits).all()
   np.testing.assert_array_equal(logits, _logits(source, _ids()))

@@ -76,6 +76,11 @@ def test_plan_with_fp8_weights(capsys):
   assert "| deepseek_v32 | data=1,tensor=2,expert=8 | fp8 |" in out
 
 
+def test_bare_plan_plans_deepseek_v32_on_one_host_of_8_gpus(capsys):
+  assert cli.main(["plan"]) == 0
+  assert "| deepseek_v32 | tensor=8 | bf16 |" in capsys.readouterr().out
+
+
 def test_plan_prints_the_pages_left_after_the_weights(capsys):
   """DeepSeek-V3.2, fp8 weights and caches on 8 GPUs: a token takes 61 layers x (656 B latent
   row + 132 B indexer key), a 64-token page 64 x that on every device (tensor=8 replicates
