@@ -134,7 +134,7 @@ class Runner:
 
   def _inputs(self, context: int):
     """The caches with a dispatch's steps ending at ``context`` rows, fresh tokens/done."""
-    return (self.caches.with_lengths(jnp.int32(context - self.variant.steps)),
+    return (self.caches.with_num_cached(jnp.int32(context - self.variant.steps)),
             jnp.zeros((self.batch,), jnp.int32), jnp.zeros((self.batch,), bool))
 
   def compile(self, context: int) -> None:

@@ -38,7 +38,7 @@ from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
 from mla_jax.routing import (PrefillRoute, dense_mha_allowed, masked_mha_allowed,
                              resolve_prefill_route, settle_masked_capability)
-from mla_jax.step_plan import INDEXER_LOSSES, StepPlan, cached_bound, plan_step
+from mla_jax.step_plan import INDEXER_LOSSES, StepPlan, plan_step, static_num_cached
 
 logger = logging.getLogger("mla_jax")
 _logged_mqa_only: set[tuple[str, str]] = set()
@@ -59,7 +59,7 @@ class PreparedStep(NamedTuple):
   q_resid_BTC: jax.Array       # the normalised query latent (the indexer's input)
   q_nope_BTHN: jax.Array
   q_pe_BTHR: jax.Array
-  cached_lengths_B: jax.Array  # before this step's rows were written
+  num_cached_B: jax.Array      # before this step's rows were written
   new_lens_B: jax.Array
   cache: CacheView             # with this step's rows written
   index_logits_BTS: jax.Array | None  # every causal score, only when an indexer loss is asked
@@ -250,7 +250,7 @@ class MLAAttentionBase(nnx.Module):
       raise ValueError("cache.index_keys_BSI must be present exactly when the layer has an "
                        "indexer of its own")
     check_layout(cache, c)
-    checks.new_tokens(new_lens_B, cache.lengths_B, num_tokens=x_BTD.shape[1],
+    checks.new_tokens(new_lens_B, cache.num_cached_B, num_tokens=x_BTD.shape[1],
                       capacity=cache.capacity, max_positions=c.max_position_embeddings)
 
   def __call__(self, x_BTD, cache: CacheView, *, new_lens_B=None, plan: StepPlan | None = None,
@@ -259,13 +259,13 @@ class MLAAttentionBase(nnx.Module):
     """Attends ``x_BTD`` (after the layer's input norm) and appends it to ``cache``.
 
     Args:
-      x_BTD: hidden states; row t of sequence b sits at position ``cache.lengths_B[b] + t``.
+      x_BTD: hidden states; row t of sequence b sits at position ``cache.num_cached_B[b] + t``.
       cache: this layer's cache (a ``LayerCache``, or a layer of a stacked one); returned
         updated in the output.
       new_lens_B: valid tokens per sequence (right padding beyond); default all T.
       plan: the step's ``StepPlan`` (a model passes its own). Without one the call builds
         its plan from the static settings below; with one, they must be left unset.
-      num_cached_tokens: static upper bound on ``cache.lengths_B``. When None it is read
+      num_cached_tokens: static upper bound on ``cache.num_cached_B``. When None it is read
         from concrete lengths; under ``jit`` it is unknown and the route is MQA (decode).
       force_mqa: take neither MHA route (dense or masked).
       kv_rows: static number of cache rows attention and the indexer read (rows past it are
@@ -289,7 +289,7 @@ class MLAAttentionBase(nnx.Module):
     new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
     self._validate(x_BTD, cache, new_lens_B)
     if plan is None:
-      plan = self.step_plan(t, cached_bound(num_cached_tokens, cache.lengths_B),
+      plan = self.step_plan(t, static_num_cached(num_cached_tokens, cache.num_cached_B),
                             capacity=cache.capacity, kv_rows=kv_rows,
                             force_mqa=force_mqa, indexer_loss=indexer_loss)
     elif (num_cached_tokens, force_mqa, kv_rows, indexer_loss) != (None, False, None, None):
@@ -349,12 +349,12 @@ class MLAAttentionBase(nnx.Module):
         plan.route is not PrefillRoute.DENSE_MHA:
       raise ValueError(f"route {plan.route.name} does not fit a layer "
                        f"{'with' if self.config.indexer else 'without'} an indexer")
-    if plan.bounds_cached_lengths:
-      checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
+    if plan.bounds_num_cached:
+      checks.within_cached_bound(cache.num_cached_B, plan.num_cached_tokens)
     if plan.segmented and cache.segment_ids_B is None:
       raise ValueError("a segmented step plan needs a cache view whose rows name their "
                        "sequences (segment_ids_B: the engine's flat step)")
-    positions_BT = cache.lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions_BT = cache.num_cached_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q_resid_BTC, q_nope_BTHN, q_pe_BTHR, latent_BTL = self.project(x_BTD, positions_BT)
     index_x_BTD, index_q_BTC = x_BTD, q_resid_BTC
     if plan.indexer_loss is not None:  # the indexer learns only from its own KL
@@ -371,7 +371,7 @@ class MLAAttentionBase(nnx.Module):
       index_logits_BTS = self.indexer.logits(index_x_BTD, index_q_BTC, positions_BT, keys,
                                              self.ops, key_rows_BS=key_rows_BS)
     return PreparedStep(x_BTD, positions_BT, q_resid_BTC, q_nope_BTHN, q_pe_BTHR,
-                        cache.lengths_B, new_lens_B, new_cache, index_logits_BTS)
+                        cache.num_cached_B, new_lens_B, new_cache, index_logits_BTS)
 
   def _select(self, step: PreparedStep, plan: StepPlan, shared_topk_BTK):
     """The top-k of a route that needs it: shared, from the loss's logits, or scored here."""
@@ -387,7 +387,7 @@ class MLAAttentionBase(nnx.Module):
       with jax.named_scope("indexer_score"):
         return self.indexer.select_in_key_chunks(
             step.x_BTD, step.q_resid_BTC, step.positions_BT, key_pool, key_rows, self.ops,
-            key_chunk=plan.key_chunk, num_keys=jnp.max(step.cache.lengths_B))
+            key_chunk=plan.key_chunk, num_keys=jnp.max(step.cache.num_cached_B))
     # A paged cache's keys are read in place: its pool and each position's physical row.
     keys, key_rows_BS = step.cache.index_keys(plan.kv_rows)
     with jax.named_scope("indexer_score"):
@@ -400,7 +400,7 @@ class MLAAttentionBase(nnx.Module):
     latent_BSL = dense_latent(step.cache.rows(plan.kv_rows)[0], step.q_nope_BTHN.dtype)
     num_keys = latent_BSL.shape[1]
     if selected_BTK is None:
-      keys_BTS = losses.causal_key_mask(step.positions_BT, step.cache.lengths_B, num_keys)
+      keys_BTS = losses.causal_key_mask(step.positions_BT, step.cache.num_cached_B, num_keys)
     else:
       keys_BTS = losses.selected_key_mask(selected_BTK, num_keys)
     q_BTHL = self._absorbed_query(step.q_nope_BTHN, step.q_pe_BTHR)
@@ -417,8 +417,8 @@ class MLAAttention(MLAAttentionBase):
 
   def _mha_operands(self, step: PreparedStep, plan: StepPlan):
     """Per-head ``(q_BTHQ, k_BSHQ, v_BSHV)`` of the MHA form, K/V decompressed from the
-    latent rows of the (static) ``cached_bound + T`` reachable keys, in logical order."""
-    num_keys = plan.cached_bound + plan.num_new_tokens
+    latent rows of the (static) ``num_cached_tokens + T`` reachable keys, in logical order."""
+    num_keys = plan.num_cached_tokens + plan.num_new_tokens
     return self._mha_form(step, step.cache.rows(num_keys)[0])
 
   def _mha_form(self, step: PreparedStep, stored_BSL):
@@ -448,7 +448,7 @@ class MLAAttention(MLAAttentionBase):
     q_BTHQ, k_BSHQ, v_BSHV = self._mha_operands(step, plan)
     out_BTHV, _ = self.dense_prefill_backend.dense_mha(
         q_BTHQ, k_BSHQ, v_BSHV, sm_scale=self.config.softmax_scale,
-        q_offset_B=step.cached_lengths_B, kv_len_B=step.cache.lengths_B)
+        q_offset_B=step.num_cached_B, kv_len_B=step.cache.num_cached_B)
     return out_BTHV
 
   def _segmented_mha(self, step: PreparedStep):
@@ -456,7 +456,7 @@ class MLAAttention(MLAAttentionBase):
     one sequence of B tokens, each query to the keys of its own segment up to itself (rows of
     a sequence are consecutive and in order, so the causal rule holds within segments):
     [B, 1, H, V]."""
-    rows_B1L = step.cache.latent_rows_at(step.cached_lengths_B[:, None])  # the rows just written
+    rows_B1L = step.cache.latent_rows_at(step.num_cached_B[:, None])  # the rows just written
     q_B1HQ, k_B1HQ, v_B1HV = self._mha_form(step, rows_B1L)
     b = q_B1HQ.shape[0]
     flat = lambda x: x.reshape(1, b, *x.shape[2:])
@@ -477,7 +477,7 @@ class MLAAttention(MLAAttentionBase):
     q_BTHQ, k_BSHQ, v_BSHV = self._mha_operands(step, plan)
     out_BTHV, _ = self.masked_prefill_backend.masked_mha(
         q_BTHQ, k_BSHQ, v_BSHV, topk_BTK, sm_scale=self.config.softmax_scale,
-        q_offset_B=step.cached_lengths_B, kv_len_B=step.cache.lengths_B)
+        q_offset_B=step.num_cached_B, kv_len_B=step.cache.num_cached_B)
     return out_BTHV
 
 

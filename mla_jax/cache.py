@@ -67,11 +67,11 @@ class CacheView(abc.ABC):
   """What an attention layer reads and writes of its cache, however the rows are held.
 
   ``LayerCache`` holds one layer's rows; ``StackedLayerView`` is one layer of a cache stacked
-  over a scanned layer group. Layers use only this protocol, and ``lengths_B`` (int32 valid
+  over a scanned layer group. Layers use only this protocol, and ``num_cached_B`` (int32 valid
   rows per sequence).
   """
 
-  lengths_B: jax.Array
+  num_cached_B: jax.Array
 
   @property
   @abc.abstractmethod
@@ -134,12 +134,12 @@ class LayerCache(CacheView):
       an array, or ``Fp8LatentRows`` in an fp8 cache (held as bits, read through ``rows``).
     index_keys_BSI: the indexer's keys (an array, or ``Fp8Keys`` in an fp8 cache), or None
       for a layer without an indexer.
-    lengths_B: int32 number of valid rows per sequence.
+    num_cached_B: int32 number of valid rows per sequence.
   """
 
   latent_BSL: jax.Array
   index_keys_BSI: jax.Array | None
-  lengths_B: jax.Array
+  num_cached_B: jax.Array
 
   @property
   def batch_size(self) -> int:
@@ -159,8 +159,8 @@ class LayerCache(CacheView):
     return self.latent_BSL, self.index_keys_BSI
 
   @property
-  def lengths_shape(self) -> tuple[int, ...]:
-    """The shape ``lengths_B`` must have: the rows' leading axes but the capacity."""
+  def num_cached_shape(self) -> tuple[int, ...]:
+    """The shape ``num_cached_B`` must have: the rows' leading axes but the capacity."""
     return tuple(_row_array(self.latent_BSL).shape[:-2])
 
   def layer_view(self, index) -> StackedLayerView:
@@ -178,11 +178,11 @@ class LayerCache(CacheView):
                                   (self.latent_BSL, self.index_keys_BSI)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> LayerCache:
-    write = lambda stored, new: _write_part(stored, new, self.lengths_B, new_lens_B)
+    write = lambda stored, new: _write_part(stored, new, self.num_cached_B, new_lens_B)
     keys = self.index_keys_BSI
     return LayerCache(write(self.latent_BSL, latent_BTL),
                       None if keys is None else write(keys, keys_BTI),
-                      self.lengths_B + new_lens_B)
+                      self.num_cached_B + new_lens_B)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +200,8 @@ class StackedLayerView(CacheView):
   index: jax.Array
 
   @property
-  def lengths_B(self):
-    return self.stacked.lengths_B[self.index]
+  def num_cached_B(self):
+    return self.stacked.num_cached_B[self.index]
 
   @property
   def batch_size(self) -> int:
@@ -225,12 +225,12 @@ class StackedLayerView(CacheView):
                                   (self.stacked.latent_BSL, self.stacked.index_keys_BSI)))
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> StackedLayerView:
-    lengths_B = self.lengths_B
-    write = lambda stored, new: _write_part(stored, new, lengths_B, new_lens_B, layer=self.index)
+    num_cached_B = self.num_cached_B
+    write = lambda stored, new: _write_part(stored, new, num_cached_B, new_lens_B, layer=self.index)
     keys = self.stacked.index_keys_BSI
     stacked = LayerCache(write(self.stacked.latent_BSL, latent_BTL),
                          None if keys is None else write(keys, keys_BTI),
-                         self.stacked.lengths_B.at[self.index].set(lengths_B + new_lens_B))
+                         self.stacked.num_cached_B.at[self.index].set(num_cached_B + new_lens_B))
     return StackedLayerView(stacked, self.index)
 
 
@@ -274,7 +274,7 @@ def empty_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype, 
   else:
     latent = jnp.zeros((batch_size, capacity, config.latent_dim), dtype)
   return LayerCache(latent_BSL=latent, index_keys_BSI=keys,
-                    lengths_B=jnp.zeros((batch_size,), jnp.int32))
+                    num_cached_B=jnp.zeros((batch_size,), jnp.int32))
 
 
 def check_layout(cache, config: MLAConfig) -> None:
@@ -296,10 +296,10 @@ def check_layout(cache, config: MLAConfig) -> None:
     if tuple(_row_array(keys).shape) != expected:
       raise ValueError(f"cache.index_keys_BSI must be {list(expected)} ([layers,] batch, "
                        f"capacity, indexer head_dim), got {list(_row_array(keys).shape)}")
-  lengths, expected = buffers.lengths_B, buffers.lengths_shape
-  if tuple(lengths.shape) != expected or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise TypeError(f"cache.lengths_B must be int {list(expected)}, got "
-                    f"{lengths.dtype} {list(lengths.shape)}")
+  num_cached_B, expected = buffers.num_cached_B, buffers.num_cached_shape
+  if tuple(num_cached_B.shape) != expected or not jnp.issubdtype(num_cached_B.dtype, jnp.integer):
+    raise TypeError(f"cache.num_cached_B must be int {list(expected)}, got "
+                    f"{num_cached_B.dtype} {list(num_cached_B.shape)}")
 
 
 MIN_BUCKET = 256

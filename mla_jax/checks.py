@@ -190,27 +190,27 @@ def _worst(xp, values_B):
   return b, values_B[b]
 
 
-def new_tokens(new_lens_B, lengths_B, *, num_tokens: int, capacity: int,
+def new_tokens(new_lens_B, num_cached_B, *, num_tokens: int, capacity: int,
                max_positions: int) -> None:
-  """A step appending ``new_lens_B`` of ``num_tokens`` tokens to caches of ``lengths_B``:
+  """A step appending ``new_lens_B`` of ``num_tokens`` tokens to caches of ``num_cached_B``:
   ``new_lens_B`` is int [B] in [0, T], lengths and positions are in range, and the rows fit.
 
   The one check of a step's lengths, at the model (where they are still concrete in an eager
   call) and at each layer (which a standalone call reaches directly).
   """
-  batch = tuple(lengths_B.shape)
+  batch = tuple(num_cached_B.shape)
   if tuple(new_lens_B.shape) != batch or not jnp.issubdtype(new_lens_B.dtype, jnp.integer):
     raise ValueError(f"new_lens must be int {list(batch)}, got {new_lens_B.shape} "
                      f"{new_lens_B.dtype}")
   new_lens_in_range(new_lens_B, num_tokens)
-  lengths_valid(lengths_B, new_lens_B, max_positions)
-  cache_fits(lengths_B, new_lens_B, capacity)
+  lengths_valid(num_cached_B, new_lens_B, max_positions)
+  cache_fits(num_cached_B, new_lens_B, capacity)
 
 
-def cache_fits(lengths_B, new_lens_B, capacity: int) -> None:
+def cache_fits(num_cached_B, new_lens_B, capacity: int) -> None:
   """A step appending ``new_lens_B`` tokens must fit: rows past capacity would be dropped."""
-  xp, (lengths_B, new_lens_B) = _per_sequence(lengths_B, new_lens_B)
-  b, total = _worst(xp, lengths_B + new_lens_B)
+  xp, (num_cached_B, new_lens_B) = _per_sequence(num_cached_B, new_lens_B)
+  b, total = _worst(xp, num_cached_B + new_lens_B)
   check(total <= capacity, "sequence {} would hold {} tokens, more than the cache capacity "
         f"{capacity}; the step is refused", b, total)
 
@@ -223,23 +223,23 @@ def new_lens_in_range(new_lens_B, num_tokens: int) -> None:
         f"new_lens must lie in [0, {num_tokens}], got values in [{{}}, {{}}]", low, high)
 
 
-def lengths_valid(lengths_B, new_lens_B, max_positions: int) -> None:
+def lengths_valid(num_cached_B, new_lens_B, max_positions: int) -> None:
   """Cache lengths are >= 0 and the new tokens' positions stay below ``max_positions``.
 
   RoPE's angle tables end there: a later position would be rotated by a clamped angle.
   """
-  xp, (lengths_B, new_lens_B) = _per_sequence(lengths_B, new_lens_B)
-  low = xp.min(lengths_B)
+  xp, (num_cached_B, new_lens_B) = _per_sequence(num_cached_B, new_lens_B)
+  low = xp.min(num_cached_B)
   check(low >= 0, "cache lengths must be >= 0, got {}", low)
-  b, end = _worst(xp, lengths_B + new_lens_B)
+  b, end = _worst(xp, num_cached_B + new_lens_B)
   check(end <= max_positions, "sequence {} would write position {}, past "
         f"max_position_embeddings {max_positions} (RoPE's angle tables end there)", b, end - 1)
 
 
-def within_cached_bound(lengths_B, num_cached_tokens: int) -> None:
+def within_cached_bound(num_cached_B, num_cached_tokens: int) -> None:
   """The static ``num_cached_tokens`` bound holds (the dense route reads only that many rows)."""
-  xp, (lengths_B,) = _per_sequence(lengths_B)
-  longest = xp.max(lengths_B)
+  xp, (num_cached_B,) = _per_sequence(num_cached_B)
+  longest = xp.max(num_cached_B)
   check(longest <= num_cached_tokens, f"num_cached_tokens={num_cached_tokens} but the cache "
         "already holds {} tokens for some sequence", longest)
 

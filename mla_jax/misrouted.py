@@ -24,8 +24,8 @@ class MisroutedV32Attention(DeepseekV32Attention):
     b, t, _ = x_BTD.shape
     # The bug: the metadata looks at the backend only (ignoring the plan and the layer flag).
     metadata_says_dense = (self.backend.supports_dense_mha_prefill
-                           and plan.cached_bound is not None
-                           and plan.cached_bound + t <= c.indexer.topk)
+                           and plan.num_cached_tokens is not None
+                           and plan.num_cached_tokens + t <= c.indexer.topk)
     step = self._prepare(x_BTD, cache, plan, new_lens_B)
     latent_BSL, _ = step.cache.rows(plan.kv_rows)
     if metadata_says_dense:  # scoring skipped: the buffer keeps its -1 fill

@@ -42,18 +42,18 @@ class PagedLayerCache:
     latent_RL: pool rows [reps, num_pages * page_size, A + R] (an array or fp8 parts).
     index_keys_RI: the indexer keys' pool, or None for a layer without a key cache.
     block_table_BN: int32 [B, N], shared by every layer: the physical page of each logical page.
-    lengths_B: int32 [reps, B] cached tokens per sequence (the same in every layer).
+    num_cached_B: int32 [reps, B] cached tokens per sequence (the same in every layer).
     page_size: tokens per page (static).
     segment_ids_B: int32 [B] or None. In an engine's flat step each row b is one token of
       sequence ``segment_ids_B[b]`` (rows of one sequence share its block table, and
-      ``lengths_B`` is then each token's position); the segmented dense route attends within
+      ``num_cached_B`` is then each token's position); the segmented dense route attends within
       segments (``StepPlan.segmented``). None: every row is a sequence of its own.
   """
 
   latent_RL: jax.Array
   index_keys_RI: jax.Array | None
   block_table_BN: jax.Array
-  lengths_B: jax.Array
+  num_cached_B: jax.Array
   page_size: int = dataclasses.field(metadata=dict(static=True))
   segment_ids_B: jax.Array | None = None
 
@@ -66,7 +66,7 @@ class PagedLayerCache:
     return self.latent_RL, self.index_keys_RI
 
   @property
-  def lengths_shape(self) -> tuple[int, ...]:
+  def num_cached_shape(self) -> tuple[int, ...]:
     return (_row_array(self.latent_RL).shape[0], self.block_table_BN.shape[0])
 
 
@@ -82,8 +82,8 @@ class PagedLayerView(CacheView):
   index: jax.Array
 
   @property
-  def lengths_B(self):
-    return self.stacked.lengths_B[self.index]
+  def num_cached_B(self):
+    return self.stacked.num_cached_B[self.index]
 
   @property
   def batch_size(self) -> int:
@@ -165,9 +165,9 @@ class PagedLayerView(CacheView):
     return self._flat_pool(keys), rows_of
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> PagedLayerView:
-    lengths_B = self.lengths_B
+    num_cached_B = self.num_cached_B
     t_T = jnp.arange(latent_BTL.shape[1], dtype=jnp.int32)
-    positions_BT = lengths_B[:, None] + t_T[None, :]
+    positions_BT = num_cached_B[:, None] + t_T[None, :]
     real_BT = (t_T[None, :] < new_lens_B[:, None]) & (positions_BT < self.capacity)
     dest_BT = jnp.where(real_BT, self.physical_rows(positions_BT),
                         _rows_per_layer(self.stacked.latent_RL))  # past the pool: dropped
@@ -176,7 +176,7 @@ class PagedLayerView(CacheView):
     stacked = dataclasses.replace(
         self.stacked, latent_RL=write_part(self.stacked.latent_RL, latent_BTL),
         index_keys_RI=None if keys is None else write_part(keys, keys_BTI),
-        lengths_B=self.stacked.lengths_B.at[self.index].set(lengths_B + new_lens_B))
+        num_cached_B=self.stacked.num_cached_B.at[self.index].set(num_cached_B + new_lens_B))
     return PagedLayerView(stacked, self.index)
 
 

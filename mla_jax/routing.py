@@ -111,17 +111,17 @@ def route_for_layers(layers, backend, *, num_new_tokens, num_cached_tokens,
   new = static_count(num_new_tokens, "num_new_tokens")
   if new is None:
     raise TypeError("num_new_tokens must be a static int, got None")
-  cached = static_count(num_cached_tokens, "num_cached_tokens")
-  known = not force_mqa and cached is not None
+  num_cached_tokens = static_count(num_cached_tokens, "num_cached_tokens")
+  known = not force_mqa and num_cached_tokens is not None
   dense_ok = known and all(dense_mha_allowed(layer, backend) for layer in layers)
   indexer = layers[0].config.indexer
   if indexer is None:
     return PrefillRoute.DENSE_MHA if dense_ok else PrefillRoute.DENSE_MQA
-  if dense_ok and cached + new <= indexer.topk:
+  if dense_ok and num_cached_tokens + new <= indexer.topk:
     return PrefillRoute.DENSE_MHA
   masked_ok = known and not segmented and all(masked_mha_allowed(layer, backend)
                                               for layer in layers)
-  if masked_ok and indexer.topk < cached + new <= backend.masked_mha_max_tokens:
+  if masked_ok and indexer.topk < num_cached_tokens + new <= backend.masked_mha_max_tokens:
     return PrefillRoute.MASKED_MHA
   return PrefillRoute.SPARSE_MQA
 

@@ -34,7 +34,7 @@ class StepPlan:
   Attributes:
     route: the model-wide route of this step (``routing.resolve_prefill_route``).
     num_new_tokens: tokens per sequence in this step (the static T of its inputs).
-    cached_bound: static upper bound of every sequence's cached length, or None when it is
+    num_cached_tokens: static upper bound of every sequence's cached length, or None when it is
       only known at run time (decode); the dense route needs it (it reads that many rows).
     kv_rows: cache rows that attention and the indexer read; rows past it are never touched.
     layer_classes: the attention classes the plan was resolved for.
@@ -43,8 +43,8 @@ class StepPlan:
     carry_topk: IndexShare (GLM-5.2): each full layer hands its top-k to the shared layers
       after it. True only on a route that selects top-k in a model with shared layers.
     segmented: a flat step (the engine's): every row is one token of the sequence its cache
-      view's ``segment_ids_B`` names, at the position its ``lengths_B`` gives, so
-      ``num_new_tokens`` is 1 and ``cached_bound`` is per sequence: 0 when every sequence
+      view's ``segment_ids_B`` names, at the position its ``num_cached_B`` gives, so
+      ``num_new_tokens`` is 1 and ``num_cached_tokens`` is per sequence: 0 when every sequence
       starts empty (the only case with an MHA route: ``DENSE_MHA`` over this step's rows,
       masked to each sequence), None otherwise. See ``plan_flat_step``.
     key_chunk: a segmented plan's indexer scores its keys this many positions at a time, up
@@ -54,7 +54,7 @@ class StepPlan:
 
   route: PrefillRoute
   num_new_tokens: int
-  cached_bound: int | None
+  num_cached_tokens: int | None
   kv_rows: int
   layer_classes: tuple[type, ...]
   backend_class: type
@@ -67,8 +67,8 @@ class StepPlan:
     if not isinstance(self.route, PrefillRoute):
       raise TypeError(f"route must be a PrefillRoute, got {self.route!r}")
     checks.static_int(self.num_new_tokens, "num_new_tokens", minimum=1)
-    if self.cached_bound is not None:
-      checks.static_int(self.cached_bound, "num_cached_tokens", minimum=0)
+    if self.num_cached_tokens is not None:
+      checks.static_int(self.num_cached_tokens, "num_cached_tokens", minimum=0)
     checks.static_int(self.kv_rows, "kv_rows", minimum=1)
     if self.indexer_loss not in INDEXER_LOSSES:
       raise ValueError(f"indexer_loss must be one of {INDEXER_LOSSES}, got "
@@ -82,7 +82,7 @@ class StepPlan:
       if unable:
         raise ValueError(f"a {self.route.name} step plan cannot be built for "
                          f"{', '.join(unable)}: it declares {flag} = False")
-      if self.cached_bound is None:
+      if self.num_cached_tokens is None:
         raise ValueError(f"a {self.route.name} step plan needs a static cached-token bound")
     if self.segmented:
       self._check_segmented()
@@ -90,9 +90,10 @@ class StepPlan:
       raise ValueError("key_chunk is for segmented step plans (a page pool's flat step)")
     if self.carry_topk and not self.route.needs_topk:
       raise ValueError(f"carry_topk needs a route that selects top-k, not {self.route.name}")
-    if self.cached_bound is not None and self.cached_bound + self.num_new_tokens > self.kv_rows:
-      raise ValueError(f"kv_rows={self.kv_rows} is fewer than the {self.cached_bound} cached + "
-                       f"{self.num_new_tokens} new rows this step can reach")
+    if (self.num_cached_tokens is not None
+        and self.num_cached_tokens + self.num_new_tokens > self.kv_rows):
+      raise ValueError(f"kv_rows={self.kv_rows} is fewer than the {self.num_cached_tokens} "
+                       f"cached + {self.num_new_tokens} new rows this step can reach")
 
   def _check_segmented(self) -> None:
     if self.num_new_tokens != 1:
@@ -100,19 +101,19 @@ class StepPlan:
     if self.route is PrefillRoute.MASKED_MHA:
       raise ValueError("a segmented step plan has no MASKED_MHA route (its MHA form reads only "
                        "this step's rows)")
-    if self.route is PrefillRoute.DENSE_MHA and self.cached_bound != 0:
+    if self.route is PrefillRoute.DENSE_MHA and self.num_cached_tokens != 0:
       raise ValueError("a segmented DENSE_MHA step plan needs every sequence fresh "
-                       "(cached_bound 0)")
+                       "(num_cached_tokens 0)")
     if self.indexer_loss is not None:
       raise ValueError("a segmented step plan is for inference: it takes no indexer loss")
     if self.key_chunk is not None:
       checks.static_int(self.key_chunk, "key_chunk", minimum=1)
 
   @property
-  def bounds_cached_lengths(self) -> bool:
-    """Whether ``cached_bound`` bounds every row's cached length (a segmented plan's is per
+  def bounds_num_cached(self) -> bool:
+    """Whether ``num_cached_tokens`` bounds every row's cached length (a segmented plan's is per
     sequence: its rows' lengths are their positions)."""
-    return self.cached_bound is not None and not self.segmented
+    return self.num_cached_tokens is not None and not self.segmented
 
   def check_layer(self, layer) -> None:
     """Refuses a plan resolved for other classes (it could carry a route they cannot run)."""
@@ -127,12 +128,12 @@ def _names(classes) -> str:
   return ", ".join(cls.__name__ for cls in classes)
 
 
-def cached_bound(num_cached_tokens, lengths_B) -> int | None:
+def static_num_cached(num_cached_tokens, num_cached_B) -> int | None:
   """The static cached-token bound of a call: ``num_cached_tokens`` when given, else the
-  longest of concrete ``lengths_B`` (an eager call), else None (traced: unknown until run)."""
+  longest of concrete ``num_cached_B`` (an eager call), else None (traced: unknown until run)."""
   bound = static_count(num_cached_tokens, "num_cached_tokens")
-  if bound is None and not checks.is_traced(lengths_B):
-    bound = int(sharding.fetch(lengths_B).max())
+  if bound is None and not checks.is_traced(num_cached_B):
+    bound = int(sharding.fetch(num_cached_B).max())
   return bound
 
 
@@ -163,12 +164,15 @@ def plan_step(layers: Iterable, backend, *, num_new_tokens: int, num_cached_toke
   capacity = checks.static_int(capacity, "capacity", minimum=1)
   route = step_route(layers, backend, num_new_tokens=num_new_tokens,
                      num_cached_tokens=num_cached_tokens, force_mqa=force_mqa)
-  new, cached = int(num_new_tokens), static_count(num_cached_tokens, "num_cached_tokens")
+  new = int(num_new_tokens)
+  num_cached_tokens = static_count(num_cached_tokens, "num_cached_tokens")
   if kv_rows is None:
-    kv_rows = capacity if cached is None else bucket_rows(cached + new, capacity)
+    kv_rows = (capacity if num_cached_tokens is None
+               else bucket_rows(num_cached_tokens + new, capacity))
   elif not checks.is_int(kv_rows) or not 0 < kv_rows <= capacity:
     raise ValueError(f"kv_rows must be an int in [1, capacity={capacity}], got {kv_rows!r}")
-  return StepPlan(route=route, num_new_tokens=new, cached_bound=cached, kv_rows=int(kv_rows),
+  return StepPlan(route=route, num_new_tokens=new, num_cached_tokens=num_cached_tokens,
+                  kv_rows=int(kv_rows),
                   layer_classes=tuple(dict.fromkeys(type(layer) for layer in layers)),
                   backend_class=type(backend), indexer_loss=indexer_loss,
                   carry_topk=shares_topk and route.needs_topk)
@@ -189,7 +193,7 @@ def plan_flat_step(layers: Iterable, backend, *, fresh_tokens: int | None, kv_ro
   fresh = static_count(fresh_tokens, "fresh_tokens")
   route = route_for_layers(layers, backend, num_new_tokens=fresh or 1,
                            num_cached_tokens=0 if fresh else None, segmented=True)
-  return StepPlan(route=route, num_new_tokens=1, cached_bound=0 if fresh else None,
+  return StepPlan(route=route, num_new_tokens=1, num_cached_tokens=0 if fresh else None,
                   kv_rows=checks.static_int(kv_rows, "kv_rows", minimum=1),
                   layer_classes=tuple(dict.fromkeys(type(layer) for layer in layers)),
                   backend_class=type(backend), carry_topk=shares_topk and route.needs_topk,

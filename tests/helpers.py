@@ -53,7 +53,7 @@ def call(layer, x, cache, *, new_lens=None, force_mqa=False):
   """A jitted layer call; the cached bound is read from the concrete cache, as eager does."""
   if new_lens is None:
     new_lens = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
-  cached = int(np.asarray(cache.lengths_B).max())
+  cached = int(np.asarray(cache.num_cached_B).max())
   return _jitted_call(layer, x, cache, jnp.asarray(new_lens, jnp.int32), cached, force_mqa)
 
 

@@ -126,13 +126,13 @@ def _hadamard(n):
   return h / np.sqrt(n)
 
 
-def _expected_keys(layer, x_BTD, lengths_B, new_lens_B):
+def _expected_keys(layer, x_BTD, num_cached_B, new_lens_B):
   """Per sequence, the float64 keys of its real new rows at their positions (rotated by the
   Hadamard matrix when configured), from ``testing.indexer_keys_reference``."""
   params, cfg = mt.numpy_params(layer), layer.config
   rotate = _hadamard(cfg.indexer.head_dim) if cfg.indexer.use_hadamard else 1.0
   out = []
-  for b, (start, n) in enumerate(zip(lengths_B, new_lens_B)):
+  for b, (start, n) in enumerate(zip(num_cached_B, new_lens_B)):
     keys = mt.indexer_keys_reference(params, cfg, np.asarray(x_BTD[b, :n]), start + np.arange(n))
     out.append(keys @ rotate)
   return out
@@ -166,7 +166,7 @@ def test_index_key_cache_matches_float64_on_every_route(interleave):
       np.testing.assert_array_equal(got[b, :n0], got_first[b, :n0])  # the prefix is kept
       np.testing.assert_allclose(got[b, n0:n0 + n1], expect_more[b], rtol=1e-5, atol=1e-5)
       np.testing.assert_array_equal(got[b, n0 + n1:], 0.0)
-    np.testing.assert_array_equal(second.cache.lengths_B, first_lens + more_lens)
+    np.testing.assert_array_equal(second.cache.num_cached_B, first_lens + more_lens)
 
 
 def test_prefill_then_continuation_matches_one_long_prefill():
@@ -201,19 +201,19 @@ def test_ragged_batch_equals_each_sequence_alone():
   both = call(mqa, x, fresh_cache(mqa.config, 2), new_lens=lens)
   alone = _run(mqa, x[1:, :TOPK + 3])
   assert mt.relative_error(both.out_BTD[1, :TOPK + 3], alone.out_BTD[0]) < 1e-5
-  np.testing.assert_array_equal(both.cache.lengths_B, lens)
+  np.testing.assert_array_equal(both.cache.num_cached_B, lens)
   np.testing.assert_array_equal(both.cache.latent_BSL[1, TOPK + 3:], 0.0)  # padding not written
 
 
 def _cache_with_stale_rows(config, lengths, stale, capacity=16):
   """A cache holding random live rows and ``stale`` in every row at or past a sequence's length,
   as a reused or donated buffer would."""
-  lengths_B = jnp.asarray(lengths, jnp.int32)
-  live_BS1 = (jnp.arange(capacity)[None, :] < lengths_B[:, None])[..., None]
+  num_cached_B = jnp.asarray(lengths, jnp.int32)
+  live_BS1 = (jnp.arange(capacity)[None, :] < num_cached_B[:, None])[..., None]
   cache = fresh_cache(config, len(lengths), capacity)
   rows = lambda seed, x: jnp.where(live_BS1, mt.random_hidden(seed, x.shape), stale)
   return m.LayerCache(latent_BSL=rows(32, cache.latent_BSL),
-                      index_keys_BSI=rows(33, cache.index_keys_BSI), lengths_B=lengths_B)
+                      index_keys_BSI=rows(33, cache.index_keys_BSI), num_cached_B=num_cached_B)
 
 
 @pytest.mark.parametrize("backend", module_backends())
@@ -379,7 +379,7 @@ def test_bad_lengths_and_overflow_raise_before_writing():
   first = mqa(x, cache).cache
   with pytest.raises(ValueError, match="capacity 8"):
     mqa(x, first)
-  np.testing.assert_array_equal(first.lengths_B, [5])  # the refused step changed nothing
+  np.testing.assert_array_equal(first.num_cached_B, [5])  # the refused step changed nothing
   with pytest.raises(ValueError, match="num_cached_tokens=2"):
     mqa(x[:, :1], first, num_cached_tokens=2)
 

@@ -63,7 +63,7 @@ def _cache(lengths=(0,), capacity=16, keys=True, dtype=jnp.float32, key_dim=32, 
       latent_BSL=jnp.asarray(rng.standard_normal((b, capacity, latent_dim)), dtype),
       index_keys_BSI=(jnp.asarray(rng.standard_normal((b, capacity, key_dim)), dtype)
                       if keys else None),
-      lengths_B=jnp.asarray(lengths, jnp.int32))
+      num_cached_B=jnp.asarray(lengths, jnp.int32))
 
 
 # ---- configs --------------------------------------------------------------------------------
@@ -213,8 +213,8 @@ LAYER_CALL_CASES = {
     "cache_keys_missing": (lambda: (X5, _cache(keys=False), {}), ValueError,
                            "cache.index_keys_BSI must be present"),
     "cache_lengths_float": (lambda: (X5, dataclasses.replace(
-        _cache(), lengths_B=jnp.zeros((1,), jnp.float32)), {}), TypeError,
-                            "cache.lengths_B must be int"),
+        _cache(), num_cached_B=jnp.zeros((1,), jnp.float32)), {}), TypeError,
+                            "cache.num_cached_B must be int"),
     "cache_lengths_negative": (lambda: (X5, _cache(lengths=(-3,)), {}), checks.CheckError,
                                "cache lengths must be >= 0, got -3"),
     "cache_overflow": (lambda: (X5, _cache(lengths=(12,)), {}), checks.CheckError,

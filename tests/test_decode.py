@@ -166,6 +166,6 @@ def test_a_finished_sequence_keeps_its_cache(monkeypatch, steps):
     last_write = max(num_tokens - 2, 0) // steps
     rows_b = lambda caches: jax.tree.map(lambda x: x[:, b], caches)
     for caches in seen[last_write:]:
-      assert (caches.lengths_B[b] == len(prompts[b]) + num_tokens - 1), b
+      assert (caches.num_cached_B[b] == len(prompts[b]) + num_tokens - 1), b
       chex.assert_trees_all_equal(rows_b(caches), rows_b(seen[last_write]))
-    assert all(seen[-1].lengths_B[o] > seen[last_write].lengths_B[o] for o in going_on)
+    assert all(seen[-1].num_cached_B[o] > seen[last_write].num_cached_B[o] for o in going_on)

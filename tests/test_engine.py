@@ -86,8 +86,8 @@ def _recorded_steps(engine) -> list[dict]:
   def recording():
     batch = schedule()
     steps.append(dict(decodes=len(batch.decodes),
-                      fresh=sum(c.start == 0 for c in batch.prefills),
-                      continuing=sum(c.start > 0 for c in batch.prefills)))
+                      fresh=sum(c.num_cached == 0 for c in batch.prefills),
+                      continuing=sum(c.num_cached > 0 for c in batch.prefills)))
     return batch
 
   engine.scheduler.schedule = recording

@@ -36,8 +36,8 @@ def test_a_flat_plan_is_dense_only_when_every_sequence_is_fresh_within_the_topk(
            and fresh <= TOPK)
   assert plan.route is (PrefillRoute.DENSE_MHA if dense else PrefillRoute.SPARSE_MQA)
   assert plan.segmented and plan.num_new_tokens == 1 and plan.key_chunk == 64
-  assert plan.cached_bound == (0 if fresh else None)
-  assert not plan.bounds_cached_lengths  # rows' lengths are positions: no bound to check
+  assert plan.num_cached_tokens == (0 if fresh else None)
+  assert not plan.bounds_num_cached  # rows' lengths are positions: no bound to check
   # A batched plan of the same fresh prefill does take the masked window (the contrast).
   if fresh and cls is m.MLAAttention and backend_cls is XlaBackend and TOPK < fresh:
     assert route_for_layers([layer], backend, num_new_tokens=fresh,
@@ -45,14 +45,14 @@ def test_a_flat_plan_is_dense_only_when_every_sequence_is_fresh_within_the_topk(
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(route=PrefillRoute.MASKED_MHA, cached_bound=0), "no MASKED_MHA route"),
-    (dict(route=PrefillRoute.DENSE_MHA, cached_bound=5), "every sequence fresh"),
+    (dict(route=PrefillRoute.MASKED_MHA, num_cached_tokens=0), "no MASKED_MHA route"),
+    (dict(route=PrefillRoute.DENSE_MHA, num_cached_tokens=5), "every sequence fresh"),
     (dict(route=PrefillRoute.SPARSE_MQA, num_new_tokens=2), "one token per row"),
     (dict(route=PrefillRoute.SPARSE_MQA, key_chunk=0), "key_chunk"),
     (dict(route=PrefillRoute.SPARSE_MQA, segmented=False, key_chunk=64), "segmented"),
 ])
 def test_segmented_plans_that_cannot_be_built(fields, match):
-  plan = dict(route=PrefillRoute.SPARSE_MQA, num_new_tokens=1, cached_bound=None, kv_rows=256,
+  plan = dict(route=PrefillRoute.SPARSE_MQA, num_new_tokens=1, num_cached_tokens=None, kv_rows=256,
               layer_classes=(m.MLAAttention,), backend_class=XlaBackend, segmented=True)
   with pytest.raises(ValueError, match=match):
     StepPlan(**{**plan, **fields})

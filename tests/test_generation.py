@@ -58,7 +58,7 @@ def test_decode_logits_equal_full_forward(attention, prompt_len):
   for i in range(steps):
     step_logits, caches = _step(model, ids[:, prompt_len + i:prompt_len + i + 1], caches)
     assert mt.relative_error(step_logits[:, 0], full[:, prompt_len + i]) < 1e-5, i
-  np.testing.assert_array_equal(caches.lengths_B, [prompt_len + steps])
+  np.testing.assert_array_equal(caches.num_cached_B, [prompt_len + steps])
 
 
 def test_multi_token_decode_step_equals_full_forward():

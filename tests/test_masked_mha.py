@@ -227,7 +227,7 @@ def test_default_window_and_no_indexer(layers):
 
 
 def test_no_masked_plan_for_a_class_or_backend_without_the_capability():
-  fields = dict(route=PrefillRoute.MASKED_MHA, num_new_tokens=20, cached_bound=0, kv_rows=32,
+  fields = dict(route=PrefillRoute.MASKED_MHA, num_new_tokens=20, num_cached_tokens=0, kv_rows=32,
                 backend_class=XlaBackend)
   StepPlan(layer_classes=(m.MLAAttention,), **fields)
   for classes, backend, unable in (((m.DeepseekV32Attention,), XlaBackend, "DeepseekV32"),
@@ -235,7 +235,7 @@ def test_no_masked_plan_for_a_class_or_backend_without_the_capability():
     with pytest.raises(ValueError, match=f"MASKED_MHA step plan cannot be built for {unable}"):
       StepPlan(layer_classes=classes, **{**fields, "backend_class": backend})
   with pytest.raises(ValueError, match="MASKED_MHA step plan needs a static cached-token"):
-    StepPlan(layer_classes=(m.MLAAttention,), **{**fields, "cached_bound": None})
+    StepPlan(layer_classes=(m.MLAAttention,), **{**fields, "num_cached_tokens": None})
 
 
 # ---- capabilities ---------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def _abstract_lm(attention, backend):
 def _layer_summary(layer, length, cached=0):
   cache = fresh_cache(layer.config)
   if cached:
-    cache = dataclasses.replace(cache, lengths_B=jnp.array([cached], jnp.int32))
+    cache = dataclasses.replace(cache, num_cached_B=jnp.array([cached], jnp.int32))
   x = mt.random_hidden(length, (1, length, layer.config.hidden_size))
   return summarize(nnx.jit(lambda layer, x, c: layer(x, c, num_cached_tokens=cached).out_BTD),
                    layer, x, cache)

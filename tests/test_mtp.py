@@ -125,7 +125,7 @@ def test_mtp_math_matches_float64_numpy():
                 @ p["lm_head.weight"].astype(np.float64).T)
   np.testing.assert_allclose(np.asarray(logits), logits_ref, rtol=1e-5, atol=1e-5)
   assert logits.dtype == jnp.float32 and mtp_hidden.shape == hidden.shape
-  np.testing.assert_array_equal(np.asarray(new_caches[0].lengths_B), [6, 6])
+  np.testing.assert_array_equal(np.asarray(new_caches[0].num_cached_B), [6, 6])
 
 
 def test_step_by_step_equals_all_at_once_with_ragged_lengths():
@@ -148,14 +148,14 @@ def test_step_by_step_equals_all_at_once_with_ragged_lengths():
                                    rtol=1e-4, atol=1e-5)
   for a, b in zip(jax.tree.leaves(caches[0]), jax.tree.leaves(full_caches[0])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(np.asarray(caches[0].lengths_B), [5, 3])
+  np.testing.assert_array_equal(np.asarray(caches[0].num_cached_B), [5, 3])
   # Roll back to 2 pairs (a rejected draft) and write the rest again over the stale rows.
-  rolled = (dataclasses.replace(full_caches[0], lengths_B=jnp.full((2,), 2, jnp.int32)),)
+  rolled = (dataclasses.replace(full_caches[0], num_cached_B=jnp.full((2,), 2, jnp.int32)),)
   again, _, rolled = _mtp(model, 0, hidden[:, 2:], next_ids[:, 2:], rolled, lens - 2)
   np.testing.assert_allclose(np.asarray(again[0]), np.asarray(full[0, 2:]), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(np.asarray(again[1, :1]), np.asarray(full[1, 2:3]), rtol=1e-4,
                              atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(rolled[0].lengths_B), [5, 3])
+  np.testing.assert_array_equal(np.asarray(rolled[0].num_cached_B), [5, 3])
 
 
 def test_fp8_mtp_cache_stays_close_to_float32():
@@ -346,7 +346,7 @@ def test_deepseek_v32_with_its_mtp_layer_as_shapes_and_in_the_plan():
   assert tuple(layer.block.mlp.experts.gate_proj.shape) == (256, 2048, 7168)
   assert tuple(layer.block.self_attn.indexer.wk.weight.shape) == (128, 7168)
   caches = jax.eval_shape(lambda: model.init_mtp_cache(2, 4096, "fp8"))
-  assert caches[0].lengths_B.shape == (2,) and caches[0].index_keys_BSI is not None
+  assert caches[0].num_cached_B.shape == (2,) and caches[0].index_keys_BSI is not None
   shapes = hf_shapes(nnx.state(model))
   layer_61 = {n[len("model.layers.61."):] for n in shapes if n.startswith("model.layers.61.")}
   layer_60 = {n[len("model.layers.60."):] for n in shapes if n.startswith("model.layers.60.")}

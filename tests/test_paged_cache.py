@@ -67,7 +67,7 @@ def test_paged_layer_equals_contiguous(backend, cache_dtype):
   np.testing.assert_allclose(np.where(real, got_prefill, 0), np.where(real, want_prefill, 0),
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(got_decode, want_decode, rtol=1e-5, atol=1e-5)
-  np.testing.assert_array_equal(view.lengths_B, [41, 24])
+  np.testing.assert_array_equal(view.num_cached_B, [41, 24])
 
 
 def _outputs_shaped(jaxpr, shape) -> list[str]:

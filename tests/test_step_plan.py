@@ -21,7 +21,7 @@ TOPK = m.tiny().indexer.topk
 
 
 def _plan(**overrides):
-  fields = dict(route=PrefillRoute.DENSE_MHA, num_new_tokens=4, cached_bound=0, kv_rows=8,
+  fields = dict(route=PrefillRoute.DENSE_MHA, num_new_tokens=4, num_cached_tokens=0, kv_rows=8,
                 layer_classes=(m.MLAAttention,), backend_class=XlaBackend)
   return StepPlan(**{**fields, **overrides})
 
@@ -70,7 +70,7 @@ def test_plan_checks_its_static_values():
   with pytest.raises(ValueError, match="kv_rows=3 is fewer than the 0 cached \\+ 4 new"):
     _plan(kv_rows=3)
   with pytest.raises(ValueError, match="needs a static cached-token bound"):
-    _plan(cached_bound=None)
+    _plan(num_cached_tokens=None)
   with pytest.raises(ValueError, match="indexer_loss must be one of"):
     _plan(route=PrefillRoute.SPARSE_MQA, indexer_loss="kl")
   with pytest.raises(ValueError, match="carry_topk needs a route that selects top-k"):

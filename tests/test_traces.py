@@ -155,7 +155,7 @@ def test_pallas_backend_without_dense_kernel_compiles_only_sparse_kernels():
 
 def _prefill_after(layer, cached: int, new: int):
   """Summary of a jitted step of ``new`` tokens after ``cached`` rows (static bound)."""
-  cache = dataclasses.replace(fresh_cache(layer.config), lengths_B=jnp.array([cached]))
+  cache = dataclasses.replace(fresh_cache(layer.config), num_cached_B=jnp.array([cached]))
   step = nnx.jit(lambda layer, x, c: layer(x, c, num_cached_tokens=cached))
   return summarize(step, layer, mt.random_hidden(5, (1, new, layer.config.hidden_size)), cache)
 

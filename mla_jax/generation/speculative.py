@@ -50,10 +50,10 @@ class DraftState:
   drafted_B: jax.Array  # int32: draft tokens proposed so far
 
 
-def _mtp_step(model, index, hidden_BTD, next_ids_BT, mtp_caches, lengths_B, new_lens_B, plan):
-  """``mtp_forward`` of layer ``index`` writing from row ``lengths_B`` (its cache rolled
+def _mtp_step(model, index, hidden_BTD, next_ids_BT, mtp_caches, num_cached_B, new_lens_B, plan):
+  """``mtp_forward`` of layer ``index`` writing from row ``num_cached_B`` (its cache rolled
   there first)."""
-  rolled = dataclasses.replace(mtp_caches[index], lengths_B=lengths_B)
+  rolled = dataclasses.replace(mtp_caches[index], num_cached_B=num_cached_B)
   mtp_caches = mtp_caches[:index] + (rolled,) + mtp_caches[index + 1:]
   return model.mtp_forward(index, hidden_BTD, next_ids_BT, mtp_caches, new_lens_B=new_lens_B,
                            plan=plan)
@@ -77,7 +77,7 @@ def prefill(model, caches, mtp_caches, ids_BT, lens_B, key, *, plan, sampling: S
 def _rows_at(mtp_caches, rows_B):
   """The MTP caches with their next rows at ``rows_B`` (later writes overwrite what lies
   past them)."""
-  return tuple(dataclasses.replace(c, lengths_B=rows_B) for c in mtp_caches)
+  return tuple(dataclasses.replace(c, num_cached_B=rows_B) for c in mtp_caches)
 
 
 def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, verify_plan,
@@ -88,7 +88,7 @@ def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, ver
   k = verify_plan.num_new_tokens - 1
   active_B = ~state.done_B
   live_B = active_B.astype(jnp.int32)
-  n_B = caches.lengths_B
+  n_B = caches.num_cached_B
   b = n_B.shape[0]
   wanted_B = live_B * drafts_wanted(k, max_new - state.emitted_B)
   drafts_BK, mtp_caches = draft(model, state.draft_BV, state.hidden_BD, mtp_caches, _rows_at,
@@ -112,7 +112,7 @@ def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, ver
   else:
     ended_B = jnp.zeros_like(active_B)
   emitted_B = state.emitted_B + keep_BK.sum(axis=1, dtype=jnp.int32)
-  caches = caches.with_lengths(n_B + live_B * (accepted_B + 1))
+  caches = caches.with_num_cached(n_B + live_B * (accepted_B + 1))
   draft_BKV, mtp_BKD, mtp_caches = _mtp_step(model, 0, hidden_BKD, tokens_BK, mtp_caches, n_B,
                                              live_B * (accepted_B + 1), verify_plan)
   state = DraftState(

@@ -28,7 +28,7 @@ from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE, resolve_grouped_matmul
 from mla_jax.models.mtp import MTPLayer, check_mtp_inputs
 from mla_jax.routing import PrefillRoute
-from mla_jax.step_plan import StepPlan, cached_bound, plan_flat_step, plan_step, step_route
+from mla_jax.step_plan import StepPlan, plan_flat_step, plan_step, static_num_cached, step_route
 
 ATTENTION_CLASSES = {"mqa-only": DeepseekV32Attention, "dense-capable": MLAAttention}
 
@@ -59,8 +59,8 @@ class ModelCache:
                        f"layout ({len(self.groups)} group(s) of caches for {len(self.layout)})")
 
   @property
-  def lengths_B(self):
-    return self.groups[0][0].lengths_B[0]
+  def num_cached_B(self):
+    return self.groups[0][0].num_cached_B[0]
 
   @property
   def num_layers(self) -> int:
@@ -70,12 +70,13 @@ class ModelCache:
   def capacity(self) -> int:
     return self.groups[0][0].layer_view(0).capacity
 
-  def with_lengths(self, lengths_B) -> ModelCache:
-    """The same buffers with every layer's lengths set to ``lengths_B`` (an int [B] or a
+  def with_num_cached(self, num_cached_B) -> ModelCache:
+    """The same buffers with every layer's lengths set to ``num_cached_B`` (an int [B] or a
     scalar for every sequence): a rollback or a fill, as later writes overwrite the rows
     past them."""
     return dataclasses.replace(self, groups=tuple(tuple(dataclasses.replace(
-        c, lengths_B=jnp.broadcast_to(lengths_B, c.lengths_B.shape).astype(c.lengths_B.dtype))
+        c, num_cached_B=jnp.broadcast_to(num_cached_B, c.num_cached_B.shape).astype(
+            c.num_cached_B.dtype))
         for c in unit) for unit in self.groups))
 
   def layer(self, index: int) -> LayerCache:
@@ -333,7 +334,7 @@ class CausalLM(nnx.Module):
     MTP row p holds the pair (main hidden state at p, token at p + 1), so a speculative
     decoder keeps these lengths equal to the main cache's (or one behind while the token
     after the last cached one is not known yet) and rolls them back the same way
-    (``dataclasses.replace(cache, lengths_B=...)``; rows past the length are overwritten by
+    (``dataclasses.replace(cache, num_cached_B=...)``; rows past the length are overwritten by
     later writes). With the main cache's capacity one ``step_plan`` serves both.
     """
     dtype = resolve_cache_dtype(dtype)
@@ -389,7 +390,7 @@ class CausalLM(nnx.Module):
                        f"{self.layer_groups}), got {type(caches).__name__}")
     for g, (group, unit) in enumerate(zip(caches.layout, caches.groups)):
       for u, cache in enumerate(unit):  # a scan over fewer reps would stop short or fail
-        reps = tuple(getattr(cache.lengths_B, "shape", ()))[:1]
+        reps = tuple(getattr(cache.num_cached_B, "shape", ()))[:1]
         if reps != (group.reps,):
           raise ValueError(f"caches: group {g} (layers {group.first}..{group.end - 1}), unit "
                            f"position {u} stacks {list(reps)} repetitions, but the group has "
@@ -413,7 +414,8 @@ class CausalLM(nnx.Module):
     self._check_ids(ids_BT, caches)
     new_lens_B = self._new_lens(ids_BT, caches, new_lens_B)
     if plan is None:
-      plan = self.step_plan(ids_BT.shape[1], cached_bound(num_cached_tokens, caches.lengths_B),
+      plan = self.step_plan(ids_BT.shape[1],
+                            static_num_cached(num_cached_tokens, caches.num_cached_B),
                             capacity=caches.capacity, kv_rows=kv_rows, force_mqa=force_mqa)
     elif (num_cached_tokens, force_mqa, kv_rows) != (None, False, None):
       raise ValueError("pass either a plan or the static settings it is built from "
@@ -428,12 +430,12 @@ class CausalLM(nnx.Module):
 
     Args:
       index: which MTP layer (a static int in ``[0, config.num_mtp_layers)``).
-      hidden_BTD: at row t, the hidden state of position p = ``lengths_B[b] + t`` of the
+      hidden_BTD: at row t, the hidden state of position p = ``num_cached_B[b] + t`` of the
         layer's cache: the main model's (``lm(..., return_hidden=True)``) or, for a further
         draft step, a previous ``mtp_forward``'s ``mtp_hidden_BTD``.
       next_ids_BT: at row t, the token at position p + 1 (int ids).
       mtp_caches: ``init_mtp_cache``'s tuple; only layer ``index``'s entry is read and
-        written: its T new rows go after its ``lengths_B``, which grow by ``new_lens_B``.
+        written: its T new rows go after its ``num_cached_B``, which grow by ``new_lens_B``.
       new_lens_B: valid pairs per sequence (right padding beyond); default all T.
       plan: the step's ``StepPlan`` from ``step_plan`` (it covers the MTP layers: an
         MQA-only model's plan never routes them dense). None: built from the cache's
@@ -451,10 +453,10 @@ class CausalLM(nnx.Module):
     checks.ids_in_vocab(next_ids_BT, self.config.vocab_size)
     new_lens_B = self._new_lens(next_ids_BT, cache, new_lens_B)  # a LayerCache reads the same
     if plan is None:
-      plan = self.step_plan(next_ids_BT.shape[1], cached_bound(None, cache.lengths_B),
+      plan = self.step_plan(next_ids_BT.shape[1], static_num_cached(None, cache.num_cached_B),
                             capacity=cache.capacity)
-    elif plan.bounds_cached_lengths:
-      checks.within_cached_bound(cache.lengths_B, plan.cached_bound)
+    elif plan.bounds_num_cached:
+      checks.within_cached_bound(cache.num_cached_B, plan.num_cached_tokens)
     logits_BTV, h_BTD, attn = self._mtp_step(index, hidden_BTD, next_ids_BT, cache, plan,
                                              new_lens_B, logits)
     return logits_BTV, h_BTD, mtp_caches[:index] + (attn.cache,) + mtp_caches[index + 1:]
@@ -527,7 +529,7 @@ class CausalLM(nnx.Module):
     them only when run checked."""
     b, t = ids_BT.shape
     new_lens_B = jnp.full((b,), t, jnp.int32) if new_lens_B is None else jnp.asarray(new_lens_B)
-    checks.new_tokens(new_lens_B, caches.lengths_B, num_tokens=t, capacity=caches.capacity,
+    checks.new_tokens(new_lens_B, caches.num_cached_B, num_tokens=t, capacity=caches.capacity,
                       max_positions=self.config.mla.max_position_embeddings)
     return new_lens_B
 
@@ -548,8 +550,8 @@ class CausalLM(nnx.Module):
     """The layer scans: the final (normed) hidden states, the new caches and the summed
     indexer losses."""
     b, t = ids_BT.shape
-    if plan.bounds_cached_lengths:
-      checks.within_cached_bound(caches.lengths_B, plan.cached_bound)
+    if plan.bounds_num_cached:
+      checks.within_cached_bound(caches.num_cached_B, plan.num_cached_tokens)
     # Shared-indexer layers read the top-k of the last full layer, carried through the scans.
     topk_BTK = (jnp.full((b, t, self.config.mla.indexer.topk), -1, jnp.int32)
                 if plan.carry_topk else None)
@@ -597,7 +599,7 @@ def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
   """A ``NamedSharding`` per cache leaf: batch over ``data``, replicated elsewhere.
 
   Every leaf of a layer's cache (fp8 scales included) has the batch axis right after the
-  stacked-layer axes, which ``lengths_B`` [reps, B] counts.
+  stacked-layer axes, which ``num_cached_B`` [reps, B] counts.
   """
 
   return ModelCache(tuple(tuple(layer_cache_shardings(c, mesh) for c in unit)
@@ -606,7 +608,7 @@ def cache_shardings(cache: ModelCache, mesh) -> ModelCache:
 
 def layer_cache_shardings(c: LayerCache, mesh) -> LayerCache:
   """One layer's (or one stacked group position's) cache shardings; see ``cache_shardings``."""
-  batch_axis = c.lengths_B.ndim - 1
+  batch_axis = c.num_cached_B.ndim - 1
   return jax.tree.map(lambda a: jax.sharding.NamedSharding(
       mesh, sharding.cache_spec(batch_axis, a.ndim)), c)
 

@@ -61,7 +61,7 @@ class MTPLayer(nnx.Module):
   def __call__(self, embed_BTD, hidden_BTD, cache, plan: StepPlan, *, new_lens_B):
     """``(h'_BTD, attn)``: the block's output (before ``shared_head.norm``) and its
     attention's ``AttentionOutput`` (its cache with the T new rows written after
-    ``cache.lengths_B``; the indexer's KL when the plan asks for one)."""
+    ``cache.num_cached_B``; the indexer's KL when the plan asks for one)."""
     x_BTD = self.eh_proj(jnp.concatenate(
         [self.enorm(embed_BTD), self.hnorm(hidden_BTD.astype(embed_BTD.dtype))], axis=-1))
     return self.block.forward(x_BTD, cache, plan, new_lens_B=new_lens_B)

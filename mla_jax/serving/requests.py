@@ -90,7 +90,7 @@ class Status(enum.Enum):
 @dataclasses.dataclass(eq=False)  # compared by identity: the scheduler's queues hold them
 class Sequence:
   """A request inside the engine. ``tokens`` is prompt + output so far; the cache holds the
-  rows of ``tokens[:num_computed]`` in ``pages`` (logical page i at physical ``pages[i]``)."""
+  rows of ``tokens[:num_cached]`` in ``pages`` (logical page i at physical ``pages[i]``)."""
 
   request_id: str
   tokens: list[int]
@@ -101,7 +101,7 @@ class Sequence:
   status: Status = Status.WAITING
   pages: list[int] = dataclasses.field(default_factory=list)
   page_keys: list = dataclasses.field(default_factory=list)  # chain keys of registered pages
-  num_computed: int = 0
+  num_cached: int = 0
   num_cached_prompt: int = 0      # prompt tokens a prefix-cache hit spared on admission
   num_preemptions: int = 0
   finish_reason: str | None = None
@@ -120,7 +120,7 @@ class Sequence:
 
   @property
   def num_uncomputed(self) -> int:
-    return len(self.tokens) - self.num_computed
+    return len(self.tokens) - self.num_cached
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Which tokens of which requests the next step computes: plain Python over integers, no jax.
 
-Every running sequence has uncomputed tokens ``tokens[num_computed:]``: exactly one when it
+Every running sequence has uncomputed tokens ``tokens[num_cached:]``: exactly one when it
 decodes (its last sampled token, with the draft tokens to verify after it when it decodes
 speculatively), more while its prompt (or, after a preemption, its prompt and
 output) is prefilled. A step takes, oldest admission first, one token of each decode and then
@@ -28,12 +28,12 @@ from mla_jax.serving.requests import Sequence, Status
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-  """``num_tokens`` tokens of ``seq`` from position ``start``; ``samples``: it reaches the last
+  """``num_tokens`` tokens of ``seq`` from position ``num_cached``; ``samples``: it reaches the last
   token, so the step samples the sequence's next token. A decode (one token) may carry
   ``drafts`` to verify after it (speculative decoding)."""
 
   seq: Sequence
-  start: int
+  num_cached: int
   num_tokens: int
   drafts: tuple[int, ...] = ()
 
@@ -44,7 +44,7 @@ class Chunk:
 
   @property
   def rows(self) -> int:
-    """Rows from ``start`` the step may write (its pages): the computed ones and, for a
+    """Rows from ``num_cached`` the step may write (its pages): the computed ones and, for a
     speculative request's chunk that samples, the MTP rows of the next step's drafts (from
     past the accepted tokens; never past the request's last token, where drafting stops)."""
     k = self.seq.params.speculative_tokens
@@ -52,15 +52,15 @@ class Chunk:
       return self.num_computed
     last = self.seq.num_prompt + self.seq.params.max_tokens  # rows [0, last) at most
     return max(self.num_computed,
-               min(self.num_tokens + len(self.drafts) + k - 1, last - self.start))
+               min(self.num_tokens + len(self.drafts) + k - 1, last - self.num_cached))
 
   @property
   def samples(self) -> bool:
-    return self.start + self.num_tokens == len(self.seq.tokens)
+    return self.num_cached + self.num_tokens == len(self.seq.tokens)
 
   @property
   def token_ids(self) -> list[int]:
-    return self.seq.tokens[self.start:self.start + self.num_tokens]
+    return self.seq.tokens[self.num_cached:self.num_cached + self.num_tokens]
 
 
 @dataclasses.dataclass
@@ -127,9 +127,9 @@ class Scheduler:
       if seq not in self.running:  # preempted by an older sequence of this step
         continue
       if seq.num_uncomputed == 1:  # a decode, with as many of its drafts as the budget takes
-        chunk = Chunk(seq, seq.num_computed, 1, tuple(seq.drafts[:budget - 1]))
+        chunk = Chunk(seq, seq.num_cached, 1, tuple(seq.drafts[:budget - 1]))
       else:
-        chunk = Chunk(seq, seq.num_computed, min(seq.num_uncomputed, budget))
+        chunk = Chunk(seq, seq.num_cached, min(seq.num_uncomputed, budget))
       if chunk.num_tokens == 0 or not self._reserve(seq, chunk.rows, batch):
         continue
       batch.add(chunk)
@@ -142,7 +142,7 @@ class Scheduler:
       self.running.append(seq)
       seq.status = Status.RUNNING
       count = min(seq.num_uncomputed, budget)
-      chunk = Chunk(seq, seq.num_computed, count)
+      chunk = Chunk(seq, seq.num_cached, count)
       self._reserve(seq, chunk.rows, batch)  # admission checked that all its rows fit
       batch.add(chunk)
       budget -= count
@@ -155,7 +155,7 @@ class Scheduler:
     if batch.prefills or not batch.decodes or any(c.drafts for c in batch.decodes):
       return False
     size = self.pages.page_size
-    extra = [max(0, pages_for(c.start + min(steps, _tokens_left(c.seq)), size)
+    extra = [max(0, pages_for(c.num_cached + min(steps, _tokens_left(c.seq)), size)
                  - len(c.seq.pages)) for c in batch.decodes]
     if sum(extra) > self.pages.num_free:
       return False
@@ -181,15 +181,15 @@ class Scheduler:
       seq.page_keys = []
       return False
     seq.pages = hits
-    seq.num_computed = len(hits) * size
+    seq.num_cached = len(hits) * size
     if seq.num_preemptions == 0:
-      seq.num_cached_prompt = seq.num_computed
+      seq.num_cached_prompt = seq.num_cached
     return True
 
   def _reserve(self, seq: Sequence, count: int, batch: StepBatch) -> bool:
     """Pages for ``count`` more tokens of ``seq``, preempting newer sequences if need be;
     False when ``seq`` itself had to be preempted."""
-    need = pages_for(seq.num_computed + count, self.pages.page_size) - len(seq.pages)
+    need = pages_for(seq.num_cached + count, self.pages.page_size) - len(seq.pages)
     while need > self.pages.num_free:
       victim = self.running[-1]
       self._preempt(victim, batch)
@@ -210,7 +210,7 @@ class Scheduler:
 
   def _release(self, seq: Sequence) -> None:
     self.pages.release(seq.pages)
-    seq.pages, seq.page_keys, seq.num_computed, seq.drafts = [], [], 0, []
+    seq.pages, seq.page_keys, seq.num_cached, seq.drafts = [], [], 0, []
 
   # ---- after the step -------------------------------------------------------------------
 
@@ -231,8 +231,8 @@ class Scheduler:
         if reason is not None:
           break
       # The accepted drafts' rows are computed too; never past the tokens kept.
-      seq.num_computed = min(seq.num_computed + chunk.num_tokens + max(len(new) - 1, 0),
-                             len(seq.tokens))
+      seq.num_cached = min(seq.num_cached + chunk.num_tokens + max(len(new) - 1, 0),
+                           len(seq.tokens))
       self._register_full_pages(seq)
       if not new:
         continue
@@ -249,7 +249,7 @@ class Scheduler:
     if not self.prefix_caching:
       return
     size, done = self.pages.page_size, len(seq.page_keys)
-    full = seq.num_computed // size
+    full = seq.num_cached // size
     if full <= done:
       return
     keys = page_keys(seq.tokens[:full * size], size, self.pages.salt, start=done,

@@ -76,7 +76,7 @@ class Buckets:
     the dense route may apply (every chunk starts its sequence and holds at most
     ``dense_bound`` tokens)."""
     fresh = self.dense_bound is not None and decode_steps == 1 and all(
-        c.start == 0 and c.num_tokens <= self.dense_bound for c in chunks)
+        c.num_cached == 0 and c.num_tokens <= self.dense_bound for c in chunks)
     return self._shape(self.tokens(sum(c.num_computed for c in chunks)), fresh, decode_steps)
 
   def _shape(self, tokens: int, fresh: bool, decode_steps: int) -> StepShape:
@@ -162,12 +162,12 @@ def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int, stop_ids) -
     rows = slice(t, t + n)
     inputs.ids_T[rows] = c.token_ids + list(c.drafts)
     inputs.seq_T[rows] = s
-    inputs.pos_T[rows] = np.arange(c.start, c.start + n)
+    inputs.pos_T[rows] = np.arange(c.num_cached, c.num_cached + n)
     inputs.real_T[rows] = 1
     # The token after each one, where the host knows it: a prompt's next token (a chunk that
     # samples has none after its last one; a decode's are what its verification accepts).
     if not c.drafts:
-      following = seq.tokens[c.start + 1:c.start + c.num_tokens + 1]
+      following = seq.tokens[c.num_cached + 1:c.num_cached + c.num_tokens + 1]
       inputs.next_ids_T[t:t + len(following)] = following
     if c.samples:
       first = t + c.num_tokens - 1  # the chunk's last token, then its drafts

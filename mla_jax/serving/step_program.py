@@ -166,8 +166,8 @@ def _logprobs(logits_SJV, tokens_SJ):
   return chosen_SJ, top_ids_SJK, top_SJK
 
 
-def _mtp_views(mtp_pools, table_BN, lengths_B, page_size, segment_ids_B=None):
-  """The MTP layers' paged caches (one layer each) at ``lengths_B``."""
-  return tuple(PagedLayerCache(latent, keys, table_BN, lengths_B[None], page_size,
+def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, segment_ids_B=None):
+  """The MTP layers' paged caches (one layer each) at ``num_cached_B``."""
+  return tuple(PagedLayerCache(latent, keys, table_BN, num_cached_B[None], page_size,
                                segment_ids_B).layer_view(0)
                for latent, keys in mtp_pools)

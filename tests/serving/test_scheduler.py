@@ -44,7 +44,7 @@ class Loop:
     self.rows = {}  # (page, offset) -> tuple of the tokens that row depends on
     self.seqs = []
     self.streamed = {}  # request id -> the tokens commit reported, in order
-    self.cached_at_admission = {}  # request id -> the first chunk's start
+    self.cached_at_admission = {}  # request id -> the first chunk's num_cached
 
   def add(self, prompt, max_tokens=4):
     seq = Sequence(str(len(self.seqs)), list(prompt), len(prompt),
@@ -63,7 +63,7 @@ class Loop:
     assert len({id(c.seq) for c in chunks}) == len(chunks) <= scheduler.max_num_seqs
     assert len(scheduler.running) <= scheduler.max_num_seqs
     for chunk in chunks:
-      self.cached_at_admission.setdefault(chunk.seq.request_id, chunk.start)
+      self.cached_at_admission.setdefault(chunk.seq.request_id, chunk.num_cached)
       self._compute(chunk)
     sampling = [c for c in chunks if c.samples]
     grown = scheduler.commit(batch, {id(c): [_token(c.seq)] for c in sampling}, _stops)
@@ -74,13 +74,13 @@ class Loop:
     return batch
 
   def _compute(self, chunk):
-    seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+    seq, num_cached, end = chunk.seq, chunk.num_cached, chunk.num_cached + chunk.num_tokens
     assert seq.status is Status.RUNNING and seq in self.scheduler.running
-    assert start == seq.num_computed and 0 < chunk.num_tokens and end <= len(seq.tokens)
+    assert num_cached == seq.num_cached and 0 < chunk.num_tokens and end <= len(seq.tokens)
     assert len(seq.pages) >= pages_for(end, SIZE)
-    for pos in range(start):  # the rows the chunk attends to, cached or computed before
+    for pos in range(num_cached):  # the rows the chunk attends to, cached or computed before
       assert self.rows[self._row(seq, pos)] == tuple(seq.tokens[:pos + 1])
-    for pos in range(start, end):  # written only into pages no other sequence reads
+    for pos in range(num_cached, end):  # written only into pages no other sequence reads
       assert self.pages.refcount(seq.pages[pos // SIZE]) == 1
       self.rows[self._row(seq, pos)] = tuple(seq.tokens[:pos + 1])
 
@@ -119,12 +119,12 @@ def _prompt(n, first=0):
 def test_a_long_prompt_is_chunked_under_the_budget_then_decodes():
   loop = Loop(16, max_step_tokens=8)
   seq = loop.add(_prompt(20), max_tokens=3)
-  for start, count, num_output in [(0, 8, 0), (8, 8, 0), (16, 4, 1)]:
+  for num_cached, count, num_output in [(0, 8, 0), (8, 8, 0), (16, 4, 1)]:
     chunk, = loop.step().prefills
-    assert (chunk.start, chunk.num_tokens, len(seq.output)) == (start, count, num_output)
-  for start in (20, 21):
+    assert (chunk.num_cached, chunk.num_tokens, len(seq.output)) == (num_cached, count, num_output)
+  for num_cached in (20, 21):
     chunk, = loop.step().decodes
-    assert chunk.start == start
+    assert chunk.num_cached == num_cached
   loop.run()
   loop.assert_all_done()
 
@@ -135,8 +135,8 @@ def test_decodes_come_first_and_prefills_fill_the_budget():
   loop.step()
   b = loop.add(_prompt(10, first=50))
   batch = loop.step()
-  assert [(c.seq, c.start) for c in batch.decodes] == [(a, 3)]
-  assert [(c.seq, c.start, c.num_tokens) for c in batch.prefills] == [(b, 0, 5)]
+  assert [(c.seq, c.num_cached) for c in batch.decodes] == [(a, 3)]
+  assert [(c.seq, c.num_cached, c.num_tokens) for c in batch.prefills] == [(b, 0, 5)]
   loop.run()
   loop.assert_all_done()
 
@@ -215,7 +215,7 @@ def test_the_newest_sequence_is_preempted_and_waits_at_the_head_of_the_queue():
   while not loop.scheduler.num_preemptions:
     loop.step()
   assert loop.scheduler.running == [a] and list(loop.scheduler.waiting) == [b, c]
-  assert (b.status, b.pages, b.num_computed, b.num_preemptions) == (Status.WAITING, [], 0, 1)
+  assert (b.status, b.pages, b.num_cached, b.num_preemptions) == (Status.WAITING, [], 0, 1)
   loop.run()
   loop.assert_all_done()
 
@@ -236,7 +236,7 @@ def test_a_shared_full_page_prefix_is_not_recomputed(shared, extra, hits):
   seq = loop.add(_prompt(shared) + _prompt(extra, first=60), max_tokens=2)
   batch = loop.step()
   chunk, = batch.decodes + batch.prefills
-  assert chunk.start == seq.num_cached_prompt == hits * SIZE
+  assert chunk.num_cached == seq.num_cached_prompt == hits * SIZE
   assert chunk.num_tokens == seq.num_prompt - hits * SIZE >= 1
   loop.run()
   loop.assert_all_done()
@@ -259,7 +259,7 @@ def test_without_prefix_caching_nothing_is_shared():
   loop.add(_prompt(10), max_tokens=1)
   loop.run()
   seq = loop.add(_prompt(10), max_tokens=1)
-  assert loop.step().prefills[0].start == 0 and seq.num_cached_prompt == 0
+  assert loop.step().prefills[0].num_cached == 0 and seq.num_cached_prompt == 0
   assert loop.pages.num_cached == 0
   loop.assert_all_done()
 
@@ -345,14 +345,14 @@ def test_a_speculative_decode_reserves_its_draft_rows_and_commits_the_accepted_t
   seq.drafts = [8, 9]
   batch = scheduler.schedule()
   (chunk,) = batch.decodes
-  assert (chunk.start, chunk.num_computed, chunk.rows, chunk.drafts) == (3, 3, 5, (8, 9))
+  assert (chunk.num_cached, chunk.num_computed, chunk.rows, chunk.drafts) == (3, 3, 5, (8, 9))
   assert batch.num_tokens == 3 and len(seq.pages) == pages_for(3 + 5, SIZE)
   assert scheduler.commit(batch, {id(chunk): [8, 9, 5]}, _stops) == [(seq, 3)]
-  assert seq.tokens == [1, 2, 3, 7, 8, 9, 5] and seq.num_computed == 6
+  assert seq.tokens == [1, 2, 3, 7, 8, 9, 5] and seq.num_cached == 6
   seq.drafts = [6, 6, 6]  # as many as the 4 tokens left allow; their MTP rows stop at the last
   batch = scheduler.schedule()
   (chunk,) = batch.decodes
-  assert chunk.rows == seq.num_prompt + 8 - chunk.start
+  assert chunk.rows == seq.num_prompt + 8 - chunk.num_cached
   stop = lambda s: "stop" if s.tokens[-1] == 4 else _stops(s)
   assert scheduler.commit(batch, {id(chunk): [6, 4, 6]}, stop) == [(seq, 2)]
   assert seq.output == [7, 8, 9, 5, 6, 4] and seq.finish_reason == "stop" and not seq.pages
