@@ -94,15 +94,21 @@ def test_warmup_compiles_every_program_and_serving_compiles_none(model, prompts)
   assert engine.stats.compile_s == compiled and len(engine.programs) == len(shapes)
 
 
-@pytest.mark.parametrize("attention", ["mqa-only", "dense-capable"])
-def test_default_settings_need_few_programs(attention):
+def test_default_settings_need_few_programs():
   """``mla-jax serve``'s defaults (512 tokens a step, 32 seats, 8 decode steps) on the tiny
-  model: token rows 8..512, the decode dispatches', and the fresh (dense) steps' of a
-  dense-capable model: at most 24 programs, nothing compiled to count them."""
-  model = nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend="xla"))
-  shapes = Engine(model, num_pages=512).buckets.all_shapes()
-  assert len(shapes) == len(set(shapes)) <= 24
-  assert any(s.fresh for s in shapes) == (attention == "dense-capable")
+  model: steps of 8..512 token rows (7), decode dispatches of 1..32 rows, greedy or sampled
+  (12): at most 24 programs, counted without compiling any. A dense-capable model adds its
+  fresh steps' (7 more)."""
+  def shapes(attention):
+    model = nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0),
+                                            backend="xla"))
+    return Engine(model, num_pages=512).buckets.all_shapes()
+
+  default = shapes("mqa-only")
+  assert len(default) == len(set(default)) == 19 <= 24
+  assert not any(s.fresh for s in default)
+  dense = shapes("dense-capable")
+  assert set(dense) - set(default) == {s for s in dense if s.fresh} and len(dense) == 26
 
 
 def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):

@@ -78,7 +78,15 @@ def row_keys(keys_B, counters_B):
 def sample_rows(logits_BV, keys_B, counters_B, temperature_B, top_p_B):
   """Sampling with settings per row: row b draws with key ``fold_in(keys_B[b],
   counters_B[b])`` (its base key and token index), so a row's token depends on its logits and
-  settings alone, never on the other rows of the batch. Temperature 0 rows are greedy."""
-  drawn_B = jax.vmap(jax.random.categorical)(row_keys(keys_B, counters_B),
-                                             row_logits(logits_BV, temperature_B, top_p_B))
+  settings alone, never on the other rows of the batch. Temperature 0 rows are greedy.
+
+  A row draws by inverting its distribution's CDF at one uniform number: one random draw a
+  row, where a Gumbel-max draw (``jax.random.categorical``) needs one per vocabulary entry,
+  which cost a decode step on a CPU as much as the rest of the sampling. A token of
+  probability 0 (outside the nucleus) is never drawn."""
+  probs_BV = jax.nn.softmax(row_logits(logits_BV, temperature_B, top_p_B), axis=-1)
+  cdf_BV = jnp.cumsum(probs_BV, axis=-1)
+  u_B = jax.vmap(jax.random.uniform)(row_keys(keys_B, counters_B)) * cdf_BV[:, -1]
+  # The first entry whose CDF passes u; a run of zero-probability entries never does.
+  drawn_B = jnp.minimum((cdf_BV <= u_B[:, None]).sum(axis=-1), logits_BV.shape[-1] - 1)
   return jnp.where(temperature_B == 0, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)

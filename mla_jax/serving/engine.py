@@ -96,10 +96,8 @@ class _Results:
     return 0 if self.multi else int(self.outputs[1][b])
 
   def logprobs(self, b: int, j: int, n: int) -> TokenLogprobs:
-    if self.multi:
-      tokens, chosen, top_ids, top = (a[j, b] for a in self.outputs)
-    else:
-      tokens, chosen, top_ids, top = (a[b, j] for a in (self.outputs[0], *self.outputs[2:5]))
+    """(A step's: a multi-step dispatch runs only when no sequence asks for them.)"""
+    tokens, chosen, top_ids, top = (a[b, j] for a in (self.outputs[0], *self.outputs[2:5]))
     return TokenLogprobs(int(tokens), float(chosen),
                          tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
 
@@ -339,10 +337,11 @@ class Engine:
 
   def _multi_step(self, batch: StepBatch) -> bool:
     """Whether ``batch`` runs as a multi-step decode dispatch (pages reserved if so): plain
-    decodes only, nothing waiting, and every stop id checkable on the device."""
+    decodes only (no drafts, no log-probabilities asked), nothing waiting, and every stop id
+    checkable on the device."""
     if self.decode_steps == 1 or self.scheduler.waiting or not batch.decodes or any(
-        c.seq.params.speculative_tokens or len(self._stop_ids(c.seq)) > step_inputs.STOP_IDS
-        for c in batch.decodes):
+        c.seq.params.speculative_tokens or c.seq.params.logprobs is not None
+        or len(self._stop_ids(c.seq)) > step_inputs.STOP_IDS for c in batch.decodes):
       return False
     return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
 
@@ -469,7 +468,7 @@ class Engine:
     program = StepProgram(plan, self._flat_plan(None, shape.kv_pages, segmented=False)
                           if drafts else None, mtp=bool(self.max_speculative_tokens),
                           page_size=self.page_size, logit_rows=self._logit_rows,
-                          decode_steps=shape.decode_steps)
+                          decode_steps=shape.decode_steps, greedy=shape.greedy)
     step = program.build(self._graphdef, self._state_def, self.model.layer_groups)
     jitted = jax.jit(functionalize(step, False), donate_argnums=1)
     mesh = self.model.mesh

@@ -30,7 +30,8 @@ class StepShape:
   width (a sequence's longest table). ``fresh``: every sequence starts empty and holds at most
   the dense bound of tokens (the plan may then take the dense route; only an engine whose
   model can take it makes such shapes). ``decode_steps``: 1 for one step; more for a
-  multi-step decode dispatch (row s is sequence s, one token per step).
+  multi-step decode dispatch (row s is sequence s, one token per step), whose ``greedy``
+  variant takes every sequence's argmax and draws nothing.
   """
 
   tokens: int
@@ -38,27 +39,31 @@ class StepShape:
   kv_pages: int
   fresh: bool = False
   decode_steps: int = 1
+  greedy: bool = False
 
   def header(self, command: int = 1) -> np.ndarray:
     return np.array([command, self.tokens, self.seqs, self.kv_pages, int(self.fresh),
-                     self.decode_steps], np.int32)
+                     self.decode_steps, int(self.greedy)], np.int32)
 
   @classmethod
   def from_header(cls, header) -> StepShape | None:
     """The shape a header announces; None for the stop command."""
-    command, tokens, seqs, kv_pages, fresh, steps = (int(v) for v in header)
-    return None if command == 0 else cls(tokens, seqs, kv_pages, bool(fresh), steps)
+    command, tokens, seqs, kv_pages, fresh, steps, greedy = (int(v) for v in header)
+    return None if command == 0 else cls(tokens, seqs, kv_pages, bool(fresh), steps,
+                                          bool(greedy))
 
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
   """An engine's static choices of step shapes (docs/serving.md, "Step programs").
 
-  Token rows are powers of two from ``MIN_TOKENS`` (multiples of ``batch_multiple``, the
-  mesh's data axis) up to the step budget's; sequence slots as many, at most the seats'
-  bucket; the block table is always ``max_pages`` wide, since the indexer scores keys up to
-  the live reach only (``StepPlan.key_chunk``). ``dense_bound``: the tokens a fresh sequence
-  may hold in a step the dense route can take (None: the model takes none).
+  Token rows are powers of two (multiples of ``batch_multiple``, the mesh's data axis): from
+  ``MIN_TOKENS`` up to the step budget's for a step, from 1 up to the seats' for a multi-step
+  decode dispatch (one row per sequence, so a lone request decodes on one row); sequence
+  slots as many, at most the seats' bucket; the block table is always ``max_pages`` wide,
+  since the indexer scores keys up to the live reach only (``StepPlan.key_chunk``).
+  ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
+  (None: the model takes none).
   """
 
   max_step_tokens: int
@@ -68,39 +73,45 @@ class Buckets:
   decode_steps: int = 1
   batch_multiple: int = 1
 
-  def tokens(self, num_tokens: int) -> int:
-    return -(-bucket(num_tokens, MIN_TOKENS) // self.batch_multiple) * self.batch_multiple
+  def tokens(self, num_tokens: int, minimum: int = MIN_TOKENS) -> int:
+    return -(-bucket(num_tokens, minimum) // self.batch_multiple) * self.batch_multiple
 
   def shape(self, chunks: list[Chunk], decode_steps: int = 1) -> StepShape:
     """The bucket of a step over ``chunks`` (every token computed, drafts included): fresh when
     the dense route may apply (every chunk starts its sequence and holds at most
-    ``dense_bound`` tokens)."""
+    ``dense_bound`` tokens); a multi-step dispatch's greedy when every sequence is."""
     fresh = self.dense_bound is not None and decode_steps == 1 and all(
         c.num_cached == 0 and c.num_tokens <= self.dense_bound for c in chunks)
-    return self._shape(self.tokens(sum(c.num_computed for c in chunks)), fresh, decode_steps)
+    greedy = decode_steps > 1 and all(c.seq.params.temperature == 0 for c in chunks)
+    rows = self.tokens(sum(c.num_computed for c in chunks), 1 if decode_steps > 1 else MIN_TOKENS)
+    return self._shape(rows, fresh, decode_steps, greedy)
 
-  def _shape(self, tokens: int, fresh: bool, decode_steps: int) -> StepShape:
+  def _shape(self, tokens: int, fresh: bool, decode_steps: int,
+             greedy: bool = False) -> StepShape:
     return StepShape(tokens, min(tokens, self.tokens(self.max_num_seqs)), self.max_pages, fresh,
-                     decode_steps)
+                     decode_steps, greedy)
+
+  def _sizes(self, most: int, minimum: int) -> list[int]:
+    """Every token bucket from ``minimum`` rows up to the bucket of ``most``."""
+    sizes = [self.tokens(1, minimum)]
+    while sizes[-1] < self.tokens(most, minimum):
+      sizes.append(self.tokens(sizes[-1] + 1, minimum))
+    return sizes
 
   def all_shapes(self) -> list[StepShape]:
     """Every shape a step of this engine can take: what ``Engine.warmup`` compiles."""
-    sizes, n = [], self.tokens(1)
-    while True:
-      sizes.append(n)
-      if n >= self.tokens(self.max_step_tokens):
-        break
-      n = self.tokens(n + 1)
+    sizes = self._sizes(self.max_step_tokens, MIN_TOKENS)
     shapes = [self._shape(n, False, 1) for n in sizes]
     if self.dense_bound is not None:
       shapes += [self._shape(n, True, 1) for n in sizes]
     if self.decode_steps > 1:
-      shapes += [self._shape(n, False, self.decode_steps) for n in sizes
-                 if n <= self.tokens(self.max_num_seqs)]
+      shapes += [self._shape(n, False, self.decode_steps, greedy)
+                 for n in self._sizes(min(self.max_num_seqs, self.max_step_tokens), 1)
+                 for greedy in (False, True)]
     return shapes
 
 
-STOP_HEADER = np.zeros(6, np.int32)
+STOP_HEADER = np.zeros(7, np.int32)
 
 
 @dataclasses.dataclass(frozen=True)

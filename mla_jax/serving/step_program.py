@@ -50,7 +50,9 @@ class StepProgram:
   layers' pairs'); ``draft_plan``: a one-token step per sequence for the further drafts
   (None without drafting). ``mtp``: run the MTP layers. ``logit_rows``: J, rows a sequence
   samples from (1 + the most draft tokens). ``decode_steps``: 1 for one step; more for a
-  multi-step decode dispatch (row s is sequence s, one token per step).
+  multi-step decode dispatch (row s is sequence s, one token per step; no log-probabilities:
+  the engine runs one only when no sequence asks for them), ``greedy`` taking every row's
+  argmax.
   """
 
   plan: StepPlan
@@ -59,6 +61,7 @@ class StepProgram:
   page_size: int
   logit_rows: int
   decode_steps: int = 1
+  greedy: bool = False
 
   def build(self, graphdef, state_def, layout):
     """``step(state_leaves, pools, *StepInputs arrays) -> (outputs, pools)``.
@@ -66,9 +69,8 @@ class StepProgram:
     One step's outputs: new tokens [S, J] (the first ``accepted + 1`` of a sequence are its),
     accepted drafts [S], the tokens' log-probabilities [S, J] and the most likely ones' ids
     and log-probabilities [S, J, K], next drafts [S, D] and how many of them are meant [S]
-    (``drafts_wanted``). A multi-step dispatch's: new tokens
-    [N, S] (-1 once a sequence stopped), their log-probabilities [N, S] and the most likely
-    ones' [N, S, K]."""
+    (``drafts_wanted``). A multi-step dispatch's: new tokens [N, S] (-1 once a sequence
+    stopped)."""
     page_size = self.page_size
 
     def forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN):
@@ -129,29 +131,26 @@ class StepProgram:
       loop ends early once every sequence has."""
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       n, s = self.decode_steps, ids_T.shape[0]
-      k = min(MAX_LOGPROBS, model.config.vocab_size)
+      keys_S = seed_keys(seeds_S)
 
       def one_step(carry):
-        i, pools, ids_S, active_S, tokens_NS, chosen_NS, top_ids_NSK, top_NSK = carry
+        i, pools, ids_S, active_S, tokens_NS = carry
         hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
         logits_SV = model.logits(hidden_SD)
-        new_S = sample_rows(logits_SV, seed_keys(seeds_S), counters_S + i, temps_S, top_ps_S)
-        chosen_S1, top_ids_S1K, top_S1K = _logprobs(logits_SV[:, None], new_S[:, None])
+        if self.greedy:
+          new_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+        else:
+          new_S = sample_rows(logits_SV, keys_S, counters_S + i, temps_S, top_ps_S)
         emit_S = active_S > 0
         stopped_S = emit_S & ends(new_S, stop_ids_SM, i + 1, remaining_S)
-        put = lambda buffer, value, fill: buffer.at[i].set(
-            jnp.where(emit_S.reshape(-1, *[1] * (value.ndim - 1)), value, fill))
-        return (i + 1, pools, jnp.where(emit_S, new_S, ids_S),
-                active_S * ~stopped_S, put(tokens_NS, new_S, -1),
-                put(chosen_NS, chosen_S1[:, 0], 0.0), put(top_ids_NSK, top_ids_S1K[:, 0], 0),
-                put(top_NSK, top_S1K[:, 0], 0.0))
+        return (i + 1, pools, jnp.where(emit_S, new_S, ids_S), active_S * ~stopped_S,
+                tokens_NS.at[i].set(jnp.where(emit_S, new_S, -1)))
 
       carry = (jnp.int32(0), pools, ids_T, real_T * (remaining_S > 0),
-               jnp.full((n, s), -1, jnp.int32), jnp.zeros((n, s), jnp.float32),
-               jnp.zeros((n, s, k), jnp.int32), jnp.zeros((n, s, k), jnp.float32))
+               jnp.full((n, s), -1, jnp.int32))
       carry = jax.lax.while_loop(lambda c: (c[0] < n) & (c[3].sum() > 0), one_step, carry)
-      _, pools, _, _, tokens_NS, chosen_NS, top_ids_NSK, top_NSK = carry
-      return (tokens_NS, chosen_NS, top_ids_NSK, top_NSK), pools
+      _, pools, _, _, tokens_NS = carry
+      return (tokens_NS,), pools
 
     return step if self.decode_steps == 1 else decode_steps
 
