@@ -34,6 +34,10 @@ class Backend(abc.ABC):
     masked_mha_max_tokens: static; the MASKED_MHA route is taken while ``top-k < cached + new
       <= masked_mha_max_tokens`` (``mla_jax.routing``); 0 turns it off. Each backend defaults
       it from its own cost model. Unused by a backend without the masked capability.
+    key_chunk: static; key positions an engine's flat step scores per call of
+      ``indexer_logits`` (``Indexer.select_in_key_chunks``: a loop up to the step's longest
+      reach, each row reading its own sequence's keys). Each backend defaults it from its
+      own measurements.
   """
 
   name: ClassVar[str]
@@ -42,6 +46,7 @@ class Backend(abc.ABC):
   _masked_mha_declared: ClassVar[bool | None] = None  # see routing.settle_masked_capability
 
   masked_mha_max_tokens: int = 0
+  key_chunk: int = 2048
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -55,6 +60,7 @@ class Backend(abc.ABC):
 
   def __post_init__(self):
     checks.static_int(self.masked_mha_max_tokens, "masked_mha_max_tokens", minimum=0)
+    checks.static_int(self.key_chunk, "key_chunk", minimum=1)
 
   @abc.abstractmethod
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):

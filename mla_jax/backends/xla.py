@@ -25,6 +25,11 @@ class XlaBackend(Backend):
   # the reference's sparse gather costs more per pair on a CPU than its FLOPs say. Both depend
   # on the dims and the machine; retune with benchmarks/routes.py when either changes.
   masked_mha_max_tokens: int = 960
+  # Measured, not derived: an engine's flat step of 512 rows, the tiny preset, XLA:CPU on 2
+  # cores (best of 12 calls): a chunk's per-row key gather stops fitting the caches past
+  # about 64 keys, so 64 beat 256 by 1.3x at 64 keys of reach and 1.8x at 1024 (16 and 32
+  # win at 16 keys and lose at 1024). Retune when the dims or the machine change.
+  key_chunk: int = 64
 
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
     return sparse_mqa_reference(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v)

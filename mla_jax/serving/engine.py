@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from mla_jax import checks, sharding
-from mla_jax.cache import MIN_BUCKET, resolve_cache_dtype
+from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import functionalize
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.decoding.text import IncrementalText
@@ -184,7 +184,7 @@ class Engine:
         prefix_caching=prefix_caching)
     indexer = mla.indexer
     # The indexer scores keys this many positions at a time, up to the live reach only.
-    self._key_chunk = None if indexer is None else max(MIN_BUCKET, indexer.topk)
+    self._key_chunk = None if indexer is None else model.backend.key_chunk
     self._logit_rows = 1 + self.max_speculative_tokens
     self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs,
                            pages_for(self.max_model_len, self.page_size),
