@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py            # full named shapes on a GPU
     python benchmarks/kernels.py --smoke    # tiny shapes; automatic off-GPU (interpret mode)
+    python benchmarks/kernels.py --check    # each shape checked against XLA, then timed
 
 Timing: one warm-up call (compile) excluded, then the median of ``--iters`` calls, each ended
 by ``block_until_ready``. FLOPs follow docs/design.md §2: sparse MQA 2*T*K*H*(D + d_v), dense
@@ -16,6 +17,8 @@ backward kernels compute: sparse MQA 2*T*K*H*(2D + d_v) for dq and 4*T*K*H*(D + 
 row gradients (both recompute the logits); MHA 2.5x the forward (five matmuls per pair
 instead of two, flash attention's convention); the indexer 4*T*S*G*I (dq and dk each
 recompute the dots). ``--check`` compares the gradients as well as the forward outputs.
+A shape whose kernel or reference fails (XLA running out of memory at 8K, say) prints ``n/a``
+and a comment saying why; the other shapes still run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
+from mla_jax import fp8_cache  # noqa: E402
+from pallas_kernels.fp8_rows import Fp8LatentRows  # noqa: E402
 from pallas_kernels.dense_mha import dense_mha, dense_mha_reference  # noqa: E402
 from pallas_kernels.indexer_logits import indexer_logits, indexer_logits_reference  # noqa: E402
 from pallas_kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference  # noqa: E402
@@ -44,10 +49,12 @@ class Shape:
   kernel: str  # "sparse_mqa" | "indexer_logits" | "dense_mha"
   dims: dict
   grad: bool = False  # time forward + backward (module docstring)
+  xla: bool = True  # False: XLA's reference does not fit on an H200 (8K x 8K logits per head)
 
 
-def _sparse(name, T, S, H=128, D=576, d_v=512, K=2048, B=1, grad=False):
-  return Shape(name, "sparse_mqa", dict(T=T, S=S, H=H, D=D, d_v=d_v, K=K, B=B), grad)
+def _sparse(name, T, S, H=128, D=576, d_v=512, K=2048, B=1, fp8=False, grad=False):
+  """``fp8``: the latent rows as the fp8 cache holds them (``Fp8LatentRows``, 656 bytes)."""
+  return Shape(name, "sparse_mqa", dict(T=T, S=S, H=H, D=D, d_v=d_v, K=K, B=B, fp8=fp8), grad)
 
 
 def _indexer(name, T, S, G=64, I=128, fp8=False, grad=False):
@@ -55,8 +62,10 @@ def _indexer(name, T, S, G=64, I=128, fp8=False, grad=False):
 
 
 def _mha(name, T, H, D, V, K=None, grad=False):
-  """Causal MHA over T tokens; given ``K``, the masked kernel with a causal top-k of K."""
-  return Shape(name, "dense_mha", dict(T=T, S=T, H=H, D=D, V=V, K=K), grad)
+  """Causal MHA over T tokens; given ``K``, the masked kernel with a causal top-k of K. XLA's
+  reference materializes [H, T, T] logits: at T 8192 it asks for 64 GiB at once and runs out
+  of memory on an H200 (measured), so those shapes time the kernel alone."""
+  return Shape(name, "dense_mha", dict(T=T, S=T, H=H, D=D, V=V, K=K), grad, xla=T < 8192)
 
 
 # Named shape sets, one definition per shape. Decode = T 1 per sequence, vmapped over the batch.
@@ -67,6 +76,8 @@ SHAPES = {
         _sparse("dsv32_sparse_prefill_64k", T=1024, S=65536),
         _sparse("dsv32_decode_b1_32k", T=1, S=32768, B=1),
         _sparse("dsv32_decode_b64_32k", T=1, S=32768, B=64),
+        _sparse("dsv32_decode_b1_32k_fp8", T=1, S=32768, B=1, fp8=True),
+        _sparse("dsv32_decode_b64_32k_fp8", T=1, S=32768, B=64, fp8=True),
         _sparse("dsv32_sparse_fwd_bwd_8k", T=1024, S=8192, grad=True),
         _sparse("glm5_sparse_fwd_bwd_8k", T=1024, S=8192, H=64, grad=True),
         _indexer("dsv32_indexer_prefill_8k_bf16", T=1024, S=8192),
@@ -75,6 +86,9 @@ SHAPES = {
         _mha("dsv32_mha_prefill_512", T=512, H=128, D=192, V=128),
         _mha("dsv32_mha_prefill_2048", T=2048, H=128, D=192, V=128),
         _mha("glm5_mha_prefill_2048", T=2048, H=64, D=256, V=256),
+        _mha("dsv32_mha_prefill_8192", T=8192, H=128, D=192, V=128),
+        _mha("dsv32_masked_mha_prefill_2048", T=2048, H=128, D=192, V=128, K=2048),
+        _mha("dsv32_masked_mha_prefill_8192", T=8192, H=128, D=192, V=128, K=2048),
         _mha("dsv32_mha_fwd_bwd_2048", T=2048, H=128, D=192, V=128, grad=True),
         _mha("glm5_mha_fwd_bwd_2048", T=2048, H=64, D=256, V=256, grad=True),
         _mha("dsv32_masked_mha_fwd_bwd_4096", T=4096, H=128, D=192, V=128, K=2048, grad=True),
@@ -82,6 +96,7 @@ SHAPES = {
     "smoke": [
         _sparse("tiny_sparse", T=8, S=256, H=4, D=80, d_v=64, K=64),
         _sparse("tiny_decode_b4", T=1, S=256, H=4, D=80, d_v=64, K=64, B=4),
+        _sparse("tiny_decode_b4_fp8", T=1, S=256, H=4, D=144, d_v=128, K=64, B=4, fp8=True),
         _sparse("tiny_sparse_fwd_bwd", T=8, S=256, H=4, D=80, d_v=64, K=64, grad=True),
         _indexer("tiny_indexer", T=32, S=256, G=4, I=32),
         _indexer("tiny_indexer_fwd_bwd", T=32, S=256, G=4, I=32, grad=True),
@@ -110,10 +125,15 @@ def _forward(shape: Shape, interpret: bool, rng, rand):
     kw = dict(sm_scale=D**-0.5, d_v=d_v)
     flops = 2 * B * T * K * H * (D + d_v)
     backward = 2 * B * T * K * H * (2 * D + d_v) + 4 * B * T * K * H * (D + d_v)
-    nbytes = 2 * (B * T * H * (D + d_v) + B * T * K * D) + 4 * B * T * (K + H)
+    kv = rand((B, S, D))
+    row_bytes = 2 * D
+    if d["fp8"]:  # values | float32 tile scales | bf16 RoPE part
+      kv = fp8_cache.quantize_latent(kv, d_v)
+      row_bytes = d_v + 4 * (d_v // fp8_cache.latent_tile(d_v)) + 2 * (D - d_v)
+    nbytes = 2 * B * T * H * (D + d_v) + row_bytes * B * T * K + 4 * B * T * (K + H)
     return (jax.vmap(functools.partial(sparse_mqa, interpret=interpret, **kw)),
             jax.vmap(functools.partial(sparse_mqa_reference, **kw)),
-            (rand((B, T, H, D)), rand((B, S, D)), topk), (0, 1), flops, backward, nbytes)
+            (rand((B, T, H, D)), kv, topk), (0, 1), flops, backward, nbytes)
   if shape.kernel == "indexer_logits":
     T, S, G, I = d["T"], d["S"], d["G"], d["I"]
     dt = jnp.float8_e4m3fn if d["fp8"] else jnp.bfloat16
@@ -177,42 +197,93 @@ def rel_err(got, want):
   return max(errs)
 
 
-def check(shapes, interpret, tol=2e-2):
-  """Kernel vs XLA reference on every shape; returns the number of mismatches."""
-  failures = 0
-  for shape in shapes:
-    kernel, reference, fn_args, _, _ = build(shape, interpret=interpret, seed=1)
-    err = rel_err(jax.jit(kernel)(*fn_args), jax.jit(reference)(*fn_args))
-    ok = err < tol
-    failures += not ok
-    print(f"{'OK  ' if ok else 'FAIL'} {shape.name}: rel err {err:.2e} (tol {tol:.0e})", flush=True)
-  return failures
+def _upcast(args):
+  """Floating-point inputs as float32 (fp8 cache rows and indices stay as they are)."""
+  up = lambda a: (a.astype(jnp.float32) if not isinstance(a, Fp8LatentRows)
+                  and a.dtype in (jnp.bfloat16, jnp.float16) else a)
+  return jax.tree.map(up, args, is_leaf=lambda a: isinstance(a, Fp8LatentRows))
+
+
+def compare(kernel, reference, fn_args, tol=2e-2) -> tuple[bool, str]:
+  """The kernel and XLA's bf16 reference, each against the reference in float32 (matmuls at
+  full precision) on the same inputs: ``(ok, text)``, ok when the kernel's error is under
+  ``tol`` (bf16)."""
+  with jax.default_matmul_precision("highest"):
+    exact = jax.jit(reference)(*_upcast(fn_args))
+  err_kernel = rel_err(jax.jit(kernel)(*fn_args), exact)
+  err_xla = rel_err(jax.jit(reference)(*fn_args), exact)
+  return err_kernel < tol, f"{err_kernel:.1e} (XLA bf16 {err_xla:.1e})"
+
+
+def _failure(what, e) -> str:
+  return f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _time_or_none(fn, args, iters, what):
+  """Seconds per call, or None (printed) when it cannot run, e.g. XLA's reference materializing
+  8K x 8K logits per head runs out of memory."""
+  try:
+    return time_fn(fn, args, iters)
+  except Exception as e:  # noqa: BLE001 -- reported in the table, the other shapes still run
+    print(f"<!-- {_failure(what, e)} -->", flush=True)
+    return None
+
+
+def measure(shape: Shape, on_gpu: bool, iters: int, check: bool) -> tuple[str, bool]:
+  """One table row for ``shape`` and whether it passed (checked, when ``check``, and timed)."""
+  kernel, reference, fn_args, flops, nbytes = build(shape, interpret=not on_gpu)
+  checked = "-" if shape.xla else "- (no XLA reference)"
+  ok = True
+  if check and shape.xla:
+    try:
+      ok, err = compare(kernel, reference, fn_args)
+      checked = f"{'ok' if ok else 'MISMATCH'} {err}"
+    except Exception as e:  # noqa: BLE001 -- one shape's failure is reported, the rest still run
+      print(f"<!-- {_failure(shape.name, e)} -->", flush=True)
+      ok, checked = False, "FAILED"
+  t_kernel = _time_or_none(kernel, fn_args, iters, f"{shape.name} kernel") if iters else None
+  t_ref = (_time_or_none(reference, fn_args, iters, f"{shape.name} XLA")
+           if iters and shape.xla else None)
+  ok = ok and (t_kernel is not None or not iters)
+  cell = lambda t, text: "n/a" if t is None else text(t)
+  row = (f"| {shape.name} | {checked} | {cell(t_kernel, lambda t: f'{t * 1e3:.3f}')} | "
+         f"{cell(t_kernel, lambda t: f'{flops / t / 1e12:.1f}')} | "
+         f"{cell(t_kernel, lambda t: f'{nbytes / t / 1e9:.0f}')} | "
+         f"{cell(t_ref, lambda t: f'{t * 1e3:.3f}')} | "
+         f"{cell(t_ref, lambda t: f'{flops / t / 1e12:.1f}')} | "
+         f"{'n/a' if None in (t_kernel, t_ref) else f'{t_ref / t_kernel:.2f}x'} |")
+  return row, ok
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes (automatic without a GPU)")
-  parser.add_argument("--iters", type=int, default=None, help="timed calls per function")
+  parser.add_argument("--iters", type=int, default=None,
+                      help="timed calls per function (0: check only, with --check)")
   parser.add_argument("--only", default="", help="substring filter on shape names")
-  parser.add_argument("--check", action="store_true", help="compare kernels with XLA; exit 1 on mismatch")
+  parser.add_argument("--check", action="store_true",
+                      help="compare each kernel with the XLA reference in float32 (rel. error "
+                           "< 2e-2; XLA's own bf16 error beside it) before timing it; exit 1 on "
+                           "a mismatch")
   args = parser.parse_args(argv)
   on_gpu = jax.devices()[0].platform == "gpu"
   smoke = args.smoke or not on_gpu
-  iters = args.iters or (5 if smoke else 50)
+  iters = (5 if smoke else 50) if args.iters is None else args.iters
+  if iters < 0 or (iters == 0 and not args.check):
+    parser.error("--iters must be >= 1 (or 0 with --check)")
   shapes = [s for s in SHAPES["smoke" if smoke else "full"] if args.only in s.name]
-  if args.check:
-    sys.exit(1 if check(shapes, interpret=not on_gpu) else 0)
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
         f"{'interpret mode, ' if not on_gpu else ''}{'smoke' if smoke else 'full'} shapes; "
         f"median of {iters}\n")
-  print("| shape | kernel ms | TFLOP/s | GB/s | XLA ms | XLA TFLOP/s | kernel/XLA |")
-  print("|---|---|---|---|---|---|---|")
+  print("| shape | check: rel. err vs float32 | kernel ms | TFLOP/s | GB/s | XLA ms | XLA TFLOP/s "
+        "| speedup (XLA ms / kernel ms) |")
+  print("|---|---|---|---|---|---|---|---|")
+  failed = 0
   for shape in shapes:
-    kernel, reference, fn_args, flops, nbytes = build(shape, interpret=not on_gpu)
-    t_kernel, t_ref = time_fn(kernel, fn_args, iters), time_fn(reference, fn_args, iters)
-    print(f"| {shape.name} | {t_kernel * 1e3:.3f} | {flops / t_kernel / 1e12:.1f} | "
-          f"{nbytes / t_kernel / 1e9:.0f} | {t_ref * 1e3:.3f} | {flops / t_ref / 1e12:.1f} | "
-          f"{t_kernel / t_ref:.2f} |", flush=True)
+    row, ok = measure(shape, on_gpu, iters, args.check)
+    failed += not ok
+    print(row, flush=True)
+  sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/serving.py                   # tiny and small presets (~45 minutes)
     python benchmarks/serving.py --quick           # tiny sizes, tiny preset (~2 minutes)
     python benchmarks/serving.py --preset small --requests 64 --seed 1
+    python benchmarks/serving.py --quick --sections throughput,static   # two of the six
     python benchmarks/serving.py --preset tiny --hf-python /path/to/venv/bin/python  # + HF
 
 Every figure comes from one run (XLA:CPU, random weights from ``randomize_params``, greedy
@@ -542,17 +543,39 @@ def report_warmup(results: dict[str, dict]) -> None:
          for p, w in ((p, r["warmup"]) for p, r in results.items())])
 
 
-def run_preset(preset: str, sizes: Sizes, seed: int, hf_python: str | None = None) -> dict:
+SECTIONS = ("throughput", "prefix", "latency", "host", "static", "warmup")
+
+
+def run_preset(preset: str, sizes: Sizes, seed: int, hf_python: str | None = None,
+               sections=SECTIONS) -> dict:
   model = build_model(preset, seed)
   rng = lambda tag: np.random.default_rng((seed, tag))
-  out = {"throughput": throughput(model, sizes, rng(1),
-                                  hf_python if preset == HF_PRESET else None)}
-  out["prefix"] = shared_prefix(model, sizes, rng(2))
-  out["latency"] = latency(model, sizes, rng(3), out["throughput"]["request_rate"])
-  out["host"] = host_time(model, sizes, rng(4))
-  out["static"] = static_through_engine(model, sizes, rng(5))
-  out["warmup"] = warmup_times(preset)
+  measure = {
+      "throughput": lambda out: throughput(model, sizes, rng(1),
+                                           hf_python if preset == HF_PRESET else None),
+      "prefix": lambda out: shared_prefix(model, sizes, rng(2)),
+      # Poisson arrivals at fractions of the rate the throughput run sustained.
+      "latency": lambda out: latency(model, sizes, rng(3), out["throughput"]["request_rate"]),
+      "host": lambda out: host_time(model, sizes, rng(4)),
+      "static": lambda out: static_through_engine(model, sizes, rng(5)),
+      "warmup": lambda out: warmup_times(preset),
+  }
+  out = {}
+  for name in SECTIONS:
+    if name in sections:
+      out[name] = measure[name](out)
   return out
+
+
+def parse_sections(text: str) -> tuple[str, ...]:
+  """``--sections``: a comma-separated subset of ``SECTIONS`` (latency needs throughput)."""
+  sections = tuple(t.strip() for t in text.split(",") if t.strip())
+  unknown = sorted(set(sections) - set(SECTIONS))
+  if unknown or not sections:
+    raise argparse.ArgumentTypeError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+  if "latency" in sections and "throughput" not in sections:
+    raise argparse.ArgumentTypeError("latency needs throughput (its arrival rates come from it)")
+  return sections
 
 
 def main(argv=None) -> None:
@@ -562,6 +585,8 @@ def main(argv=None) -> None:
   parser.add_argument("--requests", type=int, help="throughput requests (default 256; quick 8)")
   parser.add_argument("--quick", action="store_true", help="tiny sizes, tiny preset (~2 minutes)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--sections", type=parse_sections, default=SECTIONS,
+                      help=f"comma-separated subset of {','.join(SECTIONS)} (default all)")
   parser.add_argument("--warmup-child", help=argparse.SUPPRESS)  # internal: section 6
   parser.add_argument("--warmup-cache", help=argparse.SUPPRESS)
   parser.add_argument("--hf-python", metavar="PYTHON",
@@ -580,15 +605,16 @@ def main(argv=None) -> None:
   t0 = time.perf_counter()
   results = {}
   for preset in presets:
-    results[preset] = run_preset(preset, sizes, args.seed, args.hf_python)
+    results[preset] = run_preset(preset, sizes, args.seed, args.hf_python, args.sections)
     print(f"[{preset} measured, {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
   print(f"# Serving benchmark (XLA on {jax.devices()[0].platform}, seed {args.seed})\n")
-  report_throughput(results, sizes)
-  report_prefix(results, sizes)
-  report_latency(results, sizes)
-  report_host(results)
-  report_static(results)
-  report_warmup(results)
+  reports = {"throughput": lambda: report_throughput(results, sizes),
+             "prefix": lambda: report_prefix(results, sizes),
+             "latency": lambda: report_latency(results, sizes),
+             "host": lambda: report_host(results), "static": lambda: report_static(results),
+             "warmup": lambda: report_warmup(results)}
+  for name in args.sections:
+    reports[name]()
 
 
 if __name__ == "__main__":

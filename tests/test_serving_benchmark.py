@@ -1,6 +1,8 @@
 """benchmarks/serving.py: its workloads and latency figures are what its tables say, and a quick
 run prints every table."""
 
+import argparse
+
 import numpy as np
 import pytest
 
@@ -60,3 +62,11 @@ def test_quick_run_prints_every_table(capsys):
   assert "| tiny | 4 |" in out  # the throughput row, with --requests
   assert out.count("| tiny | ") == 6  # throughput, prefix, three rates, host time
   assert "nan" not in out
+
+
+def test_sections_choose_a_subset_and_latency_needs_throughput():
+  assert serving.parse_sections("throughput, static") == ("throughput", "static")
+  with pytest.raises(argparse.ArgumentTypeError, match="unknown sections"):
+    serving.parse_sections("throughput,speed")
+  with pytest.raises(argparse.ArgumentTypeError, match="latency needs throughput"):
+    serving.parse_sections("latency")
