@@ -82,6 +82,31 @@ def _compilation_cache(args) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def pages_or_auto(text: str):
+  """``--num-pages``: a positive int, or ``auto`` (what fits beside the weights)."""
+  return "auto" if text == "auto" else int_in(1)(text)
+
+
+def _num_pages(args, model) -> int:
+  """``--num-pages``, or with ``auto`` the pages that fit next to the model's weights on its
+  busiest device (``plan.live_capacity``, the rule of ``mla-jax plan``), printed."""
+  if args.num_pages != "auto":
+    return args.num_pages
+  import jax
+
+  from mla_jax import plan
+  from mla_jax.serving.engine import page_bytes
+
+  capacity = plan.live_capacity(model, page_bytes(model, args.page_size, args.cache_dtype,
+                                                  mtp=args.speculative_tokens > 0))
+  if jax.process_index() == 0:
+    print(f"--num-pages auto: {capacity.describe()}", flush=True)
+  if capacity.pages < 1:
+    raise SystemExit("--num-pages auto: not one page fits beside the weights; give a number, "
+                     "a smaller --page-size or --cache-dtype, or shard over more devices")
+  return capacity.pages
+
+
 def _start_processes(args) -> None:
   """Joins a multi-process run (``jax.distributed``) before anything touches a device."""
   flags = (args.coordinator, args.num_processes, args.process_id)
@@ -266,7 +291,8 @@ def cmd_serve(args) -> int:
     tok.check_fits(config.vocab_size)
   template = ChatTemplate.from_checkpoint(args.checkpoint)
   model = _build_model(args, config, mesh, mtp=args.speculative_tokens > 0)
-  engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size,
+  num_pages = _num_pages(args, model)
+  engine = Engine(model, num_pages=num_pages, page_size=args.page_size,
                   max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                   max_model_len=args.max_model_len, cache_dtype=args.cache_dtype,
                   tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
@@ -474,8 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
   serve.add_argument("--served-model-name",
                      help="the model id clients name (default: the preset, or the checkpoint "
                           "directory's name)")
-  serve.add_argument("--num-pages", type=int_in(1), default=512,
-                     help="cache pages in the pool (each of --page-size tokens in every layer)")
+  serve.add_argument("--num-pages", type=pages_or_auto, default=512,
+                     help="cache pages in the pool (each of --page-size tokens in every layer), "
+                          "or 'auto': as many as fit in 90%% of the busiest device's memory "
+                          "after the weights (the rule of mla-jax plan)")
   serve.add_argument("--page-size", type=int_in(1), default=64)
   serve.add_argument("--max-num-seqs", type=int_in(1), default=32,
                      help="sequences running at once")

@@ -1,6 +1,7 @@
 """Shared fixtures: CPU only, 8 host devices, and the backends every module test runs on."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Sharding tests need several devices; the flag must be set before jax creates its backend.
@@ -14,6 +15,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # Benchmarks and the main job keep the default; set the flag in XLA_FLAGS to override.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# One persistent compilation cache for the run's workers, the servers and processes they start,
+# and later runs: every model build compiles dozens of small eager initializers, and the two
+# workers (and the slow cases after them) compile many of the same programs. Entries are keyed
+# by the program, the jax version and the flags, so a stale one is never read.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "mla_jax_tests_xla_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import logging
 
@@ -33,19 +42,3 @@ def module_backends():
     return backends
   backends.append(pytest.param(PallasTritonBackend(interpret=True), id="pallas_interpret"))
   return backends
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-  """Keeps ``--dist loadgroup`` grouping on pytest 9.2: xdist 3.8 groups by an ``@group``
-  suffix it writes to ``item._nodeid``, which pytest 9.2 no longer reads (the id lives in
-  ``item._id``), so every xdist_group was spread over the workers and its module fixtures
-  (servers, compiled engines, the recall probe) were built once per worker."""
-  if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
-    return
-  for item in items:
-    names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-             for mark in item.iter_markers("xdist_group")}
-    suffix = "@" + "_".join(sorted(names))
-    if names and hasattr(item, "_id") and not item.nodeid.endswith(suffix):
-      item._id = type(item._id).parse(item.nodeid + suffix)

@@ -639,3 +639,42 @@ def test_cli_missing_checkpoint_names_the_directory(tmp_path, capsys):
   assert cli.main(["generate", "--checkpoint", str(missing), "--quiet"]) == 2
   assert str(missing) in capsys.readouterr().err
   assert not missing.exists()
+
+
+# ---- the engine's settings and request ids -------------------------------------------------
+
+ENGINE_CASES = {
+    "log_interval_string": (dict(log_interval="10"), TypeError,
+                            "log_interval must be a number of seconds or None, got str '10'"),
+    "log_interval_negative": (dict(log_interval=-1.0), ValueError, "log_interval must be a finite"),
+    "log_interval_nan": (dict(log_interval=NAN), ValueError, "log_interval must be a finite"),
+    "seed_negative": (dict(seed=-1), ValueError, "seed"),
+    "seed_float": (dict(seed=1.5), TypeError, "seed must be a static int, got float"),
+    "eos_none": (dict(eos_token_ids=None), TypeError,
+                 "eos_token_ids must be a sequence of token ids, got NoneType"),
+    "eos_string": (dict(eos_token_ids="2"), TypeError, "eos_token_ids must be a sequence"),
+    "eos_negative": (dict(eos_token_ids=[-1]), ValueError, "eos_token_ids entry"),
+    "tokenizer_without_methods": (dict(tokenizer=object()), TypeError,
+                                  r"tokenizer must have encode\(text\) and decode\(ids\)"),
+    "prefix_caching_string": (dict(prefix_caching="yes"), TypeError,
+                              "prefix_caching must be a bool"),
+    "num_pages_zero": (dict(num_pages=0), ValueError, "num_pages"),
+    "decode_steps_zero": (dict(decode_steps=0), ValueError, "decode_steps"),
+}
+
+
+@pytest.mark.parametrize("settings, error, match", ENGINE_CASES.values(), ids=ENGINE_CASES)
+def test_engine_settings_are_refused_by_name(settings, error, match):
+  from mla_jax.serving import Engine
+
+  with pytest.raises(error, match=match):
+    Engine(_model(), **{"num_pages": 4, "page_size": 8, "log_interval": None, **settings})
+
+
+def test_unknown_request_ids_are_named():
+  from mla_jax.serving import Engine
+
+  engine = Engine(_model(), num_pages=4, page_size=8, log_interval=None)
+  for call in (engine.release, engine.output, engine.abort):
+    with pytest.raises(KeyError, match="no request with id 'nope'"):
+      call("nope")

@@ -170,3 +170,31 @@ def test_fp8_checkpoint_with_float32_compute(tmp_path, monkeypatch, capsys):
                    "--backend", "xla"]) == 0
   assert asked[0]["dtype"] == "fp8" and asked[0]["compute_dtype"] == jnp.float32
   assert "decode: 1 tokens" in capsys.readouterr().out
+
+
+def test_num_pages_auto_fits_the_pool_beside_the_weights(capsys, monkeypatch):
+  """``serve --num-pages auto``: the pages that fit in 90% of the device after the weights,
+  one page being what the engine allocates per page (host memory here: no GPU limit)."""
+  import argparse
+
+  import jax
+
+  from mla_jax.serving.engine import Engine, page_bytes
+
+  model = m.CausalLM(tiny_lm("mqa-only"), rngs=nnx.Rngs(0), backend="xla")
+  engine = Engine(model, num_pages=3, page_size=8, cache_dtype="bf16", log_interval=None)
+  per_page = page_bytes(model, 8, "bf16")
+  assert sum(leaf.nbytes for leaf in jax.tree.leaves(engine._pools)) == 3 * per_page
+  monkeypatch.setattr(plan, "_host_available_bytes", lambda: 2**26)
+  weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
+  args = argparse.Namespace(num_pages="auto", page_size=8, cache_dtype="bf16",
+                            speculative_tokens=0)
+  pages = cli._num_pages(args, model)
+  assert pages == int((plan.FIT_FRACTION * (2**26 + weights) - weights) // per_page) > 0
+  assert f"--num-pages auto: {pages:,} pages" in capsys.readouterr().out
+  monkeypatch.setattr(plan, "_host_available_bytes", lambda: 0)
+  with pytest.raises(SystemExit, match="not one page fits"):
+    cli._num_pages(args, model)
+  assert cli.pages_or_auto("auto") == "auto" and cli.pages_or_auto("7") == 7
+  with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+    cli.pages_or_auto("0")

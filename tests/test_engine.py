@@ -15,7 +15,6 @@ from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.requests import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("engine")  # one worker: its compiled programs are shared
 
 PAGE = 8
 NEW = 6
@@ -294,14 +293,11 @@ def _dense_capable_routes_hold(engine) -> None:
     assert ("indexer_score" in c.summary.scopes) == (expected != "DENSE_MHA")
 
 
-@pytest.mark.parametrize("backend", [XlaBackend(), XlaBackend(masked_mha_max_tokens=40)],
-                         ids=["default_window", "window_40"])
-def test_dense_capable_engine_routes_each_program_by_its_bucket(backend):
+def test_dense_capable_engine_routes_each_program_by_its_bucket():
   """A step whose sequences all start empty within the top-k goes dense (segmented over the
-  step's rows); every other step (a decode, a cached prefix, a chunk past the top-k) sparse,
-  the masked window notwithstanding (a flat step has no masked route). Tokens equal
-  ``generate``."""
-  model = _model("dense-capable", backend)
+  step's rows); every other step (a decode, a cached prefix, a chunk past the top-k) sparse.
+  Tokens equal ``generate``."""
+  model = _model("dense-capable")
   rng = np.random.default_rng(2)
   topk = model.config.mla.indexer.topk
   engine = _engine(model, num_pages=32)
@@ -315,6 +311,17 @@ def test_dense_capable_engine_routes_each_program_by_its_bucket(backend):
   _dense_capable_routes_hold(engine)
   assert {c.plan.route.name for c in engine.programs} == {"DENSE_MHA", "SPARSE_MQA"}
   assert steps[0] == dict(decodes=0, fresh=3, continuing=0)
+
+
+def test_a_masked_window_gives_no_step_program_the_masked_route():
+  """A flat step has no masked route, whatever the backend's masked window: every shape the
+  engine can compile plans dense (all fresh within the top-k) or sparse."""
+  engine = _engine(_model("dense-capable", XlaBackend(masked_mha_max_tokens=40)), num_pages=32)
+  shapes = engine.buckets.all_shapes()
+  routes = {s: engine._flat_plan(engine.buckets.dense_bound if s.fresh else None,
+                                 s.kv_pages).route.name for s in shapes}
+  assert set(routes.values()) == {"DENSE_MHA", "SPARSE_MQA"}
+  assert all(r == _expected_route(s) for s, r in routes.items())
 
 
 def test_dense_capable_steps_mixing_fresh_and_continuing_chunks_stay_sparse(monkeypatch):

@@ -12,7 +12,6 @@ from mla_jax.serving.engine import Engine
 from mla_jax.serving.requests import SamplingParams
 from tests.test_engine import _model, _mqa_only_contract, _no_leaks, _reference
 
-pytestmark = pytest.mark.xdist_group("engine")  # shares test_engine.py's compiled programs
 
 NEW = 12
 SETTINGS = dict(page_size=8, num_pages=24, max_num_seqs=4, max_step_tokens=32,

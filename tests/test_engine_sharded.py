@@ -31,7 +31,7 @@ def test_engine_on_a_mesh_equals_generate_unsharded():
   model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
   engine = Engine(model, **SETTINGS)
   assert [list(o.tokens) for o in engine.generate(PROMPTS, max_tokens=5)] == _reference()
-  assert all(c.shape.batch % 2 == 0 for c in engine.programs)  # rows split over 'data'
+  assert all(c.shape.tokens % 2 == 0 for c in engine.programs)  # token rows split over 'data'
   engine.pages.check()
 
 

@@ -20,7 +20,6 @@ from benchmarks import retrieval_probe as rp
 
 CARD = presets.RECALL_CHECKPOINT / "MODEL_CARD.md"
 # One xdist worker: the module's probe fixture (about 30 s) is then built once, not per worker.
-pytestmark = pytest.mark.xdist_group("recall_model")
 
 
 def card_threshold(name: str = "accuracy_threshold") -> float:

@@ -29,7 +29,6 @@ from mla_jax.generation.loop import generate
 from mla_jax.tokenizer import ByteTokenizer
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.xdist_group("server")  # one worker: the servers are shared
 
 MODEL = "recall-chat"
 # Refuses a system message, the way HF templates refuse what they cannot render.

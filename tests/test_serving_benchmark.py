@@ -55,12 +55,16 @@ def test_the_pool_holds_every_seat_at_its_longest():
 
 @pytest.mark.slow  # over 30 s on 2 cores: CI runs the slow cases in a step of their own
 def test_quick_run_prints_every_table(capsys):
-  serving.main(["--quick", "--requests", "4"])
+  """Every section but the warm-up's (three fresh processes compiling every program: minutes,
+  and what they time is Engine.warmup, tested in test_engine_dispatch.py)."""
+  serving.main(["--quick", "--requests", "4", "--sections",
+                ",".join(s for s in serving.SECTIONS if s != "warmup")])
   out = capsys.readouterr().out
-  for title in ("## 1. Throughput", "## 2. Shared prefix", "## 3. Latency", "## 4. Host time"):
+  for title in ("## 1. Throughput", "## 2. Shared prefix", "## 3. Latency", "## 4. Host time",
+                "## 5. Static batches"):
     assert title in out
   assert "| tiny | 4 |" in out  # the throughput row, with --requests
-  assert out.count("| tiny | ") == 6  # throughput, prefix, three rates, host time
+  assert out.count("| tiny | ") == 8  # throughput, prefix, three rates, host time, two batches
   assert "nan" not in out
 
 

@@ -57,8 +57,6 @@ def _mesh_cases():
       yield pytest.param(preset, mesh_spec, marks=[pytest.mark.slow] if slow else [])
 
 
-# One xdist worker for every mesh: each preset's unsharded reference is then generated once.
-@pytest.mark.xdist_group("sharded_generation")
 @pytest.mark.parametrize("preset, mesh_spec", list(_mesh_cases()))
 def test_sharded_generation_equals_unsharded(preset, mesh_spec):
   mesh = sharding.make_mesh(mesh_spec)

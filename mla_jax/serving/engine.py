@@ -63,6 +63,27 @@ class CompiledStep:
   compile_s: float
 
 
+def engine_pools(model: CausalLM, rows: int, cache_dtype, *, mtp: bool):
+  """An engine's page pools of ``rows`` token rows: ``(main pools per group and unit, MTP
+  pools per MTP layer, or () without speculative decoding)``."""
+  config, cache_dtype = model.config, resolve_cache_dtype(cache_dtype, "cache_dtype")
+  main = tuple(
+      tuple(empty_pools(config.mla, group.reps, rows, cache_dtype,
+                        index_keys=not config.shares_topk(group.layer(0, u)))
+            for u in range(group.unit_len))
+      for group in model.layer_groups)
+  mtp_pools = tuple(empty_pools(config.mla, 1, rows, cache_dtype, index_keys=True)
+                    for _ in range(config.num_mtp_layers if mtp else 0))
+  return main, mtp_pools
+
+
+def page_bytes(model: CausalLM, page_size: int, cache_dtype="fp32", *, mtp: bool = False) -> int:
+  """The bytes one page of ``page_size`` tokens takes in every pool of an engine (shapes
+  only: nothing is allocated). The engine holds its pools whole on every device."""
+  shapes = jax.eval_shape(lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp))
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+
 @dataclasses.dataclass
 class EngineStats:
   steps: int = 0               # dispatches (a multi-step decode dispatch counts once)
@@ -213,16 +234,8 @@ class Engine:
     return self.model.flat_step_plan(fresh_tokens, kv_rows=rows, key_chunk=self._key_chunk)
 
   def _empty_pools(self):
-    """``(main pools per group and unit, MTP pools per MTP layer or () without)``."""
-    config, rows = self.model.config, self.num_pages * self.page_size
-    main = tuple(
-        tuple(empty_pools(config.mla, group.reps, rows, self.cache_dtype,
-                          index_keys=not config.shares_topk(group.layer(0, u)))
-              for u in range(group.unit_len))
-        for group in self.model.layer_groups)
-    mtp = tuple(empty_pools(config.mla, 1, rows, self.cache_dtype, index_keys=True)
-                for _ in range(config.num_mtp_layers if self.max_speculative_tokens else 0))
-    return main, mtp
+    return engine_pools(self.model, self.num_pages * self.page_size, self.cache_dtype,
+                        mtp=bool(self.max_speculative_tokens))
 
   # ---- requests -------------------------------------------------------------------------
 
