@@ -102,8 +102,9 @@ def test_smoke_recipe_trains_in_lockstep_with_the_xla_backend():
                                rtol=2e-3, atol=1e-6, err_msg=key)
   # Adam moves a weight whose gradient is near 0 by up to the learning rate (1e-2) whatever
   # that gradient's last bits are, so single weights drift apart (2 of 4,096 indexer weights by
-  # up to 1.8e-2, measured); each parameter as a whole stays within 1% of the other backend's.
+  # up to 1.8e-2, measured). A parameter trained differently would differ everywhere by about
+  # the learning rate per step; so each parameter's RMS difference stays under a tenth of it.
   for (path, p), (_, x) in zip(nnx.to_flat_state(nnx.state(runs["pallas"].model, nnx.Param)),
                                nnx.to_flat_state(nnx.state(runs["xla"].model, nnx.Param))):
     p, x = np.asarray(p.value, np.float64), np.asarray(x.value, np.float64)
-    assert np.linalg.norm(p - x) <= 1e-2 * np.linalg.norm(x), path
+    assert np.sqrt(np.mean((p - x) ** 2)) < 1e-3, path
