@@ -422,7 +422,8 @@ def test_two_process_server_equals_generate_on_one():
   procs = [subprocess.Popen(
       [sys.executable, "-m", "mla_jax", "serve", "--preset", "tiny-moe", "--port", str(port),
        "--mesh", "data=1,tensor=2,expert=2", "--coordinator", f"127.0.0.1:{coordinator}",
-       "--num-processes", "2", "--process-id", str(i), *SERVE_FLAGS],
+       "--num-processes", "2", "--process-id", str(i), *SERVE_FLAGS,
+       "--no-warmup"],  # both processes would compile every program first: minutes here
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
       cwd=Path(__file__).parents[1]) for i in range(2)]
   try:
