@@ -217,6 +217,21 @@ def test_stop_tokens_and_eos_finish_a_request(model, prompts, reference):
   assert out.finish_reason == "stop"
   eos_engine = _engine(model, eos_token_ids=[stop])
   assert eos_engine.generate([prompts[1]], max_tokens=NEW)[0].finish_reason == "stop"
+  # The stop token as the last token allowed: still "stop", not "length".
+  last = engine.generate([prompts[1]], [SamplingParams(max_tokens=reference[1].index(stop) + 1,
+                                                       stop_token_ids=(stop,))])[0]
+  assert list(last.tokens) == list(out.tokens) and last.finish_reason == "stop"
+
+
+def test_a_request_exactly_filling_the_context_is_accepted(model):
+  """prompt + max_tokens == max_model_len fits; one token more is refused by name."""
+  from mla_jax.decoding.requests import ContextLengthError
+
+  engine = _engine(model, max_model_len=64)
+  assert len(engine.check_request(list(range(58)), SamplingParams(max_tokens=6))) == 58
+  with pytest.raises(ContextLengthError, match="58 tokens \\+ max_tokens 7 = 65 exceeds the "
+                                                "model's context of 64 tokens"):
+    engine.check_request(list(range(58)), SamplingParams(max_tokens=7))
 
 
 def _logprobs_reference(model, tokens, num_prompt):

@@ -111,6 +111,23 @@ class IndexerLogitsGradTest(chex.TestCase):
       self.assertLess(relative_error(g, ref), RTOL[dtype], name)
     np.testing.assert_array_equal(np.asarray(got[1], np.float64)[S - 8:], 0.0)  # unscored keys
 
+  @parameterized.named_parameters((name, name) for name in IMPLEMENTATIONS)
+  def test_relu_has_zero_gradient_at_exactly_zero(self, impl):
+    """Queries and keys of -1, 0, 1 make many dots exactly 0, where relu' is 0 (as
+    ``jax.nn.relu``): random normal data never hits 0, so a backward taking relu' as 1 there
+    passed every other case."""
+    T, G, I, S = 37, 4, 32, 70
+    rng = np.random.default_rng(3)
+    _, _, w, starts, ends, ct = inputs(0, T, G, I, S, F32)
+    q = jnp.asarray(rng.integers(-1, 2, (T, G, I)), F32)
+    k = jnp.asarray(rng.integers(-1, 2, (S, I)), F32)
+    dots = np.einsum("tgi,si->tgs", np.asarray(q), np.asarray(k))
+    self.assertGreater((dots == 0).mean(), 0.05)
+    got = vjp(self.fn(impl), q, k, w, starts, ends, ct)
+    want = float64_grads(q, k, w, starts, ends, ct)
+    for name, g, ref in zip(("dq", "dk", "dw"), got, want):
+      self.assertLess(relative_error(g, ref), RTOL[F32], name)
+
   @parameterized.named_parameters(("float32", F32), ("bfloat16", BF16))
   def test_kernels_over_many_blocks(self, dtype):
     """16 x 16 blocks: several token and key blocks, some pairs of them never meeting."""
