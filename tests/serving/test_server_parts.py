@@ -123,3 +123,16 @@ def test_plain_chat_format_and_templates_read_from_a_checkpoint(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 3}))
   with pytest.raises(CheckpointError, match="chat_template must be"):
     ChatTemplate.from_checkpoint(tmp_path)
+
+
+def test_usage_counts_every_choice_of_a_batched_request():
+  """A completions request with several prompts (or n > 1): usage sums every choice's prompt and
+  output tokens, not the first choice's."""
+  from types import SimpleNamespace
+
+  from mla_jax.serving.server import _usage
+
+  choices = [SimpleNamespace(prompt_ids=[1, 2, 3], last=SimpleNamespace(tokens=(7, 8))),
+             SimpleNamespace(prompt_ids=[4] * 5, last=SimpleNamespace(tokens=(9,))),
+             SimpleNamespace(prompt_ids=[6], last=None)]  # not started yet: no output
+  assert _usage(choices) == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
