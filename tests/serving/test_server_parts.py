@@ -136,3 +136,23 @@ def test_usage_counts_every_choice_of_a_batched_request():
              SimpleNamespace(prompt_ids=[4] * 5, last=SimpleNamespace(tokens=(9,))),
              SimpleNamespace(prompt_ids=[6], last=None)]  # not started yet: no output
   assert _usage(choices) == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+
+
+@pytest.mark.parametrize("header, ok", [
+    ("Bearer s3cret-key", True), ("bearer s3cret-key", True), ("Bearer s3cret", False),
+    ("Bearer ", False), ("Bearer", False), ("Bearer s3cret-key2", False), ("Basic s3cret-key", False),
+    (None, False)])
+def test_only_the_whole_api_key_passes(header, ok):
+  """Not a prefix of the key, not the empty string, not another scheme."""
+  from starlette.requests import Request
+
+  from mla_jax.serving.server import _check_auth
+
+  headers = [] if header is None else [(b"authorization", header.encode())]
+  request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                     "headers": headers, "query_string": b""})
+  if ok:
+    _check_auth(request, "s3cret-key")
+  else:
+    with pytest.raises(APIError, match="missing or wrong API key"):
+      _check_auth(request, "s3cret-key")
