@@ -358,3 +358,24 @@ def test_a_speculative_decode_reserves_its_draft_rows_and_commits_the_accepted_t
   assert seq.output == [7, 8, 9, 5, 6, 4] and seq.finish_reason == "stop" and not seq.pages
   pages.check()
   assert pages.num_free == 16 and pages.num_cached == 2  # its two full pages stay cached
+
+
+def test_draft_rows_count_against_the_step_budget():
+  """Two speculative decodes (3 drafts each) under a budget of 6 rows: the first takes its
+  token and 3 drafts, the second its token and the one draft left room for; nothing else runs
+  and the step computes exactly 6 rows."""
+  pages = PageTable(32, SIZE, salt="test")
+  scheduler = Scheduler(pages, max_num_seqs=3, max_step_tokens=6)
+  seqs = [Sequence(str(i), [1, 2, 3], 3, SamplingParams(max_tokens=8, speculative_tokens=3),
+                   seed=0) for i in range(3)]
+  for seq in seqs:
+    scheduler.add(seq)
+  batch = scheduler.schedule()  # two prompts of 3 fill the budget
+  assert [c.seq for c in batch.prefills] == seqs[:2] and batch.num_tokens == 6
+  scheduler.commit(batch, {id(c): [7] for c in batch.prefills}, _stops)
+  for seq in seqs[:2]:
+    seq.drafts = [8, 9, 10]
+  batch = scheduler.schedule()
+  assert [(c.seq, c.drafts) for c in batch.decodes] == [(seqs[0], (8, 9, 10)), (seqs[1], (8,))]
+  assert not batch.prefills and batch.num_tokens == 6
+  pages.check()
