@@ -8,6 +8,8 @@ becomes a 400 naming its field.
 
 from __future__ import annotations
 
+import collections
+
 import json
 from typing import Annotated, Literal
 
@@ -127,10 +129,14 @@ def parse(model: type[_Request], body: bytes) -> _Request:
   try:
     return model.model_validate_json(body)
   except pydantic.ValidationError as e:
-    # A union field fails once per member: the deepest failure that is not a plain type
-    # mismatch is the member the client meant.
-    error = max(e.errors(include_url=False),
-                key=lambda error: (len(error["loc"]), not error["type"].endswith("_type")))
+    # A union field fails once per member, and a list member once per bad element: the member
+    # the client meant is the one with the fewest failures ([1, 2.0] is a list of ids with one
+    # bad element, not a list of strings with two), then the deepest failure that is not a
+    # plain type mismatch.
+    errors = e.errors(include_url=False)
+    per_member = collections.Counter(_member(error["loc"]) for error in errors)
+    error = min(errors, key=lambda error: (per_member[_member(error["loc"])], -len(error["loc"]),
+                                           error["type"].endswith("_type")))
     if error["type"] == "json_invalid":
       raise APIError(400, f"the body is not valid JSON: {error['msg']}") from None
     param = ".".join(str(part) for part in error["loc"] if not _is_union_branch(part)) or None
@@ -143,6 +149,14 @@ def parse(model: type[_Request], body: bytes) -> _Request:
     where = f"{param}: " if param else ""
     got = "" if error["type"] == "value_error" else f" (got {_short(error.get('input'))})"
     raise APIError(400, f"{where}{message}{got}", param=param) from None
+
+
+def _member(loc) -> tuple:
+  """An error location up to the union member it is in (the whole location outside unions)."""
+  for i, part in enumerate(loc):
+    if _is_union_branch(part):
+      return tuple(loc[:i + 1])
+  return tuple(loc)
 
 
 def _is_union_branch(part) -> bool:

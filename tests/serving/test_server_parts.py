@@ -28,6 +28,9 @@ def test_a_completion_takes_every_prompt_form():
 
 @pytest.mark.parametrize("body, param, words", [
     (dict(prompt=[1, -2]), "prompt.1", "greater than or equal to 0"),
+    (dict(prompt=[1, 2.0]), "prompt.1", r"valid integer \(got 2.0\)"),  # ids, not strings
+    (dict(prompt=["a", 3]), "prompt.1", r"valid string \(got 3\)"),
+    (dict(prompt=[[1, 2], [3, "x"]]), "prompt.1.1", "valid integer"),
     (dict(prompt=[[1], []]), "prompt.1", "at least 1 item"),
     (dict(prompt="x", stop=["a", ""]), "stop.1", "at least 1 character"),
     (dict(prompt="x", max_tokens="5"), "max_tokens", "valid integer"),
