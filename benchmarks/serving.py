@@ -572,7 +572,8 @@ def parse_sections(text: str) -> tuple[str, ...]:
   sections = tuple(t.strip() for t in text.split(",") if t.strip())
   unknown = sorted(set(sections) - set(SECTIONS))
   if unknown or not sections:
-    raise argparse.ArgumentTypeError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    raise argparse.ArgumentTypeError(f"unknown sections {unknown}; choose from "
+                                     f"{', '.join(SECTIONS)}")
   if "latency" in sections and "throughput" not in sections:
     raise argparse.ArgumentTypeError("latency needs throughput (its arrival rates come from it)")
   return sections

@@ -333,8 +333,7 @@ def test_a_masked_window_gives_no_step_program_the_masked_route():
   engine can compile plans dense (all fresh within the top-k) or sparse."""
   engine = _engine(_model("dense-capable", XlaBackend(masked_mha_max_tokens=40)), num_pages=32)
   shapes = engine.buckets.all_shapes()
-  routes = {s: engine._flat_plan(engine.buckets.dense_bound if s.fresh else None,
-                                 s.kv_pages).route.name for s in shapes}
+  routes = {s: engine.step_plan(s).route.name for s in shapes}
   assert set(routes.values()) == {"DENSE_MHA", "SPARSE_MQA"}
   assert all(r == _expected_route(s) for s, r in routes.items())
 

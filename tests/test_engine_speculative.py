@@ -62,7 +62,6 @@ def test_greedy_tokens_equal_plain_decoding_for_any_mix_of_k(ks):
   assert [list(o.tokens) for o in outputs] == generate(model, PROMPTS, 10).tokens
   assert [o.num_draft_tokens > 0 for o in outputs] == [k > 0 for k in ks]
   assert outputs[4].num_cached_prompt_tokens == 2 * PAGE
-  assert all(c.shape.decode_steps == 1 or not c.plan.route.needs_topk or True for c in engine.programs)
   _no_leaks(engine)
 
 
@@ -152,8 +151,8 @@ WIDE = dict(max_num_seqs=256, max_step_tokens=1024, num_pages=256, prefix_cachin
 
 
 def test_rejection_sampling_keeps_the_plain_distribution(monkeypatch):
-  """Vocabulary 8, 512 requests per method, fixed seeds (the wrong rule's p-value: 6e-12 at
-  1024, so well under 1e-3 at 512). The copying head drafts the main
+  """Vocabulary 8, 512 requests per method, fixed seeds (the wrong rule's p-value, measured:
+  6e-12 at 1024 requests, 6e-7 at 512; the bound is 1e-3). The copying head drafts the main
   model's most likely token, so drafts are often accepted and often rejected; replacing a
   rejected draft by a draw from p (the wrong rule) is detected."""
   model = _copying(vocab_size=8)

@@ -233,6 +233,10 @@ class Engine:
       return self.model.step_plan(1, None, capacity=rows, kv_rows=rows)
     return self.model.flat_step_plan(fresh_tokens, kv_rows=rows, key_chunk=self._key_chunk)
 
+  def step_plan(self, shape: StepShape) -> StepPlan:
+    """The plan of the step program compiled for ``shape``, from the shape alone."""
+    return self._flat_plan(self.buckets.dense_bound if shape.fresh else None, shape.kv_pages)
+
   def _empty_pools(self):
     return engine_pools(self.model, self.num_pages * self.page_size, self.cache_dtype,
                         mtp=bool(self.max_speculative_tokens))
@@ -476,7 +480,7 @@ class Engine:
 
   def _compile(self, shape: StepShape):
     t0 = time.perf_counter()
-    plan = self._flat_plan(self.buckets.dense_bound if shape.fresh else None, shape.kv_pages)
+    plan = self.step_plan(shape)
     drafts = self._logit_rows > 1 and shape.decode_steps == 1
     program = StepProgram(plan, self._flat_plan(None, shape.kv_pages, segmented=False)
                           if drafts else None, mtp=bool(self.max_speculative_tokens),

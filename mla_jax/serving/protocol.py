@@ -9,7 +9,6 @@ becomes a 400 naming its field.
 from __future__ import annotations
 
 import collections
-
 import json
 from typing import Annotated, Literal
 
