@@ -338,3 +338,47 @@ def test_fp8_caches_give_the_plain_tokens():
   model = _random()
   spec = m.generate(model, PROMPTS, 6, cache_dtype="fp8", speculative_tokens=2)
   assert spec.tokens == m.generate(model, PROMPTS, 6, cache_dtype="fp8").tokens
+
+
+def test_rejected_drafts_leave_the_caches_of_a_prefill_of_the_emitted_tokens():
+  """Survivor 9: after each iteration, the main and MTP caches hold what one prefill of the
+  emitted sequence writes: the rejected drafts' MTP rows are rolled back, not attended to
+  (which only lowers acceptance, so the token tests cannot see it)."""
+  model, k, capacity = _random(), 3, 32
+  sequence = [9, 3, 1, 4, 1, 5, 9, 2, 6]
+  greedy = sampling.SamplingConfig()
+  key = jax.random.key(0)
+
+  def prefill(ids):
+    return generation_speculative.prefill(
+        model, model.init_cache(1, capacity), model.init_mtp_cache(1, capacity),
+        jnp.array([ids], jnp.int32), jnp.array([len(ids)], jnp.int32), key,
+        plan=model.step_plan(len(ids), 0, capacity=capacity), sampling=greedy)
+
+  tokens_B, caches, mtp_caches, draft_BV, hidden_BD = prefill(sequence)
+  sequence.append(int(tokens_B[0]))
+  one = jnp.ones((1,), jnp.int32)
+  state = generation_speculative.DraftState(tokens_B, draft_BV, hidden_BD, one < 0, one,
+                                            0 * one, 0 * one)
+  rejected = 0
+  for _ in range(3):
+    accepted_before = int(state.accepted_B[0])
+    caches, mtp_caches, state, emitted_BK = generation_speculative.iteration(
+        model, caches, mtp_caches, state, key, 20,
+        verify_plan=model.step_plan(k + 1, None, capacity=capacity),
+        draft_plan=model.step_plan(1, None, capacity=capacity), sampling=greedy, eos_id=None)
+    rejected += int(state.accepted_B[0]) - accepted_before < k
+    sequence += [int(t) for t in emitted_BK[0] if t >= 0]
+    # The last emitted token is not in the caches yet: the prefill of the rest samples it.
+    ref_tokens_B, ref_caches, ref_mtp, ref_draft_BV, ref_hidden_BD = prefill(sequence[:-1])
+    assert int(ref_tokens_B[0]) == int(state.tokens_B[0]) == sequence[-1]
+    n = len(sequence) - 1
+    for got, want in [(caches.groups[0][0], ref_caches.groups[0][0]),
+                      (mtp_caches[0], ref_mtp[0])]:
+      assert int(got.num_cached_B.reshape(-1)[0]) == int(want.num_cached_B.reshape(-1)[0]) == n
+      for got_rows, want_rows in zip(got.pools, want.pools):  # [..., rows, width]
+        np.testing.assert_allclose(got_rows[..., :n, :], want_rows[..., :n, :], rtol=1e-5,
+                                   atol=1e-5)
+    np.testing.assert_allclose(state.draft_BV, ref_draft_BV, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state.hidden_BD, ref_hidden_BD, rtol=1e-5, atol=1e-5)
+  assert rejected > 0  # the case the test is for
