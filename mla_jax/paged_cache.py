@@ -1,8 +1,8 @@
 """Paged caches: a layer group's latent rows and indexer keys in a shared pool of pages.
 
-The engine (``mla_jax.serving``) keeps, per layer group and unit position, one pool stacked over
-the group's repetitions like today's caches: rows ``[reps, num_pages * page_size, ...]`` in any
-cache format (fp32 / bf16 arrays, or the fp8 layouts of ``mla_jax.fp8_cache``). Each step hands
+The engine (``mla_jax.serving``) keeps, per layer group and unit position, one pool over the
+group's repetitions, their rows flattened into one axis: ``[reps * num_pages * page_size, ...]``
+(layer r's rows from ``r * num_pages * page_size``) in any cache format (fp32 / bf16 arrays, or the fp8 layouts of ``mla_jax.fp8_cache``). Each step hands
 the model a block table ``[B, N]`` (page ids, logical page n of sequence b at physical page
 ``block_table[b, n]``) and the cached lengths; ``PagedLayerView`` is one layer of it, read and
 written through the same ``CacheView`` protocol as the contiguous caches.
@@ -36,14 +36,19 @@ from mla_jax.config import MLAConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedLayerCache:
-  """One unit position of a layer group over a page pool, stacked over the group's reps.
+  """One unit position of a layer group over a page pool, shared by the group's reps.
+
+  The pools keep the layers' rows in one flat axis, the form the ops read (as XLA updates a
+  pool in place only when it is written and read in one shape: a reshape between the write and
+  an indexer loop's read costs a copy of the whole pool per step).
 
   Attributes:
-    latent_RL: pool rows [reps, num_pages * page_size, A + R] (an array or fp8 parts).
+    latent_RL: pool rows [reps * num_pages * page_size, A + R] (an array or fp8 parts).
     index_keys_RI: the indexer keys' pool, or None for a layer without a key cache.
     block_table_BN: int32 [B, N], shared by every layer: the physical page of each logical page.
     num_cached_B: int32 [reps, B] cached tokens per sequence (the same in every layer).
     page_size: tokens per page (static).
+    reps: the group's layers sharing the pools (static), each ``rows / reps`` of them.
     segment_ids_B: int32 [B] or None. In an engine's flat step each row b is one token of
       sequence ``segment_ids_B[b]`` (rows of one sequence share its block table, and
       ``num_cached_B`` is then each token's position); the segmented dense route attends within
@@ -56,6 +61,16 @@ class PagedLayerCache:
   num_cached_B: jax.Array
   page_size: int = dataclasses.field(metadata=dict(static=True))
   segment_ids_B: jax.Array | None = None
+  reps: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+  def __post_init__(self):
+    rows = getattr(_row_array(self.latent_RL), "shape", (0,))[0]  # tree utilities pass None
+    if rows % self.reps:
+      raise ValueError(f"a pool of {rows} rows cannot be shared equally by {self.reps} layers")
+
+  @property
+  def rows_per_layer(self) -> int:
+    return _row_array(self.latent_RL).shape[0] // self.reps
 
   def layer_view(self, index) -> PagedLayerView:
     return PagedLayerView(self, index)
@@ -67,11 +82,7 @@ class PagedLayerCache:
 
   @property
   def num_cached_shape(self) -> tuple[int, ...]:
-    return (_row_array(self.latent_RL).shape[0], self.block_table_BN.shape[0])
-
-
-def _rows_per_layer(part) -> int:
-  return _row_array(part).shape[1]
+    return (self.reps, self.block_table_BN.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +123,7 @@ class PagedLayerView(CacheView):
 
   def _gather(self, part, rows_BS):
     """Rows ``rows_BS`` of this layer of a pool part: [B, S, ...] (only those rows are read)."""
-    return jax.tree.map(lambda a: a[self.index, rows_BS], part)
+    return jax.tree.map(lambda a: a[self._flat_rows(rows_BS)], part)
 
   def _positions(self, num_rows: int):
     """Logical positions ``[0, num_rows)`` of every sequence: int32 [B, num_rows]."""
@@ -131,16 +142,13 @@ class PagedLayerView(CacheView):
                                            self.physical_rows(positions_BT)))
 
   def _in_flat_pool(self, part, rows):
-    """The whole pool ``part``, its layers flattened into rows (a free reshape), and this
-    layer's ``rows`` as rows of it (-1 stays -1): what the ops read in place."""
-    return self._flat_pool(part), self._flat_rows(part, rows)
+    """The whole pool ``part`` and this layer's ``rows`` as rows of it (-1 stays -1): what
+    the ops read in place."""
+    return fp8_cache.readable(part), self._flat_rows(rows)
 
-  @staticmethod
-  def _flat_pool(part):
-    return fp8_cache.readable(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part))
-
-  def _flat_rows(self, part, rows):
-    return jnp.where(rows >= 0, rows + self.index * _rows_per_layer(part), -1)
+  def _flat_rows(self, rows):
+    """This layer's pool rows ``rows`` (-1 stays -1) as rows of the shared pool."""
+    return jnp.where(rows >= 0, rows + self.index * self.stacked.rows_per_layer, -1)
 
   def attention_rows(self, topk_BTK, num_rows: int):
     """The latent pool and the physical rows of ``topk_BTK``: the op gathers the selected
@@ -161,17 +169,17 @@ class PagedLayerView(CacheView):
     [B, S], their rows in it: ``(pool, rows_of)``; the indexer scores chunks of positions
     through it (``Indexer.select_in_key_chunks``)."""
     keys = self.stacked.index_keys_RI
-    rows_of = lambda positions_BS: self._flat_rows(keys, self.physical_rows(positions_BS))
-    return self._flat_pool(keys), rows_of
+    rows_of = lambda positions_BS: self._flat_rows(self.physical_rows(positions_BS))
+    return fp8_cache.readable(keys), rows_of
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> PagedLayerView:
     num_cached_B = self.num_cached_B
     t_T = jnp.arange(latent_BTL.shape[1], dtype=jnp.int32)
     positions_BT = num_cached_B[:, None] + t_T[None, :]
     real_BT = (t_T[None, :] < new_lens_B[:, None]) & (positions_BT < self.capacity)
-    dest_BT = jnp.where(real_BT, self.physical_rows(positions_BT),
-                        _rows_per_layer(self.stacked.latent_RL))  # past the pool: dropped
-    write_part = lambda stored, new: scatter_part(stored, new, (self.index, dest_BT))
+    past_pool = _row_array(self.stacked.latent_RL).shape[0]  # scattered there: dropped
+    dest_BT = jnp.where(real_BT, self._flat_rows(self.physical_rows(positions_BT)), past_pool)
+    write_part = lambda stored, new: scatter_part(stored, new, dest_BT)
     keys = self.stacked.index_keys_RI
     stacked = dataclasses.replace(
         self.stacked, latent_RL=write_part(self.stacked.latent_RL, latent_BTL),
@@ -183,6 +191,7 @@ class PagedLayerView(CacheView):
 def empty_pools(config: MLAConfig, reps: int, num_rows: int, dtype, *, index_keys: bool):
   """``(latent, keys or None)`` pools of ``num_rows`` zero rows per layer for ``reps`` layers,
   in the resolved cache format ``dtype`` (``cache.resolve_cache_dtype``): the contiguous
-  cache's layouts, with the group's layers where its batch would be."""
+  cache's layouts, the group's layers flattened into the rows (``PagedLayerCache``)."""
   layer = empty_layer_cache(config, reps, num_rows, dtype, index_keys=index_keys)
-  return layer.latent_BSL, layer.index_keys_BSI
+  flat = lambda part: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
+  return flat(layer.latent_BSL), flat(layer.index_keys_BSI)

@@ -80,7 +80,7 @@ class StepProgram:
       caches = ModelCache(tuple(
           tuple(PagedLayerCache(latent, keys, table_TN,
                                 jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)), page_size,
-                                seq_T)
+                                seq_T, reps=group.reps)
                 for latent, keys in unit)
           for group, unit in zip(layout, main_pools)), layout)
       hidden_T1D, caches = model.forward_hidden(ids_T[:, None], caches, new_lens_B=real_T,
