@@ -1,6 +1,9 @@
 """The engine's dispatches: multi-step decode stops where single steps stop, the warm-up
 compiles every program a run needs (and few), and the route walk catches a misrouted class."""
 
+import re
+
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -8,8 +11,9 @@ from flax import nnx
 from mla_jax.misrouted import MisroutedV32Attention
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
-from mla_jax.serving.engine import Engine
+from mla_jax.serving.engine import Engine, engine_pools
 from mla_jax.serving.requests import SamplingParams
+from mla_jax.serving.step_inputs import StepShape
 from tests.test_engine import _model, _mqa_only_contract, _no_leaks, _reference
 
 
@@ -127,3 +131,25 @@ def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
   with pytest.raises(AssertionError):
     _mqa_only_contract(engine.programs)
   assert [list(o.tokens) for o in outputs] != _reference(honest, short, 4)
+
+
+@pytest.mark.parametrize("shape", [StepShape(1, 1, 4, decode_steps=8, greedy=True),
+                                   StepShape(1, 1, 4)], ids=["decode-dispatch", "flat-step"])
+def test_step_programs_update_the_pools_in_place(model, monkeypatch, shape):
+  """The compiled program copies no pool: a copy of one costs in proportion to the pool, not
+  the step (a reshape between the key write and the chunked indexer's read of it made XLA copy
+  each key pool 8 times per decode step, seen with one row, whose scatter XLA makes an update
+  slice)."""
+  texts = []
+  compile_ = jax.stages.Lowered.compile
+  monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: texts.append(
+      compile_(self, *a, **k)) or texts[-1])
+  num_pages = 40  # pools of their own: no program compiled by another test is reused
+  engine = Engine(model, **{**SETTINGS, "num_pages": num_pages})
+  engine._program(shape)
+  pools = jax.eval_shape(lambda: engine_pools(model, num_pages * SETTINGS["page_size"],
+                                              engine.cache_dtype, mtp=False))
+  pool_shapes = {f"[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(pools)}
+  (text,) = [compiled.as_text() for compiled in texts]
+  copies = re.findall(r"= \w+(\[[\d,]+\])\S* copy\(", text)
+  assert not pool_shapes & set(copies), copies
