@@ -188,8 +188,8 @@ def measured(fns: dict[str, Callable[[], Any]], tries: int = 3
 
 @dataclasses.dataclass
 class Trace:
-  """One drive: per request, its arrival and the times its tokens came back (seconds from the
-  drive's start, compilation excluded), and its final output; the engine's steps, preemptions
+  """One drive: per request, its arrival and the time each of its tokens came back (seconds
+  from the drive's start, compilation excluded), and its final output; the engine's steps, preemptions
   and compile seconds during the drive."""
 
   arrivals: list[float]
@@ -232,8 +232,8 @@ def drive(engine: Engine, requests: list[Request]) -> Trace:
     if not engine.has_unfinished():
       time.sleep(requests[pending[0]].arrival - now)
       continue
-    for out in engine.step():
-      times[index[out.request_id]].append(clock() - start)
+    for out in engine.step():  # a multi-step dispatch returns several tokens at one time
+      times[index[out.request_id]].extend([clock() - start] * len(out.new_tokens))
   outputs = [None] * len(requests)
   for request_id, i in index.items():
     outputs[i] = engine.release(request_id)

@@ -2,6 +2,8 @@
 run prints every table."""
 
 import argparse
+import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -45,6 +47,50 @@ def test_trace_latencies():
   np.testing.assert_allclose(trace.ttft(), [0.5, 2.0])
   np.testing.assert_allclose(trace.itl(), [0.25, 0.25, 0.5])
   assert trace.elapsed == 3.5 and trace.output_tokens == 5
+
+
+@dataclasses.dataclass
+class _Stats:
+  compile_s: float = 0.0
+  steps: int = 0
+
+
+class _DispatchingEngine:
+  """What ``drive`` uses of an engine; each step returns up to 8 tokens of every request, as
+  a multi-step decode dispatch does."""
+
+  def __init__(self):
+    self.stats = _Stats()
+    self.scheduler = types.SimpleNamespace(num_preemptions=0)
+    self.left = {}
+
+  def add_request(self, prompt, params):
+    self.left[str(len(self.left))] = params.max_tokens
+    return str(len(self.left) - 1)
+
+  def has_unfinished(self):
+    return any(self.left.values())
+
+  def step(self):
+    self.stats.steps += 1
+    outputs = []
+    for request_id, left in self.left.items():
+      if left:
+        self.left[request_id] = left - min(left, 8)
+        outputs.append(types.SimpleNamespace(request_id=request_id,
+                                             new_tokens=(0,) * min(left, 8)))
+    return outputs
+
+  def release(self, request_id):
+    return request_id
+
+
+def test_drive_times_every_token_of_a_multi_step_dispatch():
+  """The tokens of one dispatch come back at one time: each is counted (once a step, 20
+  tokens would count as 3)."""
+  trace = serving.drive(_DispatchingEngine(), [serving.Request([1], 20), serving.Request([2], 5)])
+  assert [len(times) for times in trace.token_times] == [20, 5] and trace.output_tokens == 25
+  assert trace.steps == 3 and len(set(trace.token_times[0])) == 3
 
 
 def test_the_pool_holds_every_seat_at_its_longest():
