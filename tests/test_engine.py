@@ -221,6 +221,17 @@ def test_stop_tokens_and_eos_finish_a_request(model, prompts, reference):
   last = engine.generate([prompts[1]], [SamplingParams(max_tokens=reference[1].index(stop) + 1,
                                                        stop_token_ids=(stop,))])[0]
   assert list(last.tokens) == list(out.tokens) and last.finish_reason == "stop"
+  # ignore_eos (vLLM's): the engine's eos ids no longer stop it, a request's own ids still do;
+  # in single steps and in multi-step dispatches alike.
+  for decode_steps in (1, 8):
+    eos_engine = _engine(model, eos_token_ids=[stop], decode_steps=decode_steps)
+    free = eos_engine.generate([prompts[1]], max_tokens=NEW, ignore_eos=True)[0]
+    assert list(free.tokens) == reference[1] and free.finish_reason == "length"
+    own = eos_engine.generate([prompts[1]], [SamplingParams(
+        max_tokens=NEW, ignore_eos=True, stop_token_ids=(stop,))])[0]
+    assert list(own.tokens) == list(out.tokens) and own.finish_reason == "stop"
+  with pytest.raises(ValueError, match="stop_token_ids entry 999 is outside the vocabulary"):
+    engine.check_request(prompts[1], SamplingParams(stop_token_ids=(999,)))
 
 
 def test_a_request_exactly_filling_the_context_is_accepted(model):

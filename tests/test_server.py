@@ -174,6 +174,36 @@ def test_seed_reproduces_and_stop_cuts_the_text(server, model):
   assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
 
 
+def test_vllm_extra_parameters(server, model):
+  """What clients built for vLLM send: stop_token_ids (the stopping token stays in the text,
+  as vLLM keeps a token that is not special), include_stop_str_in_output, ignore_eos (the recall
+  model never emits its eos: the answer is the same), and continuous_usage_stats (every chunk
+  carries the usage so far)."""
+  client = server.client()
+  prompt = RECALL
+  full = _greedy(model, [prompt], 8)[0]  # "XQBEEEEE"
+  stop_char = next(c for c in full if c != full[0])  # the first token that differs
+  create = lambda **extra: client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                     temperature=0, extra_body=extra)
+  out = create(stop_token_ids=[ord(stop_char)]).choices[0]
+  assert out.text == full[:full.index(stop_char) + 1] and out.finish_reason == "stop"
+  out = create(ignore_eos=True).choices[0]
+  assert out.text == full and out.finish_reason == "length"
+  stop = full[2:4]
+  for include in (False, True):
+    text = create(stop=[stop], include_stop_str_in_output=include).choices[0].text
+    assert text == full[:full.index(stop) + len(stop) * include]
+  chunks = list(client.completions.create(
+      model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+      stream_options={"include_usage": True}, extra_body={"stream_options": {
+          "include_usage": True, "continuous_usage_stats": True}}))
+  with_text = [c for c in chunks if c.choices]
+  assert "".join(c.choices[0].text for c in with_text) == full
+  counts = [c.usage.completion_tokens for c in with_text]
+  assert counts == sorted(counts) and counts[-1] == 8 and chunks[-1].usage.completion_tokens == 8
+  assert all(c.usage.prompt_tokens == len(ByteTokenizer().encode(prompt)) for c in chunks)
+
+
 def test_logprobs_follow_openai_formats(server):
   client = server.client()
   out = client.completions.create(model=MODEL, prompt=RECALL, max_tokens=2, temperature=0,
@@ -333,6 +363,11 @@ BAD_REQUESTS = [
     (C, {**OK, "stop": ["a", 1]}, 400, "stop"),
     (C, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     (C, {**OK, "n": 2}, 400, "n"),
+    (C, {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    (C, {**OK, "stop_token_ids": [10**6]}, 400, "outside the vocabulary"),
+    (C, {**OK, "ignore_eos": "yes"}, 400, "ignore_eos"),
+    (C, {**OK, "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400,
+     "continuous_usage_stats"),
     (C, {**OK, "echo": True}, 400, "unsupported field 'echo'"),
     (C, {**OK, "presence_penalty": 0.5}, 400, "unsupported field 'presence_penalty'"),
     (C, {**OK, "logprobs": 50}, 400, "logprobs"),

@@ -18,7 +18,8 @@ class IncrementalText:
   """The text of the tokens given so far (``text``), and the first stop string in it.
 
   ``decode`` maps token ids to text; ``stop``: strings whose first occurrence ends the text
-  (``stop_at``: the index where it begins, None until one appears). Text is appended only
+  (``stop_at``: the index where it begins, ``stop_end`` where it ends; None until one
+  appears). Text is appended only
   once its characters are complete: a trailing U+FFFD waits for the tokens after it (the
   complete characters before it go at once), and ``flush`` takes it as it is when no more
   will come.
@@ -28,6 +29,7 @@ class IncrementalText:
     self.decode, self.stop = decode, tuple(stop)
     self.text = ""
     self.stop_at: int | None = None
+    self.stop_end: int | None = None
     self._tokens: list[int] = []
     self._prefix = 0  # tokens before it are in ``text``; it starts a complete character
     self._read = 0    # tokens before it are decoded into ``text``
@@ -60,8 +62,10 @@ class IncrementalText:
     start = max(len(self.text) - self._reach, 0)
     self.text += new
     if self.stop and self.stop_at is None:
-      found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-      self.stop_at = min(found) if found else None
+      found = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+      if found:  # the earliest; of those starting there, the longest
+        self.stop_at, minus_length = min(found)
+        self.stop_end = self.stop_at - minus_length
     return new
 
   def pending_stop(self) -> int:

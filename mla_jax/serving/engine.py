@@ -285,6 +285,10 @@ class Engine:
     if pages > self.num_pages:
       raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, the whole "
                        f"pool has {self.num_pages}")
+    vocab = self.model.config.vocab_size
+    for token in params.stop_token_ids:
+      if token >= vocab:
+        raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})")
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=))")
     if params.speculative_tokens > self.max_speculative_tokens:
@@ -363,7 +367,7 @@ class Engine:
     return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
 
   def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
-    return seq.params.stop_token_ids + self.eos_token_ids
+    return seq.params.stop_token_ids + (() if seq.params.ignore_eos else self.eos_token_ids)
 
   def _record(self, seq: Sequence, count: int, b: int, chunk: Chunk, results: _Results) -> None:
     """After ``seq`` took ``count`` tokens of slot ``b``: their log-probabilities (if asked),
@@ -389,7 +393,7 @@ class Engine:
     if seq.detok is not None:
       seq.detok.extend([token])
       seq.text = seq.detok.text
-    if token in seq.params.stop_token_ids or token in self.eos_token_ids:
+    if token in self._stop_ids(seq):
       return "stop"
     if seq.detok is not None and seq.detok.stop_at is not None:
       return "stop"

@@ -48,6 +48,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 class StreamOptions(_Request):
   include_usage: bool = False
+  continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class _Sampling(_Request):
@@ -62,6 +63,10 @@ class _Sampling(_Request):
   stream: bool = False
   stream_options: StreamOptions | None = None
   n: Literal[1] = 1  # one choice per prompt
+  # vLLM's extra parameters (clients built for vLLM send them; docs/serving.md)
+  ignore_eos: bool = False
+  stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
+  include_stop_str_in_output: bool = False
 
   @property
   def stop_strings(self) -> tuple[str, ...]:
@@ -72,6 +77,10 @@ class _Sampling(_Request):
   @property
   def include_usage(self) -> bool:
     return self.stream_options is not None and self.stream_options.include_usage
+
+  @property
+  def continuous_usage(self) -> bool:
+    return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampling):

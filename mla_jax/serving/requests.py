@@ -25,6 +25,9 @@ class SamplingParams:
   depend on what else shares its steps. It stops after ``max_tokens`` new tokens (``"length"``),
   or at a token of ``stop_token_ids`` or a string of ``stop`` in the decoded text
   (``"stop"``; strings need the engine's tokenizer). The stopping token stays in the output.
+  ``ignore_eos``: the engine's end-of-sequence ids do not stop it (a benchmark's fixed output
+  lengths; ``stop_token_ids`` still do). ``include_stop_str_in_output``: a server's text keeps
+  the stop string that ended it (by default it ends before it).
   ``logprobs``: None, or report each output token's log-probability and that many of the most
   likely tokens' (0 to ``MAX_LOGPROBS``), from the model's distribution before temperature
   and top_p. ``speculative_tokens``: draft tokens per step from the model's MTP layers (0: plain
@@ -40,9 +43,14 @@ class SamplingParams:
   stop: tuple[str, ...] = ()
   logprobs: int | None = None
   speculative_tokens: int = 0
+  ignore_eos: bool = False
+  include_stop_str_in_output: bool = False
 
   def __post_init__(self):
     checks.static_int(self.max_tokens, "max_tokens", minimum=1, wrong_type=TypeError)
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     SamplingConfig(self.temperature, self.top_p)  # the same checks as generate's
     if self.seed is not None:
       checks.static_int(self.seed, "seed", minimum=0, maximum=MAX_SEED)

@@ -256,7 +256,9 @@ class _Handlers:
           body.temperature,
           top_p=self.settings.top_p if body.top_p is None else body.top_p,
           seed=body.seed, stop=body.stop_strings, logprobs=logprobs,
-          speculative_tokens=self.settings.speculative_tokens)
+          speculative_tokens=self.settings.speculative_tokens,
+          stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+          include_stop_str_in_output=body.include_stop_str_in_output)
     except (ValueError, TypeError) as e:  # the sampling settings' own checks
       raise APIError(400, str(e)) from None
 
@@ -274,7 +276,8 @@ class _Handlers:
                      "later", type="rate_limit_error", code="server_busy",
                      headers={"Retry-After": str(self.settings.retry_after)})
     updates: asyncio.Queue = asyncio.Queue()
-    choices = [_Choice(i, p, TextStream(self.settings.tokenizer.decode, params[i].stop))
+    choices = [_Choice(i, p, TextStream(self.settings.tokenizer.decode, params[i].stop,
+                                        include_stop=params[i].include_stop_str_in_output))
                for i, p in enumerate(prompts)]
     await self._submit(choices, params, updates)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -333,19 +336,19 @@ class _Handlers:
 
   async def _stream(self, choices, updates, response_id: str, body, chat: bool
                     ) -> AsyncIterator[str]:
-    chunk = _ChunkWriter(response_id, self.settings, chat)
+    chunk = _ChunkWriter(response_id, self.settings, chat, body.continuous_usage)
     try:
       yield ""  # the priming step (see _serve): not sent
       if chat:
         for choice in choices:
-          yield chunk.role(choice.index)
+          yield chunk.role(choice.index, choices)
       while not all(c.last is not None and c.last.finished for c in choices):
         try:
           choice = await self._next(choices, updates)
         except APIError as e:
           yield _sse(e.body())
           break
-        yield chunk.delta(choice)
+        yield chunk.delta(choice, choices)
       if body.include_usage:
         yield chunk.usage(choices)
       yield "data: [DONE]\n\n"
@@ -430,10 +433,12 @@ def _full_response(response_id: str, settings: ServerSettings, choices, chat: bo
 
 
 class _ChunkWriter:
-  """Server-sent events in OpenAI's chunk format, one per update."""
+  """Server-sent events in OpenAI's chunk format, one per update; with ``continuous_usage``
+  (vLLM's ``continuous_usage_stats``) each carries the request's usage so far."""
 
-  def __init__(self, response_id: str, settings: ServerSettings, chat: bool):
-    self.settings, self.chat = settings, chat
+  def __init__(self, response_id: str, settings: ServerSettings, chat: bool,
+               continuous_usage: bool = False):
+    self.settings, self.chat, self.continuous_usage = settings, chat, continuous_usage
     self.head = {"id": response_id,
                  "object": "chat.completion.chunk" if chat else "text_completion",
                  "created": int(time.time()), "model": settings.model_name}
@@ -441,11 +446,14 @@ class _ChunkWriter:
   def _event(self, choices: list[dict], **extra) -> str:
     return _sse({**self.head, "choices": choices, **extra})
 
-  def role(self, index: int) -> str:
-    return self._event([{"index": index, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}])
+  def _choice_event(self, entry: dict, choices) -> str:
+    return self._event([entry], **({"usage": _usage(choices)} if self.continuous_usage else {}))
 
-  def delta(self, choice: _Choice) -> str:
+  def role(self, index: int, choices) -> str:
+    return self._choice_event({"index": index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}, choices)
+
+  def delta(self, choice: _Choice, choices) -> str:
     update = choice.last
     offset = len(choice.text.text)
     text = choice.text.update(update.tokens, finished=update.finished)
@@ -457,7 +465,7 @@ class _ChunkWriter:
       entry["delta"] = {"content": text}
     else:
       entry["text"] = text
-    return self._event([entry])
+    return self._choice_event(entry, choices)
 
   def usage(self, choices) -> str:
     return self._event([], usage=_usage(choices))

@@ -11,10 +11,13 @@ from mla_jax.decoding.text import IncrementalText
 class TextStream:
   """Incremental text of one choice: ``update`` with all its output tokens so far returns the
   text not sent before. Until the request finishes it holds back an incomplete UTF-8 character
-  and a tail that could begin a stop string; the text ends before the first stop string."""
+  and a tail that could begin a stop string; the text ends before the first stop string (after
+  it with ``include_stop``)."""
 
-  def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
+  def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), *,
+               include_stop: bool = False):
     self._decoded = IncrementalText(decode, stop)
+    self._include_stop = include_stop
     self._fed = 0   # tokens given to the decoder
     self.text = ""  # sent so far
 
@@ -25,7 +28,7 @@ class TextStream:
     if finished:
       decoded.flush()
     if decoded.stop_at is not None:
-      text = decoded.text[:decoded.stop_at]
+      text = decoded.text[:decoded.stop_end if self._include_stop else decoded.stop_at]
     elif finished:
       text = decoded.text
     else:

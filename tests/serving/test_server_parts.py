@@ -64,6 +64,17 @@ def test_text_stream_holds_back_what_may_begin_a_stop_string():
   assert stream.text == "abcENx"
 
 
+@pytest.mark.parametrize("include, want", [(False, "abc"), (True, "abcEND")])
+def test_text_stream_ends_before_or_after_the_stop_string(include, want):
+  """vLLM's include_stop_str_in_output; of two stop strings starting at one place, the
+  longer is the one that ended it when both appeared at once."""
+  tok = ByteTokenizer()
+  stream = TextStream(tok.decode, ("EN", "END"), include_stop=include)
+  assert stream.update(list(b"abc"), finished=False) == "abc"
+  assert stream.update(list(b"abcEND tail"), finished=True) == want[3:]
+  assert stream.text == ("abcEND" if include else "abc")
+
+
 def test_text_stream_waits_for_a_whole_utf8_character():
   tok = ByteTokenizer()
   stream = TextStream(tok.decode)
