@@ -234,6 +234,27 @@ def test_stop_tokens_and_eos_finish_a_request(model, prompts, reference):
     engine.check_request(prompts[1], SamplingParams(stop_token_ids=(999,)))
 
 
+def test_min_tokens_holds_back_stop_ids_and_top_k_1_is_greedy(model, prompts, reference):
+  """vLLM's min_tokens, top_k and min_p inside the step programs, in single steps and in
+  multi-step dispatches."""
+  second = reference[1][1]  # drawn by a decode step: a dispatch's when decode_steps is 8
+  assert reference[1][0] != second
+  for decode_steps in (1, 8):
+    engine = _engine(model, eos_token_ids=[second], decode_steps=decode_steps)
+    assert list(engine.generate([prompts[1]], max_tokens=NEW)[0].tokens) == reference[1][:2]
+    held = engine.generate([prompts[1]], max_tokens=NEW, min_tokens=4)[0]
+    assert len(held.tokens) >= 4 and second not in held.tokens[:4]
+    # Either cut leaves only the most likely token: sampling at temperature 1 is greedy.
+    plain = _engine(model, decode_steps=decode_steps)
+    for cut in (dict(top_k=1), dict(min_p=1.0)):
+      out = plain.generate([prompts[1]], max_tokens=NEW, temperature=1.0, seed=3, **cut)[0]
+      assert list(out.tokens) == reference[1], cut
+    drawn = plain.generate([prompts[1]], max_tokens=NEW, temperature=1.0, seed=3)[0]
+    assert list(drawn.tokens) != reference[1]  # without a cut it draws
+  with pytest.raises(ValueError, match="min_tokens holds back at most 8 stop ids"):
+    engine.check_request(prompts[1], SamplingParams(min_tokens=1, stop_token_ids=range(8)))
+
+
 def test_a_request_exactly_filling_the_context_is_accepted(model):
   """prompt + max_tokens == max_model_len fits; one token more is refused by name."""
   from mla_jax.decoding.requests import ContextLengthError

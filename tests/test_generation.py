@@ -202,6 +202,54 @@ def test_nucleus_keeps_the_smallest_prefix_reaching_top_p():
   assert draws == {0, 1}
 
 
+def _cut_reference(logits, temperature, top_p, top_k, min_p):
+  """float64: the distribution a row samples from after temperature, top_k, min_p and top_p."""
+  scaled = np.asarray(logits, np.float64) / temperature
+  keep = np.ones_like(scaled, bool)
+  if top_k:
+    keep &= scaled >= np.sort(scaled)[::-1][top_k - 1]
+  probs = np.exp(scaled - scaled.max())
+  if min_p:
+    keep &= probs >= min_p * probs.max()
+  probs = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+  order = np.argsort(-probs)
+  before = np.cumsum(probs[order]) - probs[order]
+  nucleus = np.zeros_like(keep)
+  nucleus[order[before < top_p]] = True
+  probs = np.where(nucleus, probs, 0)
+  return probs / probs.sum()
+
+
+def test_top_k_and_min_p_cut_each_row_as_a_float64_reference():
+  """vLLM's top_k and min_p, per row beside temperature and top_p (0: off); the draws follow
+  the cut distribution (chi-square)."""
+  from scipy import stats
+
+  from mla_jax.decoding.sampling import row_logits, sample_rows
+
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(5, 16)) * 2
+  settings = dict(temperature=[1.0, 0.7, 1.3, 1.0, 0.9], top_p=[1.0, 1.0, 0.9, 1.0, 0.8],
+                  top_k=[3, 0, 5, 1, 0], min_p=[0.0, 0.2, 0.05, 0.0, 0.0])
+  args = [jnp.asarray(settings[n], dtype) for n, dtype in (
+      ("temperature", jnp.float32), ("top_p", jnp.float32), ("top_k", jnp.int32),
+      ("min_p", jnp.float32))]
+  got = np.asarray(jax.nn.softmax(row_logits(jnp.asarray(logits, jnp.float32), *args)))
+  want = np.stack([_cut_reference(logits[b], *(settings[n][b] for n in settings))
+                   for b in range(5)])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert (want[0] > 0).sum() == 3 and (want[3] > 0).sum() == 1  # the cuts did cut
+  n = 4000
+  rows = jnp.zeros((n,), jnp.int32) + 2
+  draws = sample_rows(jnp.asarray(logits, jnp.float32)[rows],
+                      jax.vmap(jax.random.key)(jnp.arange(n)), jnp.zeros((n,), jnp.int32),
+                      *(a[rows] for a in args))
+  counts = np.bincount(np.asarray(draws), minlength=16)
+  assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(want[2]))
+  kept = want[2] > 0
+  assert stats.chisquare(counts[kept], n * want[2][kept]).pvalue > 1e-3
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(prompt_ids=[[]], max_new_tokens=4), "empty"),
     (dict(prompt_ids=[], max_new_tokens=4), "no prompt"),

@@ -177,8 +177,8 @@ def test_seed_reproduces_and_stop_cuts_the_text(server, model):
 def test_vllm_extra_parameters(server, model):
   """What clients built for vLLM send: stop_token_ids (the stopping token stays in the text,
   as vLLM keeps a token that is not special), include_stop_str_in_output, ignore_eos (the recall
-  model never emits its eos: the answer is the same), and continuous_usage_stats (every chunk
-  carries the usage so far)."""
+  model never emits its eos: the answer is the same), min_tokens, top_k, min_p, and
+  continuous_usage_stats (every chunk carries the usage so far)."""
   client = server.client()
   prompt = RECALL
   full = _greedy(model, [prompt], 8)[0]  # "XQBEEEEE"
@@ -189,6 +189,11 @@ def test_vllm_extra_parameters(server, model):
   assert out.text == full[:full.index(stop_char) + 1] and out.finish_reason == "stop"
   out = create(ignore_eos=True).choices[0]
   assert out.text == full and out.finish_reason == "length"
+  held = create(stop_token_ids=[ord(stop_char)], min_tokens=4).choices[0].text
+  assert len(held) >= 4 and stop_char not in held[:4]
+  for cut in ({"top_k": 1}, {"min_p": 1.0}):  # only the most likely token is left to draw
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0,
+                                     seed=1, extra_body=cut).choices[0].text == full
   stop = full[2:4]
   for include in (False, True):
     text = create(stop=[stop], include_stop_str_in_output=include).choices[0].text
@@ -366,6 +371,9 @@ BAD_REQUESTS = [
     (C, {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (C, {**OK, "stop_token_ids": [10**6]}, 400, "outside the vocabulary"),
     (C, {**OK, "ignore_eos": "yes"}, 400, "ignore_eos"),
+    (C, {**OK, "top_k": -2}, 400, "top_k"),
+    (C, {**OK, "min_p": 1.5}, 400, "min_p"),
+    (C, {**OK, "min_tokens": 3}, 400, "min_tokens"),
     (C, {**OK, "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400,
      "continuous_usage_stats"),
     (C, {**OK, "echo": True}, 400, "unsupported field 'echo'"),

@@ -57,10 +57,32 @@ def nucleus(logits_BV, top_p):
   return jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
 
 
-def row_logits(logits_BV, temperature_B, top_p_B):
+def top_k_cut(logits_BV, top_k_B):
+  """``logits_BV`` with every token below row b's ``top_k_B[b]``-th largest set to -inf (ties
+  with it stay); ``top_k_B`` 0 keeps them all."""
+  sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+  k_B1 = jnp.clip(top_k_B - 1, 0, logits_BV.shape[-1] - 1)[:, None]
+  kth_B1 = jnp.take_along_axis(sorted_BV, k_B1, axis=-1)
+  return jnp.where((top_k_B[:, None] > 0) & (logits_BV < kth_B1), -jnp.inf, logits_BV)
+
+
+def min_p_cut(logits_BV, min_p_B):
+  """``logits_BV`` with every token less than ``min_p_B[b]`` times as likely as row b's most
+  likely one set to -inf; ``min_p_B`` 0 keeps them all."""
+  floor_B1 = logits_BV.max(axis=-1, keepdims=True) + jnp.log(min_p_B)[:, None]
+  return jnp.where((min_p_B[:, None] > 0) & (logits_BV < floor_B1), -jnp.inf, logits_BV)
+
+
+def row_logits(logits_BV, temperature_B, top_p_B, top_k_B=None, min_p_B=None):
   """The logits each row samples from: divided by its temperature (1 for a greedy row, which
-  takes the argmax of ``logits_BV`` instead) and cut to its nucleus."""
+  takes the argmax of ``logits_BV`` instead), cut to its ``top_k_B`` most likely tokens and to
+  those at least ``min_p_B`` times as likely as the most likely one (vLLM's top_k and min_p;
+  None or 0: no cut), then to its nucleus. The most likely token always survives."""
   scaled_BV = logits_BV / jnp.where(temperature_B == 0, 1.0, temperature_B)[:, None]
+  if top_k_B is not None:
+    scaled_BV = top_k_cut(scaled_BV, top_k_B)
+  if min_p_B is not None:
+    scaled_BV = min_p_cut(scaled_BV, min_p_B)
   # top_p 1 keeps every token (``nucleus`` could drop a last one to the cumsum's rounding).
   return jnp.where(top_p_B[:, None] >= 1, scaled_BV, nucleus(scaled_BV, top_p_B))
 
@@ -75,7 +97,8 @@ def row_keys(keys_B, counters_B):
   return jax.vmap(jax.random.fold_in)(keys_B, counters_B)
 
 
-def sample_rows(logits_BV, keys_B, counters_B, temperature_B, top_p_B):
+def sample_rows(logits_BV, keys_B, counters_B, temperature_B, top_p_B, top_k_B=None,
+                min_p_B=None):
   """Sampling with settings per row: row b draws with key ``fold_in(keys_B[b],
   counters_B[b])`` (its base key and token index), so a row's token depends on its logits and
   settings alone, never on the other rows of the batch. Temperature 0 rows are greedy.
@@ -83,8 +106,9 @@ def sample_rows(logits_BV, keys_B, counters_B, temperature_B, top_p_B):
   A row draws by inverting its distribution's CDF at one uniform number: one random draw a
   row, where a Gumbel-max draw (``jax.random.categorical``) needs one per vocabulary entry,
   which cost a decode step on a CPU as much as the rest of the sampling. A token of
-  probability 0 (outside the nucleus) is never drawn."""
-  probs_BV = jax.nn.softmax(row_logits(logits_BV, temperature_B, top_p_B), axis=-1)
+  probability 0 (cut by top_k, min_p or the nucleus) is never drawn."""
+  probs_BV = jax.nn.softmax(row_logits(logits_BV, temperature_B, top_p_B, top_k_B, min_p_B),
+                            axis=-1)
   cdf_BV = jnp.cumsum(probs_BV, axis=-1)
   u_B = jax.vmap(jax.random.uniform)(row_keys(keys_B, counters_B)) * cdf_BV[:, -1]
   # The first entry whose CDF passes u; a run of zero-probability entries never does.

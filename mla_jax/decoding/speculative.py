@@ -48,23 +48,28 @@ def row(x_BT, index_B):
   return jnp.take_along_axis(x_BT, index, axis=1)[:, 0]
 
 
-def accept(logits_BJV, ids_BJ, new_lens_B, keys_B, counters_B, temps_B, top_ps_B):
+def accept(logits_BJV, ids_BJ, new_lens_B, keys_B, counters_B, temps_B, top_ps_B,
+           top_ks_B=None, min_ps_B=None):
   """``(accepted_B, tokens_BJ)``: how many of the drafts ``ids_BJ[:, 1:new_lens_B]`` each
   row keeps (see the module docstring; ``logits_BJV[:, j]`` are the main model's after
   ``ids_BJ[:, j]``), and its new tokens: the kept drafts, then the next token (repeated past
   it). A row with ``new_lens_B`` 1 samples one token; ``keys_B`` and ``counters_B`` (its
-  tokens so far) key its draws."""
+  tokens so far) key its draws; ``top_ks_B`` and ``min_ps_B`` cut its distribution as
+  ``sampling.row_logits`` does."""
   b, j, v = logits_BJV.shape
   k = j - 1
   if k == 0:  # plain decoding
     return jnp.zeros((b,), jnp.int32), sample_rows(logits_BJV[:, 0], keys_B, counters_B,
-                                                    temps_B, top_ps_B)[:, None]
+                                                    temps_B, top_ps_B, top_ks_B,
+                                                    min_ps_B)[:, None]
   drafts_BK = ids_BJ[:, 1:]
   offered_BK = jnp.arange(k, dtype=jnp.int32) < (new_lens_B - 1)[:, None]
   each_j_times = jnp.repeat(jnp.arange(b), j)
   repeat = lambda x_B: x_B[each_j_times]  # (index: key arrays too)
+  cut = lambda x_B: None if x_B is None else repeat(x_B)
   p_BJV = jax.nn.softmax(row_logits(logits_BJV.reshape(b * j, v), repeat(temps_B),
-                                    repeat(top_ps_B)), axis=-1).reshape(b, j, v)
+                                    repeat(top_ps_B), cut(top_ks_B), cut(min_ps_B)),
+                         axis=-1).reshape(b, j, v)
   keys_BJ = row_keys(repeat(keys_B), (counters_B[:, None] + jnp.arange(j)).reshape(-1))
   u_BK = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(
       keys_BJ).reshape(b, j)[:, :k]
@@ -73,7 +78,7 @@ def accept(logits_BJV, ids_BJ, new_lens_B, keys_B, counters_B, temps_B, top_ps_B
   keep_BK = jnp.where((temps_B == 0)[:, None], greedy_BK, u_BK < pick_BK) & offered_BK
   accepted_B = jnp.cumprod(keep_BK, axis=1).sum(axis=1).astype(jnp.int32)
   plain_B = sample_rows(row(logits_BJV, accepted_B), keys_B, counters_B + accepted_B,
-                        temps_B, top_ps_B)
+                        temps_B, top_ps_B, top_ks_B, min_ps_B)
   padded_BJ = jnp.concatenate([drafts_BK, jnp.zeros((b, 1), jnp.int32)], axis=1)
   rejected_BV = residual(row(p_BJV, accepted_B),
                          jax.nn.one_hot(row(padded_BJ, accepted_B), v, dtype=p_BJV.dtype))

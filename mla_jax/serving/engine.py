@@ -286,6 +286,10 @@ class Engine:
       raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, the whole "
                        f"pool has {self.num_pages}")
     vocab = self.model.config.vocab_size
+    if params.min_tokens and len(params.stop_token_ids) + len(self.eos_token_ids) > \
+        step_inputs.STOP_IDS:
+      raise ValueError(f"min_tokens holds back at most {step_inputs.STOP_IDS} stop ids (the "
+                       "request's stop_token_ids and the engine's eos ids)")
     for token in params.stop_token_ids:
       if token >= vocab:
         raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})")

@@ -67,6 +67,9 @@ class _Sampling(_Request):
   ignore_eos: bool = False
   stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
   include_stop_str_in_output: bool = False
+  top_k: Annotated[int, Field(ge=-1)] = 0  # -1 or 0: off (vLLM's older and newer default)
+  min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+  min_tokens: Annotated[int, Field(ge=0)] = 0
 
   @property
   def stop_strings(self) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import time
 
 from mla_jax import checks
@@ -25,6 +26,10 @@ class SamplingParams:
   depend on what else shares its steps. It stops after ``max_tokens`` new tokens (``"length"``),
   or at a token of ``stop_token_ids`` or a string of ``stop`` in the decoded text
   (``"stop"``; strings need the engine's tokenizer). The stopping token stays in the output.
+  ``top_k`` (0: off) and ``min_p`` (0: off) cut the distribution it samples from to the k
+  most likely tokens and to those at least ``min_p`` times as likely as the most likely one
+  (vLLM's; with temperature 0 they change nothing). ``min_tokens``: stop ids (its own and the
+  engine's eos ids) cannot be drawn before that many tokens (stop strings still apply).
   ``ignore_eos``: the engine's end-of-sequence ids do not stop it (a benchmark's fixed output
   lengths; ``stop_token_ids`` still do). ``include_stop_str_in_output``: a server's text keeps
   the stop string that ended it (by default it ends before it).
@@ -45,6 +50,9 @@ class SamplingParams:
   speculative_tokens: int = 0
   ignore_eos: bool = False
   include_stop_str_in_output: bool = False
+  top_k: int = 0
+  min_p: float = 0.0
+  min_tokens: int = 0
 
   def __post_init__(self):
     checks.static_int(self.max_tokens, "max_tokens", minimum=1, wrong_type=TypeError)
@@ -64,6 +72,12 @@ class SamplingParams:
       checks.static_int(self.logprobs, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
     checks.static_int(self.speculative_tokens, "speculative_tokens", minimum=0,
                       maximum=MAX_SPECULATIVE_TOKENS)
+    checks.static_int(self.top_k, "top_k", minimum=0)
+    if isinstance(self.min_p, bool) or not isinstance(self.min_p, numbers.Real) or \
+        not 0 <= self.min_p <= 1:
+      raise ValueError(f"min_p must be a float in [0, 1], got {self.min_p!r}")
+    checks.static_int(self.min_tokens, "min_tokens", minimum=0, maximum=self.max_tokens)
+    object.__setattr__(self, "min_p", float(self.min_p))
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
     object.__setattr__(self, "stop", stop)
     object.__setattr__(self, "temperature", float(self.temperature))

@@ -258,7 +258,8 @@ class _Handlers:
           seed=body.seed, stop=body.stop_strings, logprobs=logprobs,
           speculative_tokens=self.settings.speculative_tokens,
           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-          include_stop_str_in_output=body.include_stop_str_in_output)
+          include_stop_str_in_output=body.include_stop_str_in_output,
+          top_k=max(body.top_k, 0), min_p=body.min_p, min_tokens=body.min_tokens)
     except (ValueError, TypeError) as e:  # the sampling settings' own checks
       raise APIError(400, str(e)) from None
 

@@ -123,11 +123,12 @@ class StepInputs:
   the host, for the MTP layers' pairs; -1: the token this step samples at that row),
   ``logit_row_T`` (which of its sequence's logit rows it is, -1 for none).
   Per sequence slot s [S]: ``table_SN``, ``seeds_S``, ``counters_S`` (tokens it has
-  generated), ``temperature_S``, ``top_p_S``, ``logit_rows_SJ`` (the token rows whose logits
+  generated), ``temperature_S``, ``top_p_S``, ``top_k_S``, ``min_p_S``, ``logit_rows_SJ`` (the token rows whose logits
   it samples from: its last token, or a decode's token and drafts), ``num_logits_S`` (how
   many: 0 when it does not sample), ``speculative_S`` (drafts it asks for), ``remaining_S``
-  (tokens it may still emit), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step
-  dispatch stops it on the device).
+  (tokens it may still emit), ``min_left_S`` (tokens before its stop ids may be drawn:
+  ``min_tokens``), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step dispatch stops it
+  on the device).
   """
 
   ids_T: np.ndarray
@@ -141,10 +142,13 @@ class StepInputs:
   counters_S: np.ndarray
   temperature_S: np.ndarray
   top_p_S: np.ndarray
+  top_k_S: np.ndarray
+  min_p_S: np.ndarray
   logit_rows_SJ: np.ndarray
   num_logits_S: np.ndarray
   speculative_S: np.ndarray
   remaining_S: np.ndarray
+  min_left_S: np.ndarray
   stop_ids_SM: np.ndarray
 
   @classmethod
@@ -153,8 +157,9 @@ class StepInputs:
     ints = lambda *dims: np.zeros(dims, np.int32)
     return cls(ints(t), ints(t), ints(t), ints(t), np.full(t, -1, np.int32),
                np.full(t, -1, np.int32), ints(s, shape.kv_pages), ints(s), ints(s),
-               np.zeros(s, np.float32), np.ones(s, np.float32), ints(s, logit_rows), ints(s),
-               ints(s), ints(s), np.full((s, stop_ids), -1, np.int32))
+               np.zeros(s, np.float32), np.ones(s, np.float32), ints(s), np.zeros(s, np.float32),
+               ints(s, logit_rows), ints(s), ints(s), ints(s), ints(s),
+               np.full((s, stop_ids), -1, np.int32))
 
   def arrays(self) -> tuple[np.ndarray, ...]:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -187,7 +192,10 @@ def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int, stop_ids) -
       inputs.num_logits_S[s] = t + n - first
     inputs.table_SN[s, :len(seq.pages)] = seq.pages
     inputs.seeds_S[s], inputs.counters_S[s] = seq.seed, len(seq.output)
-    inputs.temperature_S[s], inputs.top_p_S[s] = seq.params.temperature, seq.params.top_p
+    params = seq.params
+    inputs.temperature_S[s], inputs.top_p_S[s] = params.temperature, params.top_p
+    inputs.top_k_S[s], inputs.min_p_S[s] = params.top_k, params.min_p
+    inputs.min_left_S[s] = max(params.min_tokens - len(seq.output), 0)
     inputs.speculative_S[s] = seq.params.speculative_tokens
     inputs.remaining_S[s] = seq.params.max_tokens - len(seq.output)
     ids = stop_ids(seq)[:STOP_IDS]

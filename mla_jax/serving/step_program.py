@@ -89,13 +89,14 @@ class StepProgram:
       return hidden_T1D[:, 0], (main_pools, mtp_pools)
 
     def step(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T, logit_row_T,
-             table_SN, seeds_S, counters_S, temps_S, top_ps_S, logit_rows_SJ, num_logits_S,
-             speculative_S, remaining_S, stop_ids_SM):
+             table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S,
+             logit_rows_SJ, num_logits_S, speculative_S, remaining_S, min_left_S, stop_ids_SM):
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       hidden_TD, pools = forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN)
       logits_SJV = model.logits(hidden_TD[logit_rows_SJ])
-      accepted_S, tokens_SJ = accept(logits_SJV, ids_T[logit_rows_SJ], num_logits_S,
-                                     seed_keys(seeds_S), counters_S, temps_S, top_ps_S)
+      accepted_S, tokens_SJ = accept(_no_stop_before_min(logits_SJV, stop_ids_SM, min_left_S),
+                                     ids_T[logit_rows_SJ], num_logits_S, seed_keys(seeds_S),
+                                     counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S)
       drafts_SD = jnp.zeros((seeds_S.shape[0], 0), jnp.int32)
       wanted_S = jnp.zeros_like(seeds_S)
       if self.mtp:
@@ -124,8 +125,9 @@ class StepProgram:
               pools)
 
     def decode_steps(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T,
-                     logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S,
-                     logit_rows_SJ, num_logits_S, speculative_S, remaining_S, stop_ids_SM):
+                     logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S,
+                     min_ps_S, logit_rows_SJ, num_logits_S, speculative_S, remaining_S,
+                     min_left_S, stop_ids_SM):
       """Up to N decode steps of every real row (row s: sequence s's last token), each
       sampling one token; a sequence stops at a stop id or its last allowed token, and the
       loop ends early once every sequence has."""
@@ -136,11 +138,13 @@ class StepProgram:
       def one_step(carry):
         i, pools, ids_S, active_S, tokens_NS = carry
         hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
-        logits_SV = model.logits(hidden_SD)
+        logits_SV = _no_stop_before_min(model.logits(hidden_SD)[:, None], stop_ids_SM,
+                                        min_left_S - i)[:, 0]
         if self.greedy:
           new_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
         else:
-          new_S = sample_rows(logits_SV, keys_S, counters_S + i, temps_S, top_ps_S)
+          new_S = sample_rows(logits_SV, keys_S, counters_S + i, temps_S, top_ps_S, top_ks_S,
+                              min_ps_S)
         emit_S = active_S > 0
         stopped_S = emit_S & ends(new_S, stop_ids_SM, i + 1, remaining_S)
         return (i + 1, pools, jnp.where(emit_S, new_S, ids_S), active_S * ~stopped_S,
@@ -153,6 +157,14 @@ class StepProgram:
       return (tokens_NS,), pools
 
     return step if self.decode_steps == 1 else decode_steps
+
+
+def _no_stop_before_min(logits_SJV, stop_ids_SM, min_left_S):
+  """The logits with a sequence's stop ids at -inf in its first ``min_left_S`` rows: the
+  tokens before its ``min_tokens`` are never stop ids (vLLM's min_tokens)."""
+  early_SJ = jnp.arange(logits_SJV.shape[1])[None, :] < min_left_S[:, None]
+  stop_SV = jax.nn.one_hot(stop_ids_SM, logits_SJV.shape[-1], dtype=jnp.bool_).any(axis=1)
+  return jnp.where(early_SJ[..., None] & stop_SV[:, None, :], -jnp.inf, logits_SJV)
 
 
 def _logprobs(logits_SJV, tokens_SJ):
