@@ -209,6 +209,34 @@ def test_vllm_extra_parameters(server, model):
   assert all(c.usage.prompt_tokens == len(ByteTokenizer().encode(prompt)) for c in chunks)
 
 
+def test_n_samples_each_prompt(server, model):
+  """n choices per prompt, prompt-major; seeded samples differ from one another and each
+  reproduces; a prompt's tokens count once in usage; greedy choices all equal generate."""
+  client = server.client()
+  prompts = ["9#@!~", "~!@#9"]  # unlike its lookups, nothing the recall model is sure of
+  draw = lambda: client.completions.create(model=MODEL, prompt=prompts, max_tokens=6,
+                                           temperature=2.0, seed=7, n=3)
+  out = draw()
+  texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+  assert len(texts) == 6 and len(set(texts[:3])) > 1 and len(set(texts[3:])) > 1
+  assert texts == [c.text for c in sorted(draw().choices, key=lambda c: c.index)]
+  single = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6,
+                                     temperature=2.0, seed=7)
+  assert texts[3] == single.choices[0].text  # sample 0 of a prompt: the request's own seed
+  assert out.usage.prompt_tokens == sum(len(ByteTokenizer().encode(p)) for p in prompts)
+  assert out.usage.completion_tokens == 6 * 6
+  greedy = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                          max_tokens=3, temperature=0, n=2)
+  assert len({c.message.content for c in greedy.choices}) == 1 and len(greedy.choices) == 2
+  streamed = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=6,
+                                       temperature=2.0, seed=7, n=3, stream=True)
+  joined = ["", "", ""]
+  for chunk in streamed:
+    for c in chunk.choices:
+      joined[c.index] += c.text
+  assert joined == texts[3:]
+
+
 def test_logprobs_follow_openai_formats(server):
   client = server.client()
   out = client.completions.create(model=MODEL, prompt=RECALL, max_tokens=2, temperature=0,
@@ -367,7 +395,8 @@ BAD_REQUESTS = [
     (C, {**OK, "stop": ""}, 400, "stop"),
     (C, {**OK, "stop": ["a", 1]}, 400, "stop"),
     (C, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    (C, {**OK, "n": 2}, 400, "n"),
+    (C, {**OK, "n": 0}, 400, "n"),
+    (C, {**OK, "n": 17}, 400, "n"),
     (C, {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (C, {**OK, "stop_token_ids": [10**6]}, 400, "outside the vocabulary"),
     (C, {**OK, "ignore_eos": "yes"}, 400, "ignore_eos"),

@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from mla_jax.serving.requests import MAX_LOGPROBS, MAX_SEED
 
 
+MAX_CHOICES = 16  # n: samples of one prompt a request may ask for
+
+
 class APIError(Exception):
   """An error the client gets as OpenAI's error object, with its HTTP status."""
 
@@ -62,7 +65,7 @@ class _Sampling(_Request):
   stop: Stop | None = None
   stream: bool = False
   stream_options: StreamOptions | None = None
-  n: Literal[1] = 1  # one choice per prompt
+  n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices per prompt
   # vLLM's extra parameters (clients built for vLLM send them; docs/serving.md)
   ignore_eos: bool = False
   stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None

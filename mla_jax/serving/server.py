@@ -31,7 +31,7 @@ from mla_jax.serving.chat import ChatTemplate, TemplateError
 from mla_jax.serving.engine_loop import EngineFailure, EngineLoop
 from mla_jax.serving.metrics import ServerMetrics
 from mla_jax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from mla_jax.serving.requests import RequestOutput, SamplingParams, TokenLogprobs
+from mla_jax.serving.requests import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
 from mla_jax.serving.text import TextStream
 from mla_jax.tokenizer import Tokenizer
 
@@ -66,11 +66,13 @@ class ServerSettings:
 
 @dataclasses.dataclass
 class _Choice:
-  """One prompt of a request in flight: its id once queued, its text so far, its last update."""
+  """One choice of a request in flight (sample ``sample`` of one of its prompts): its id once
+  queued, its text so far, its last update."""
 
   index: int
   prompt_ids: list[int]
   text: TextStream
+  sample: int = 0
   request_id: str | None = None
   last: RequestOutput | None = None
   logprobs_sent: int = 0
@@ -271,14 +273,20 @@ class _Handlers:
     names = (["messages"] if chat else
              [f"prompt.{i}" if len(prompts) > 1 else "prompt" for i in range(len(prompts))])
     prompts = [self._checked(p, sampling, name) for p, name in zip(prompts, names)]
-    params = [sampling] * len(prompts)
+    # n choices of a prompt: indices prompt-major (OpenAI's); sample j of a seeded request
+    # draws with seed + j, so its choices differ and each reproduces.
+    samples = [j for _ in prompts for j in range(body.n)]
+    params = [sampling if sampling.seed is None or j == 0 else dataclasses.replace(
+        sampling, seed=(sampling.seed + j) % (MAX_SEED + 1)) for j in samples]
+    prompts = [p for p in prompts for _ in range(body.n)]
     if self.pending + len(prompts) > self.settings.max_pending:
       raise APIError(429, f"the server is full ({self.pending} requests in flight): retry "
                      "later", type="rate_limit_error", code="server_busy",
                      headers={"Retry-After": str(self.settings.retry_after)})
     updates: asyncio.Queue = asyncio.Queue()
     choices = [_Choice(i, p, TextStream(self.settings.tokenizer.decode, params[i].stop,
-                                        include_stop=params[i].include_stop_str_in_output))
+                                        include_stop=params[i].include_stop_str_in_output),
+                       samples[i])
                for i, p in enumerate(prompts)]
     await self._submit(choices, params, updates)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -370,7 +378,8 @@ def _sse(payload: dict) -> str:
 
 
 def _usage(choices) -> dict:
-  prompt = sum(len(c.prompt_ids) for c in choices)
+  """A prompt's tokens count once however many choices sample it (OpenAI's, vLLM's)."""
+  prompt = sum(len(c.prompt_ids) for c in choices if c.sample == 0)
   completion = sum(len(c.last.tokens) for c in choices if c.last is not None)
   return {"prompt_tokens": prompt, "completion_tokens": completion,
           "total_tokens": prompt + completion}
