@@ -140,16 +140,17 @@ def test_plain_chat_format_and_templates_read_from_a_checkpoint(tmp_path):
 
 
 def test_usage_counts_every_choice_of_a_batched_request():
-  """A completions request with several prompts (or n > 1): usage sums every choice's prompt and
-  output tokens, not the first choice's."""
+  """A completions request with several prompts: usage sums every prompt's tokens and every
+  choice's output tokens, not the first choice's; a prompt sampled n > 1 times counts once."""
   from types import SimpleNamespace
 
   from mla_jax.serving.server import _usage
 
-  choices = [SimpleNamespace(prompt_ids=[1, 2, 3], last=SimpleNamespace(tokens=(7, 8))),
-             SimpleNamespace(prompt_ids=[4] * 5, last=SimpleNamespace(tokens=(9,))),
-             SimpleNamespace(prompt_ids=[6], last=None)]  # not started yet: no output
-  assert _usage(choices) == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+  choices = [SimpleNamespace(prompt_ids=[1, 2, 3], last=SimpleNamespace(tokens=(7, 8)), sample=0),
+             SimpleNamespace(prompt_ids=[4] * 5, last=SimpleNamespace(tokens=(9,)), sample=0),
+             SimpleNamespace(prompt_ids=[4] * 5, last=SimpleNamespace(tokens=(9,)), sample=1),
+             SimpleNamespace(prompt_ids=[6], last=None, sample=0)]  # not started: no output
+  assert _usage(choices) == {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
 
 
 @pytest.mark.parametrize("header, ok", [
