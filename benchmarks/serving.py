@@ -188,8 +188,8 @@ def measured(fns: dict[str, Callable[[], Any]], tries: int = 3
 
 @dataclasses.dataclass
 class Trace:
-  """One drive: per request, its arrival and the time each of its tokens came back (seconds
-  from the drive's start, compilation excluded), and its final output; the engine's steps, preemptions
+  """One drive: per request, its arrival and the time each of its tokens came back
+  (seconds from the drive's start, compilation excluded), and its final output; the engine's steps, preemptions
   and compile seconds during the drive."""
 
   arrivals: list[float]
@@ -212,7 +212,9 @@ class Trace:
     return np.array([times[0] - a for times, a in zip(self.token_times, self.arrivals)])
 
   def itl(self) -> np.ndarray:
-    return np.concatenate([np.diff(times) for times in self.token_times])
+    """Gaps between a request's arrivals of tokens: the tokens of one multi-step dispatch
+    arrive together, one gap (as vLLM's benchmark counts a chunk of several tokens)."""
+    return np.concatenate([np.diff(np.unique(times)) for times in self.token_times])
 
 
 def drive(engine: Engine, requests: list[Request]) -> Trace:

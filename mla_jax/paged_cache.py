@@ -2,10 +2,11 @@
 
 The engine (``mla_jax.serving``) keeps, per layer group and unit position, one pool over the
 group's repetitions, their rows flattened into one axis: ``[reps * num_pages * page_size, ...]``
-(layer r's rows from ``r * num_pages * page_size``) in any cache format (fp32 / bf16 arrays, or the fp8 layouts of ``mla_jax.fp8_cache``). Each step hands
-the model a block table ``[B, N]`` (page ids, logical page n of sequence b at physical page
-``block_table[b, n]``) and the cached lengths; ``PagedLayerView`` is one layer of it, read and
-written through the same ``CacheView`` protocol as the contiguous caches.
+(layer r's rows from ``r * num_pages * page_size``) in any cache format (fp32 / bf16 arrays, or
+the fp8 layouts of ``mla_jax.fp8_cache``). Each step hands the model a block table ``[B, N]``
+(page ids, logical page n of sequence b at physical page ``block_table[b, n]``) and the cached
+lengths; ``PagedLayerView`` is one layer of it, read and written through the same ``CacheView``
+protocol as the contiguous caches.
 
 Where logical positions become physical rows (docs/design.md §7):
 
@@ -62,11 +63,6 @@ class PagedLayerCache:
   page_size: int = dataclasses.field(metadata=dict(static=True))
   segment_ids_B: jax.Array | None = None
   reps: int = dataclasses.field(default=1, metadata=dict(static=True))
-
-  def __post_init__(self):
-    rows = getattr(_row_array(self.latent_RL), "shape", (0,))[0]  # tree utilities pass None
-    if rows % self.reps:
-      raise ValueError(f"a pool of {rows} rows cannot be shared equally by {self.reps} layers")
 
   @property
   def rows_per_layer(self) -> int:

@@ -244,6 +244,10 @@ def test_min_tokens_holds_back_stop_ids_and_top_k_1_is_greedy(model, prompts, re
     assert list(engine.generate([prompts[1]], max_tokens=NEW)[0].tokens) == reference[1][:2]
     held = engine.generate([prompts[1]], max_tokens=NEW, min_tokens=4)[0]
     assert len(held.tokens) >= 4 and second not in held.tokens[:4]
+    # The boundary, as vLLM's: a stop id may come once min_tokens tokens came before it.
+    assert list(engine.generate([prompts[1]], max_tokens=NEW, min_tokens=1)[0].tokens) == \
+        reference[1][:2]
+    assert engine.generate([prompts[1]], max_tokens=NEW, min_tokens=2)[0].tokens[1] != second
     # Either cut leaves only the most likely token: sampling at temperature 1 is greedy.
     plain = _engine(model, decode_steps=decode_steps)
     for cut in (dict(top_k=1), dict(min_p=1.0)):
@@ -253,6 +257,9 @@ def test_min_tokens_holds_back_stop_ids_and_top_k_1_is_greedy(model, prompts, re
     assert list(drawn.tokens) != reference[1]  # without a cut it draws
   with pytest.raises(ValueError, match="min_tokens holds back at most 8 stop ids"):
     engine.check_request(prompts[1], SamplingParams(min_tokens=1, stop_token_ids=range(8)))
+  # Ignored eos ids and repeated ids are not counted.
+  engine.check_request(prompts[1], SamplingParams(min_tokens=1, stop_token_ids=(*range(8), 7),
+                                                  ignore_eos=True))
 
 
 def test_a_request_exactly_filling_the_context_is_accepted(model):

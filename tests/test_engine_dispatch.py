@@ -133,9 +133,11 @@ def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
   assert [list(o.tokens) for o in outputs] != _reference(honest, short, 4)
 
 
-@pytest.mark.parametrize("shape", [StepShape(1, 1, 4, decode_steps=8, greedy=True),
-                                   StepShape(1, 1, 4)], ids=["decode-dispatch", "flat-step"])
-def test_step_programs_update_the_pools_in_place(model, monkeypatch, shape):
+@pytest.mark.parametrize("shape, cache_dtype", [
+    (StepShape(1, 1, 4, decode_steps=8, greedy=True), "fp32"), (StepShape(1, 1, 4), "fp32"),
+    (StepShape(1, 1, 4, decode_steps=8, greedy=True), "fp8")],
+    ids=["decode-dispatch", "flat-step", "decode-dispatch-fp8"])
+def test_step_programs_update_the_pools_in_place(model, monkeypatch, shape, cache_dtype):
   """The compiled program copies no pool: a copy of one costs in proportion to the pool, not
   the step (a reshape between the key write and the chunked indexer's read of it made XLA copy
   each key pool 8 times per decode step, seen with one row, whose scatter XLA makes an update
@@ -145,7 +147,7 @@ def test_step_programs_update_the_pools_in_place(model, monkeypatch, shape):
   monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: texts.append(
       compile_(self, *a, **k)) or texts[-1])
   num_pages = 40  # pools of their own: no program compiled by another test is reused
-  engine = Engine(model, **{**SETTINGS, "num_pages": num_pages})
+  engine = Engine(model, **{**SETTINGS, "num_pages": num_pages, "cache_dtype": cache_dtype})
   engine._program(shape)
   pools = jax.eval_shape(lambda: engine_pools(model, num_pages * SETTINGS["page_size"],
                                               engine.cache_dtype, mtp=False))

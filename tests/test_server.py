@@ -191,9 +191,14 @@ def test_vllm_extra_parameters(server, model):
   assert out.text == full and out.finish_reason == "length"
   held = create(stop_token_ids=[ord(stop_char)], min_tokens=4).choices[0].text
   assert len(held) >= 4 and stop_char not in held[:4]
+  unsure = "9#@!~"  # a prompt the recall model is not sure of: temperature 1 draws
+  sampled = lambda **cut: client.completions.create(
+      model=MODEL, prompt=unsure, max_tokens=8, temperature=1.0, seed=1,
+      extra_body=cut).choices[0].text
+  greedy = _greedy(model, [unsure], 8)[0]
+  assert sampled() != greedy
   for cut in ({"top_k": 1}, {"min_p": 1.0}):  # only the most likely token is left to draw
-    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0,
-                                     seed=1, extra_body=cut).choices[0].text == full
+    assert sampled(**cut) == greedy
   stop = full[2:4]
   for include in (False, True):
     text = create(stop=[stop], include_stop_str_in_output=include).choices[0].text
@@ -401,6 +406,7 @@ BAD_REQUESTS = [
     (C, {**OK, "stop_token_ids": [10**6]}, 400, "outside the vocabulary"),
     (C, {**OK, "ignore_eos": "yes"}, 400, "ignore_eos"),
     (C, {**OK, "top_k": -2}, 400, "top_k"),
+    (C, {**OK, "top_k": 2**40}, 400, "top_k"),
     (C, {**OK, "min_p": 1.5}, 400, "min_p"),
     (C, {**OK, "min_tokens": 3}, 400, "min_tokens"),
     (C, {**OK, "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400,

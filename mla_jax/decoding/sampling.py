@@ -45,46 +45,30 @@ def sample(logits_BV, key, sampling: SamplingConfig):
                      jnp.full((b,), sampling.top_p, jnp.float32))
 
 
-def nucleus(logits_BV, top_p):
-  """``logits_BV`` with every token outside the smallest prefix (by probability) whose mass
-  reaches ``top_p`` set to -inf; the top token always survives. ``top_p``: a scalar or one per
-  row [B]."""
-  top_p = jnp.reshape(top_p, (-1, 1))
-  sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-  probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-  keep_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p
-  cutoff_B = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1)
-  return jnp.where(logits_BV >= cutoff_B[:, None], logits_BV, -jnp.inf)
-
-
-def top_k_cut(logits_BV, top_k_B):
-  """``logits_BV`` with every token below row b's ``top_k_B[b]``-th largest set to -inf (ties
-  with it stay); ``top_k_B`` 0 keeps them all."""
-  sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-  k_B1 = jnp.clip(top_k_B - 1, 0, logits_BV.shape[-1] - 1)[:, None]
-  kth_B1 = jnp.take_along_axis(sorted_BV, k_B1, axis=-1)
-  return jnp.where((top_k_B[:, None] > 0) & (logits_BV < kth_B1), -jnp.inf, logits_BV)
-
-
-def min_p_cut(logits_BV, min_p_B):
-  """``logits_BV`` with every token less than ``min_p_B[b]`` times as likely as row b's most
-  likely one set to -inf; ``min_p_B`` 0 keeps them all."""
-  floor_B1 = logits_BV.max(axis=-1, keepdims=True) + jnp.log(min_p_B)[:, None]
-  return jnp.where((min_p_B[:, None] > 0) & (logits_BV < floor_B1), -jnp.inf, logits_BV)
-
-
 def row_logits(logits_BV, temperature_B, top_p_B, top_k_B=None, min_p_B=None):
   """The logits each row samples from: divided by its temperature (1 for a greedy row, which
-  takes the argmax of ``logits_BV`` instead), cut to its ``top_k_B`` most likely tokens and to
-  those at least ``min_p_B`` times as likely as the most likely one (vLLM's top_k and min_p;
-  None or 0: no cut), then to its nucleus. The most likely token always survives."""
+  takes the argmax of ``logits_BV`` instead), cut to its ``top_k_B`` most likely tokens (ties
+  with the k-th stay) and to those at least ``min_p_B`` times as likely as the most likely one
+  (vLLM's top_k and min_p; None or 0: no cut), then to its nucleus: the smallest prefix, by
+  probability, whose mass reaches ``top_p_B`` (1: no cut). The most likely token always
+  survives; a cut token's logit is -inf."""
   scaled_BV = logits_BV / jnp.where(temperature_B == 0, 1.0, temperature_B)[:, None]
+  # One descending sort serves every cut: none of them reorders the tokens it keeps.
+  sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+  floor_B1 = jnp.full((scaled_BV.shape[0], 1), -jnp.inf, scaled_BV.dtype)
   if top_k_B is not None:
-    scaled_BV = top_k_cut(scaled_BV, top_k_B)
-  if min_p_B is not None:
-    scaled_BV = min_p_cut(scaled_BV, min_p_B)
-  # top_p 1 keeps every token (``nucleus`` could drop a last one to the cumsum's rounding).
-  return jnp.where(top_p_B[:, None] >= 1, scaled_BV, nucleus(scaled_BV, top_p_B))
+    k_B1 = jnp.clip(top_k_B - 1, 0, scaled_BV.shape[-1] - 1)[:, None]
+    kth_B1 = jnp.take_along_axis(sorted_BV, k_B1, axis=-1)
+    floor_B1 = jnp.where(top_k_B[:, None] > 0, kth_B1, floor_B1)
+  if min_p_B is not None:  # log(0) = -inf: no floor
+    floor_B1 = jnp.maximum(floor_B1, sorted_BV[:, :1] + jnp.log(min_p_B)[:, None])
+  kept_BV = (sorted_BV >= floor_B1) & (sorted_BV > -jnp.inf)
+  probs_BV = jax.nn.softmax(jnp.where(kept_BV, sorted_BV, -jnp.inf), axis=-1)
+  nucleus_BV = kept_BV & (jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p_B[:, None])
+  cutoff_B1 = jnp.min(jnp.where(nucleus_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+  # top_p 1 keeps every token the other cuts keep (the cumsum's rounding could drop a last one).
+  cutoff_B1 = jnp.where(top_p_B[:, None] >= 1, floor_B1, cutoff_B1)
+  return jnp.where(scaled_BV >= cutoff_B1, scaled_BV, -jnp.inf)
 
 
 def seed_keys(seeds_B):

@@ -249,7 +249,8 @@ class Engine:
 
     Refused before anything is queued, naming the problem: an empty prompt, ids outside the
     vocabulary, a prompt plus ``max_tokens`` beyond ``max_model_len``, one needing more pages
-    than the whole pool, ``stop`` strings without a tokenizer, or a duplicate id.
+    than the whole pool, ``stop`` strings without a tokenizer, ``stop_token_ids`` outside the
+    vocabulary, ``min_tokens`` with more stop ids than a step holds back, or a duplicate id.
     """
     self._only_on_process_0("add_request")
     params = SamplingParams() if params is None else params
@@ -286,8 +287,7 @@ class Engine:
       raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, the whole "
                        f"pool has {self.num_pages}")
     vocab = self.model.config.vocab_size
-    if params.min_tokens and len(params.stop_token_ids) + len(self.eos_token_ids) > \
-        step_inputs.STOP_IDS:
+    if params.min_tokens and len(self._stop_ids(params)) > step_inputs.STOP_IDS:
       raise ValueError(f"min_tokens holds back at most {step_inputs.STOP_IDS} stop ids (the "
                        "request's stop_token_ids and the engine's eos ids)")
     for token in params.stop_token_ids:
@@ -366,12 +366,15 @@ class Engine:
     checkable on the device."""
     if self.decode_steps == 1 or self.scheduler.waiting or not batch.decodes or any(
         c.seq.params.speculative_tokens or c.seq.params.logprobs is not None
-        or len(self._stop_ids(c.seq)) > step_inputs.STOP_IDS for c in batch.decodes):
+        or len(self._stop_ids(c.seq.params)) > step_inputs.STOP_IDS for c in batch.decodes):
       return False
     return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
 
-  def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
-    return seq.params.stop_token_ids + (() if seq.params.ignore_eos else self.eos_token_ids)
+  def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+    """The distinct ids that end a request: its own, and the engine's eos ids unless it
+    ignores them."""
+    ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+    return tuple(dict.fromkeys(ids))
 
   def _record(self, seq: Sequence, count: int, b: int, chunk: Chunk, results: _Results) -> None:
     """After ``seq`` took ``count`` tokens of slot ``b``: their log-probabilities (if asked),
@@ -397,7 +400,7 @@ class Engine:
     if seq.detok is not None:
       seq.detok.extend([token])
       seq.text = seq.detok.text
-    if token in self._stop_ids(seq):
+    if token in self._stop_ids(seq.params):
       return "stop"
     if seq.detok is not None and seq.detok.stop_at is not None:
       return "stop"
@@ -410,7 +413,7 @@ class Engine:
     host, and the seconds it ran."""
     shape = self.buckets.shape(batch.chunks, batch.decode_steps)
     inputs = step_inputs.build(batch.chunks, shape, logit_rows=self._logit_rows,
-                               stop_ids=self._stop_ids)
+                               stop_ids=lambda seq: self._stop_ids(seq.params))
     if self._multiprocess:
       step_inputs.broadcast(shape.header(), inputs)
     outputs, seconds = self._execute(shape, inputs)

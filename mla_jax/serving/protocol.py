@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from mla_jax.serving.requests import MAX_LOGPROBS, MAX_SEED
+from mla_jax.serving.requests import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K
 
 
 MAX_CHOICES = 16  # n: samples of one prompt a request may ask for
@@ -70,7 +70,7 @@ class _Sampling(_Request):
   ignore_eos: bool = False
   stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
   include_stop_str_in_output: bool = False
-  top_k: Annotated[int, Field(ge=-1)] = 0  # -1 or 0: off (vLLM's older and newer default)
+  top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] = 0  # -1 or 0: off (vLLM's old, new default)
   min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
   min_tokens: Annotated[int, Field(ge=0)] = 0
 

@@ -15,6 +15,7 @@ from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 
 MAX_SEED = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
+MAX_TOP_K = 2**31 - 1  # a step's int32 array holds it (a larger k keeps every token anyway)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,8 @@ class SamplingParams:
   ``top_k`` (0: off) and ``min_p`` (0: off) cut the distribution it samples from to the k
   most likely tokens and to those at least ``min_p`` times as likely as the most likely one
   (vLLM's; with temperature 0 they change nothing). ``min_tokens``: stop ids (its own and the
-  engine's eos ids) cannot be drawn before that many tokens (stop strings still apply).
+  engine's eos ids) cannot be drawn before that many tokens (stop strings still apply, unlike
+  vLLM's).
   ``ignore_eos``: the engine's end-of-sequence ids do not stop it (a benchmark's fixed output
   lengths; ``stop_token_ids`` still do). ``include_stop_str_in_output``: a server's text keeps
   the stop string that ended it (by default it ends before it).
@@ -72,9 +74,10 @@ class SamplingParams:
       checks.static_int(self.logprobs, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
     checks.static_int(self.speculative_tokens, "speculative_tokens", minimum=0,
                       maximum=MAX_SPECULATIVE_TOKENS)
-    checks.static_int(self.top_k, "top_k", minimum=0)
-    if isinstance(self.min_p, bool) or not isinstance(self.min_p, numbers.Real) or \
-        not 0 <= self.min_p <= 1:
+    checks.static_int(self.top_k, "top_k", minimum=0, maximum=MAX_TOP_K)
+    if isinstance(self.min_p, bool) or not isinstance(self.min_p, numbers.Real):
+      raise TypeError(f"min_p must be a float, got {type(self.min_p).__name__} {self.min_p!r}")
+    if not 0 <= self.min_p <= 1:
       raise ValueError(f"min_p must be a float in [0, 1], got {self.min_p!r}")
     checks.static_int(self.min_tokens, "min_tokens", minimum=0, maximum=self.max_tokens)
     object.__setattr__(self, "min_p", float(self.min_p))

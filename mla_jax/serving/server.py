@@ -447,7 +447,7 @@ class _ChunkWriter:
   (vLLM's ``continuous_usage_stats``) each carries the request's usage so far."""
 
   def __init__(self, response_id: str, settings: ServerSettings, chat: bool,
-               continuous_usage: bool = False):
+               continuous_usage: bool):
     self.settings, self.chat, self.continuous_usage = settings, chat, continuous_usage
     self.head = {"id": response_id,
                  "object": "chat.completion.chunk" if chat else "text_completion",

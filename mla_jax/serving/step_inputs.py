@@ -123,9 +123,9 @@ class StepInputs:
   the host, for the MTP layers' pairs; -1: the token this step samples at that row),
   ``logit_row_T`` (which of its sequence's logit rows it is, -1 for none).
   Per sequence slot s [S]: ``table_SN``, ``seeds_S``, ``counters_S`` (tokens it has
-  generated), ``temperature_S``, ``top_p_S``, ``top_k_S``, ``min_p_S``, ``logit_rows_SJ`` (the token rows whose logits
-  it samples from: its last token, or a decode's token and drafts), ``num_logits_S`` (how
-  many: 0 when it does not sample), ``speculative_S`` (drafts it asks for), ``remaining_S``
+  generated), ``temperature_S``, ``top_p_S``, ``top_k_S``, ``min_p_S``, ``logit_rows_SJ`` (the
+  token rows whose logits it samples from: its last token, or a decode's token and drafts),
+  ``num_logits_S`` (how many: 0 when it does not sample), ``speculative_S`` (drafts it asks for), ``remaining_S``
   (tokens it may still emit), ``min_left_S`` (tokens before its stop ids may be drawn:
   ``min_tokens``), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step dispatch stops it
   on the device).
@@ -196,8 +196,8 @@ def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int, stop_ids) -
     inputs.temperature_S[s], inputs.top_p_S[s] = params.temperature, params.top_p
     inputs.top_k_S[s], inputs.min_p_S[s] = params.top_k, params.min_p
     inputs.min_left_S[s] = max(params.min_tokens - len(seq.output), 0)
-    inputs.speculative_S[s] = seq.params.speculative_tokens
-    inputs.remaining_S[s] = seq.params.max_tokens - len(seq.output)
+    inputs.speculative_S[s] = params.speculative_tokens
+    inputs.remaining_S[s] = params.max_tokens - len(seq.output)
     ids = stop_ids(seq)[:STOP_IDS]
     inputs.stop_ids_SM[s, :len(ids)] = ids
     t += n

@@ -94,7 +94,8 @@ class StepProgram:
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       hidden_TD, pools = forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN)
       logits_SJV = model.logits(hidden_TD[logit_rows_SJ])
-      accepted_S, tokens_SJ = accept(_no_stop_before_min(logits_SJV, stop_ids_SM, min_left_S),
+      stop_SV = _stop_mask(stop_ids_SM, logits_SJV.shape[-1])
+      accepted_S, tokens_SJ = accept(_no_stop_before_min(logits_SJV, stop_SV, min_left_S),
                                      ids_T[logit_rows_SJ], num_logits_S, seed_keys(seeds_S),
                                      counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S)
       drafts_SD = jnp.zeros((seeds_S.shape[0], 0), jnp.int32)
@@ -133,12 +134,13 @@ class StepProgram:
       loop ends early once every sequence has."""
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       n, s = self.decode_steps, ids_T.shape[0]
+      stop_SV = _stop_mask(stop_ids_SM, model.config.vocab_size)  # once, not per step
       keys_S = seed_keys(seeds_S)
 
       def one_step(carry):
         i, pools, ids_S, active_S, tokens_NS = carry
         hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
-        logits_SV = _no_stop_before_min(model.logits(hidden_SD)[:, None], stop_ids_SM,
+        logits_SV = _no_stop_before_min(model.logits(hidden_SD)[:, None], stop_SV,
                                         min_left_S - i)[:, 0]
         if self.greedy:
           new_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
@@ -159,11 +161,15 @@ class StepProgram:
     return step if self.decode_steps == 1 else decode_steps
 
 
-def _no_stop_before_min(logits_SJV, stop_ids_SM, min_left_S):
-  """The logits with a sequence's stop ids at -inf in its first ``min_left_S`` rows: the
-  tokens before its ``min_tokens`` are never stop ids (vLLM's min_tokens)."""
+def _stop_mask(stop_ids_SM, vocab_size: int):
+  """[S, V]: whether each id is one of sequence s's stop ids (-1 pads none)."""
+  return jax.nn.one_hot(stop_ids_SM, vocab_size, dtype=jnp.bool_).any(axis=1)
+
+
+def _no_stop_before_min(logits_SJV, stop_SV, min_left_S):
+  """The logits with a sequence's stop ids (``_stop_mask``) at -inf in its first
+  ``min_left_S`` rows: the tokens before its ``min_tokens`` are never stop ids (vLLM's)."""
   early_SJ = jnp.arange(logits_SJV.shape[1])[None, :] < min_left_S[:, None]
-  stop_SV = jax.nn.one_hot(stop_ids_SM, logits_SJV.shape[-1], dtype=jnp.bool_).any(axis=1)
   return jnp.where(early_SJ[..., None] & stop_SV[:, None, :], -jnp.inf, logits_SJV)
 
 
