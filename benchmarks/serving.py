@@ -188,9 +188,9 @@ def measured(fns: dict[str, Callable[[], Any]], tries: int = 3
 
 @dataclasses.dataclass
 class Trace:
-  """One drive: per request, its arrival and the time each of its tokens came back
-  (seconds from the drive's start, compilation excluded), and its final output; the engine's steps, preemptions
-  and compile seconds during the drive."""
+  """One drive: per request, its arrival and the time each of its tokens came back (seconds
+  from the drive's start, compilation excluded), and its final output; the engine's steps,
+  preemptions and compile seconds during the drive."""
 
   arrivals: list[float]
   token_times: list[list[float]]

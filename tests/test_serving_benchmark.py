@@ -91,7 +91,7 @@ def test_drive_times_every_token_of_a_multi_step_dispatch():
   trace = serving.drive(_DispatchingEngine(), [serving.Request([1], 20), serving.Request([2], 5)])
   assert [len(times) for times in trace.token_times] == [20, 5] and trace.output_tokens == 25
   assert trace.steps == 3 and len(set(trace.token_times[0])) == 3
-  assert len(trace.itl()) == 2 + 0 and np.all(trace.itl() > 0)  # one gap between dispatches
+  assert len(trace.itl()) == 2 and np.all(trace.itl() > 0)  # the gaps between 3 dispatches
 
 
 def test_the_pool_holds_every_seat_at_its_longest():

@@ -12,9 +12,10 @@ draft them, and how a verification accepts them. ``generate``'s iterations
   the draft, as vLLM's MTP proposer), so rejection sampling (Leviathan et al. 2023) keeps
   draft d with probability p(d) and replaces the first rejected one by a draw from p without
   d: the tokens have the main model's distribution p (after each row's temperature, top_k,
-  min_p and top_p). A row's randomness for its output token i comes from ``fold_in(row key, i)`` alone
-  (the plain sampler's key for the bonus token; folds 1 and 2 for the acceptance test and the
-  replacement), so a row's tokens never depend on the other rows.
+  min_p and top_p). A row's randomness for its output token i comes from
+  ``fold_in(row key, i)`` alone (the plain sampler's key for the bonus token; folds 1 and 2
+  for the acceptance test and the replacement), so a row's tokens never depend on the other
+  rows.
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ class IncrementalText:
 
   ``decode`` maps token ids to text; ``stop``: strings whose first occurrence ends the text
   (``stop_at``: the index where it begins, ``stop_end`` where it ends; None until one
-  appears). Text is appended only
-  once its characters are complete: a trailing U+FFFD waits for the tokens after it (the
-  complete characters before it go at once), and ``flush`` takes it as it is when no more
-  will come.
+  appears). Text is appended only once its characters are complete: a trailing U+FFFD waits
+  for the tokens after it (the complete characters before it go at once), and ``flush`` takes
+  it as it is when no more will come.
   """
 
   def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):

@@ -262,7 +262,7 @@ class Engine:
     if request_id in self._seqs:
       raise ValueError(f"request id {request_id!r} is already in use")
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(MAX_SEED))
-    seq = Sequence(request_id, tokens, len(tokens), params, seed)
+    seq = Sequence(request_id, tokens, len(tokens), params, seed, self._stop_ids(params))
     if self.tokenizer is not None:
       seq.detok = IncrementalText(self.tokenizer.decode, params.stop)
     self._seqs[request_id] = seq
@@ -286,10 +286,10 @@ class Engine:
     if pages > self.num_pages:
       raise ValueError(f"the request needs {pages} pages of {self.page_size} tokens, the whole "
                        f"pool has {self.num_pages}")
-    vocab = self.model.config.vocab_size
     if params.min_tokens and len(self._stop_ids(params)) > step_inputs.STOP_IDS:
       raise ValueError(f"min_tokens holds back at most {step_inputs.STOP_IDS} stop ids (the "
                        "request's stop_token_ids and the engine's eos ids)")
+    vocab = self.model.config.vocab_size
     for token in params.stop_token_ids:
       if token >= vocab:
         raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})")
@@ -366,7 +366,7 @@ class Engine:
     checkable on the device."""
     if self.decode_steps == 1 or self.scheduler.waiting or not batch.decodes or any(
         c.seq.params.speculative_tokens or c.seq.params.logprobs is not None
-        or len(self._stop_ids(c.seq.params)) > step_inputs.STOP_IDS for c in batch.decodes):
+        or len(c.seq.stop_ids) > step_inputs.STOP_IDS for c in batch.decodes):
       return False
     return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
 
@@ -400,7 +400,7 @@ class Engine:
     if seq.detok is not None:
       seq.detok.extend([token])
       seq.text = seq.detok.text
-    if token in self._stop_ids(seq.params):
+    if token in seq.stop_ids:
       return "stop"
     if seq.detok is not None and seq.detok.stop_at is not None:
       return "stop"
@@ -412,8 +412,7 @@ class Engine:
     """Runs one compiled step program over ``batch`` (on every process): what it gave the
     host, and the seconds it ran."""
     shape = self.buckets.shape(batch.chunks, batch.decode_steps)
-    inputs = step_inputs.build(batch.chunks, shape, logit_rows=self._logit_rows,
-                               stop_ids=lambda seq: self._stop_ids(seq.params))
+    inputs = step_inputs.build(batch.chunks, shape, logit_rows=self._logit_rows)
     if self._multiprocess:
       step_inputs.broadcast(shape.header(), inputs)
     outputs, seconds = self._execute(shape, inputs)

@@ -122,6 +122,7 @@ class Sequence:
   num_prompt: int
   params: SamplingParams
   seed: int
+  stop_ids: tuple[int, ...] = ()  # the distinct ids that end it (``Engine`` adds its eos ids)
   arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
   status: Status = Status.WAITING
   pages: list[int] = dataclasses.field(default_factory=list)

@@ -125,10 +125,10 @@ class StepInputs:
   Per sequence slot s [S]: ``table_SN``, ``seeds_S``, ``counters_S`` (tokens it has
   generated), ``temperature_S``, ``top_p_S``, ``top_k_S``, ``min_p_S``, ``logit_rows_SJ`` (the
   token rows whose logits it samples from: its last token, or a decode's token and drafts),
-  ``num_logits_S`` (how many: 0 when it does not sample), ``speculative_S`` (drafts it asks for), ``remaining_S``
-  (tokens it may still emit), ``min_left_S`` (tokens before its stop ids may be drawn:
-  ``min_tokens``), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step dispatch stops it
-  on the device).
+  ``num_logits_S`` (how many: 0 when it does not sample), ``speculative_S`` (drafts it asks
+  for), ``remaining_S`` (tokens it may still emit), ``min_left_S`` (tokens before its stop ids
+  may be drawn: ``min_tokens``), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step
+  dispatch stops it on the device).
   """
 
   ids_T: np.ndarray
@@ -167,10 +167,10 @@ class StepInputs:
   NUM_TOKEN_ARRAYS = 6  # the first fields are per token row; the others per sequence slot
 
 
-def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int, stop_ids) -> StepInputs:
+def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int) -> StepInputs:
   """The chunks' tokens laid end to end, chunk b in sequence slot b; padding rows and slots
-  compute nothing and sample nothing used. ``stop_ids(seq)``: the ids that end a sequence
-  (a multi-step dispatch checks them on the device)."""
+  compute nothing and sample nothing used. A sequence's ``stop_ids`` go along (a multi-step
+  dispatch checks them on the device, and ``min_tokens`` holds them back)."""
   inputs = StepInputs.zeros(shape, logit_rows, STOP_IDS)
   t = 0
   for s, c in enumerate(chunks):
@@ -198,7 +198,7 @@ def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int, stop_ids) -
     inputs.min_left_S[s] = max(params.min_tokens - len(seq.output), 0)
     inputs.speculative_S[s] = params.speculative_tokens
     inputs.remaining_S[s] = params.max_tokens - len(seq.output)
-    ids = stop_ids(seq)[:STOP_IDS]
+    ids = seq.stop_ids[:STOP_IDS]
     inputs.stop_ids_SM[s, :len(ids)] = ids
     t += n
   return inputs

@@ -94,7 +94,7 @@ class StepProgram:
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       hidden_TD, pools = forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN)
       logits_SJV = model.logits(hidden_TD[logit_rows_SJ])
-      stop_SV = _stop_mask(stop_ids_SM, logits_SJV.shape[-1])
+      stop_SV = _stop_mask(stop_ids_SM, model.config.vocab_size)
       accepted_S, tokens_SJ = accept(_no_stop_before_min(logits_SJV, stop_SV, min_left_S),
                                      ids_T[logit_rows_SJ], num_logits_S, seed_keys(seeds_S),
                                      counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S)
