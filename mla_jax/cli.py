@@ -298,7 +298,7 @@ def cmd_serve(args) -> int:
                   tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
                   prefix_caching=args.prefix_caching, log_interval=args.log_interval,
                   seed=args.seed, max_speculative_tokens=args.speculative_tokens,
-                  decode_steps=args.decode_steps)
+                  decode_steps=args.decode_steps, prompt_logprobs=args.prompt_logprobs)
   if args.warmup:  # every process compiles every program before any step runs
     count, seconds = engine.warmup(progress=jax.process_index() == 0)
     if jax.process_index() == 0:
@@ -523,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
                      default=10.0, help="seconds between engine stats lines (with -v)")
   serve.add_argument("--decode-steps", type=int_in(1, 256), default=DECODE_STEPS_PER_DISPATCH,
                      help="decode steps per dispatch when only decodes run and nothing waits")
+  serve.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
+                     help="refuse echo with logprobs and prompt_logprobs (scoring), compiling "
+                          "no scoring step programs")
   serve.add_argument("--no-warmup", dest="warmup", action="store_false",
                      help="serve at once, compiling each step program when a step first needs "
                           "it (by default every one is compiled before the server listens)")

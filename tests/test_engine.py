@@ -324,7 +324,7 @@ def test_bad_requests_are_refused_and_leave_the_others_untouched(model, prompts,
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"),
     (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"),
 ])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 
@@ -257,6 +258,73 @@ def test_logprobs_follow_openai_formats(server):
   assert all(len(c.top_logprobs) == 2 for c in content)
 
 
+def _prompt_logprobs_reference(model, ids):
+  """float64 log-softmax of the logits predicting ids[1:] (one contiguous forward)."""
+  logits = np.asarray(model(np.asarray(ids[:-1])[None], model.init_cache(1, len(ids)))[0][0],
+                      np.float64)
+  logits -= logits.max(-1, keepdims=True)
+  return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def test_scoring_with_echo_and_prompt_logprobs(server, model):
+  """lm-eval's log-likelihood request (token ids, echo, logprobs 1, max_tokens 1 or 0) and
+  vLLM's prompt_logprobs, against a float64 log-softmax of one contiguous forward."""
+  client, tok = server.client(), ByteTokenizer()
+  prompts = [tok.encode(RECALL), tok.encode("zB ..mP ?z")]
+  refs = [_prompt_logprobs_reference(model, ids) for ids in prompts]
+  for max_tokens in (1, 0):
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=max_tokens,
+                                    temperature=0, logprobs=1, echo=True)
+    for choice, ids, ref in zip(sorted(out.choices, key=lambda c: c.index), prompts, refs):
+      lp = choice.logprobs
+      assert len(lp.tokens) == len(ids) + max_tokens
+      assert choice.text.startswith(tok.decode(ids)) and "".join(lp.tokens) == choice.text
+      assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+      got = np.array(lp.token_logprobs[1:len(ids)])
+      np.testing.assert_allclose(got, ref[np.arange(len(ids) - 1), ids[1:]], rtol=1e-5,
+                                 atol=1e-6)
+      for p, top in enumerate(lp.top_logprobs[1:len(ids)]):  # lm-eval's is_greedy reads these
+        assert list(top) == [tok.decode([int(ref[p].argmax())])]
+        np.testing.assert_allclose(list(top.values()), [ref[p].max()], rtol=1e-5, atol=1e-6)
+      assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+  assert out.usage.completion_tokens == 0 and out.choices[0].finish_reason == "length"
+
+  # vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}}, the prompt token first.
+  ids, ref = prompts[1], refs[1]
+  out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+  entries = out.choices[0].model_extra["prompt_logprobs"]
+  assert entries[0] is None and len(entries) == len(ids)
+  for p, entry in enumerate(entries[1:]):
+    token = ids[p + 1]
+    mine = entry[str(token)]
+    assert mine["rank"] == 1 + int((ref[p] > ref[p, token]).sum())
+    assert mine["decoded_token"] == tok.decode([token])
+    np.testing.assert_allclose(mine["logprob"], ref[p, token], rtol=1e-5, atol=1e-6)
+    best = np.argsort(-ref[p])[:2]
+    assert all(entry[str(t)]["rank"] == r for r, t in enumerate(best, 1) if t != token)
+  assert out.choices[0].logprobs is None and len(out.choices[0].text) == 2  # not echoed
+
+  # chat: once, beside the choices; a stream's first chunk carries it, and an echo's prompt
+  chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                        max_tokens=1, temperature=0,
+                                        extra_body={"prompt_logprobs": 0})
+  chat_ids = _chat_ids([{"role": "user", "content": "a"}])
+  assert len(chat.model_extra["prompt_logprobs"]) == len(chat_ids)
+  stream = client.completions.create(model=MODEL, prompt=RECALL, max_tokens=3, temperature=0,
+                                     echo=True, logprobs=0, stream=True,
+                                     extra_body={"prompt_logprobs": 1})
+  chunks = list(stream)
+  assert chunks[0].choices[0].text.startswith(RECALL)
+  assert len(chunks[0].choices[0].model_extra["prompt_logprobs"]) == len(prompts[0])
+  assert all("prompt_logprobs" not in c.choices[0].model_extra for c in chunks[1:])
+  full = client.completions.create(model=MODEL, prompt=RECALL, max_tokens=3, temperature=0,
+                                   echo=True, logprobs=0)
+  assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+  assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == \
+      full.choices[0].logprobs.token_logprobs
+
+
 def test_models_health_and_metrics(server):
   models = server.client().models.list()
   assert [m.id for m in models.data] == [MODEL]
@@ -378,7 +446,7 @@ BAD_REQUESTS = [
     (C, b"[1, 2]", 400, "object"),
     (C, {**OK, "max_tokens": "5"}, 400, "max_tokens"),
     (C, {**OK, "max_tokens": -1}, 400, "max_tokens"),
-    (C, {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {**MSG, "max_tokens": 0}, 400, "max_tokens"),
     (C, {**OK, "max_tokens": 10**9}, 400, "max_tokens"),
     (C, {**OK, "max_tokens": 2.5}, 400, "max_tokens"),
     (C, b'{"model": "recall-chat", "prompt": "a", "temperature": NaN}', 400, "temperature"),
@@ -411,7 +479,9 @@ BAD_REQUESTS = [
     (C, {**OK, "min_tokens": 3}, 400, "min_tokens"),
     (C, {**OK, "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400,
      "continuous_usage_stats"),
-    (C, {**OK, "echo": True}, 400, "unsupported field 'echo'"),
+    (C, {**OK, "echo": "yes"}, 400, "echo"),
+    (C, {**OK, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (CHAT, {**MSG, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     (C, {**OK, "presence_penalty": 0.5}, 400, "unsupported field 'presence_penalty'"),
     (C, {**OK, "logprobs": 50}, 400, "logprobs"),
     (C, {**OK, "stream": "yes"}, 400, "stream"),

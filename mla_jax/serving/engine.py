@@ -126,6 +126,12 @@ class _Results:
     """The drafts the program made for slot b's next step (as many as it meant)."""
     return self.outputs[5][b, :int(self.outputs[6][b])].tolist()
 
+  def row_score(self, t: int, token: int, n: int) -> TokenLogprobs:
+    """(A scoring step's:) row t's log-probability of ``token``, the token after it."""
+    chosen, rank, top_ids, top = (a[t] for a in self.outputs[7:11])
+    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids[:n].tolist(),
+                                                         top[:n].tolist())), int(rank))
+
 
 class Engine:
   """Continuous batching for a ``CausalLM`` over ``num_pages`` pages of ``page_size`` tokens.
@@ -157,6 +163,10 @@ class Engine:
     decode_steps: decode steps one dispatch runs when a step holds plain decodes only and
       nothing waits (1: one step per dispatch). Stop ids and ``max_tokens`` end a request on
       the device; stop strings after the dispatch, its tokens past the stop dropped.
+    prompt_logprobs: requests may ask for their prompt tokens' log-probabilities
+      (``SamplingParams.prompt_logprobs``: scoring); this compiles a scoring variant of each
+      one-step program (``warmup`` too). Such a request reuses no cached prefix past what it
+      has scored: pages keep keys, not log-probabilities.
   """
 
   def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
@@ -165,7 +175,7 @@ class Engine:
                eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
                log_interval: float | None = 10.0, seed: int = 0,
                max_speculative_tokens: int = 0,
-               decode_steps: int = DECODE_STEPS_PER_DISPATCH):
+               decode_steps: int = DECODE_STEPS_PER_DISPATCH, prompt_logprobs: bool = False):
     if not isinstance(model, CausalLM):
       raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
     mla = model.config.mla
@@ -185,8 +195,10 @@ class Engine:
       raise ValueError("max_speculative_tokens > 0 needs a model with MTP layers (its config "
                        "counts num_mtp_layers = 0; load a checkpoint that stores them)")
     self.decode_steps = checks.static_int(decode_steps, "decode_steps", minimum=1, maximum=256)
-    if not isinstance(prefix_caching, bool):
-      raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    for name, flag in (("prefix_caching", prefix_caching), ("prompt_logprobs", prompt_logprobs)):
+      if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    self.prompt_logprobs = prompt_logprobs
     self.tokenizer = _checked_tokenizer(tokenizer)
     self.log_interval = _checked_interval(log_interval)
     seed = checks.static_int(seed, "seed", minimum=0, maximum=2**63 - 1)
@@ -209,7 +221,8 @@ class Engine:
     self._logit_rows = 1 + self.max_speculative_tokens
     self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs,
                            pages_for(self.max_model_len, self.page_size),
-                           self._dense_bound(), self.decode_steps, data_shards)
+                           self._dense_bound(), self.decode_steps, data_shards,
+                           scores=prompt_logprobs)
     self._seqs: dict[str, Sequence] = {}
     self._ids = itertools.count()
     self._seed_rng = np.random.default_rng(seed)
@@ -263,6 +276,8 @@ class Engine:
       raise ValueError(f"request id {request_id!r} is already in use")
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(MAX_SEED))
     seq = Sequence(request_id, tokens, len(tokens), params, seed, self._stop_ids(params))
+    if params.prompt_logprobs is not None:
+      seq.prompt_logprobs = [None] * len(tokens)
     if self.tokenizer is not None:
       seq.detok = IncrementalText(self.tokenizer.decode, params.stop)
     self._seqs[request_id] = seq
@@ -295,6 +310,9 @@ class Engine:
         raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})")
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=))")
+    if params.prompt_logprobs is not None and not self.prompt_logprobs:
+      raise ValueError("prompt_logprobs: this engine does not score prompts (build it with "
+                       "Engine(..., prompt_logprobs=True); mla-jax serve does by default)")
     if params.speculative_tokens > self.max_speculative_tokens:
       raise ValueError(f"speculative_tokens {params.speculative_tokens} exceeds the engine's "
                        f"max_speculative_tokens {self.max_speculative_tokens}"
@@ -347,6 +365,8 @@ class Engine:
     # A multi-step dispatch wrote a row for every token it emitted; a step, its chunks' rows.
     computed = (sum(map(len, sampled.values())) if batch.decode_steps > 1 else
                 sum(c.num_computed for c in chunks))
+    if results is not None and not results.multi:
+      self._record_scores(chunks, results)
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)
     slot = {id(c.seq): (b, c) for b, c in enumerate(chunks)}
     for seq, count in grown:
@@ -358,7 +378,7 @@ class Engine:
     compiled = self.stats.compile_s - compile_before
     self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
     self._maybe_log(sum(count for _, count in grown))
-    return [RequestOutput.of(seq, seq.tokens[-count:]) for seq, count in grown]
+    return [RequestOutput.of(seq, seq.tokens[len(seq.tokens) - count:]) for seq, count in grown]
 
   def _multi_step(self, batch: StepBatch) -> bool:
     """Whether ``batch`` runs as a multi-step decode dispatch (pages reserved if so): plain
@@ -369,6 +389,22 @@ class Engine:
         or len(c.seq.stop_ids) > step_inputs.STOP_IDS for c in batch.decodes):
       return False
     return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
+
+  @staticmethod
+  def _record_scores(chunks: list[Chunk], results: _Results) -> None:
+    """The prompt log-probabilities a scoring step computed: the entry of prompt token p + 1
+    from row p, for each chunk whose request asks (rows lie end to end, chunk by chunk)."""
+    t = 0
+    for c in chunks:
+      seq = c.seq
+      if step_inputs.wants_scores(c):
+        last = min(c.num_cached + c.num_tokens, seq.num_prompt - 1)  # rows [num_cached, last)
+        for p in range(c.num_cached, last):
+          seq.prompt_logprobs[p + 1] = results.row_score(t + p - c.num_cached,
+                                                         seq.tokens[p + 1],
+                                                         seq.params.prompt_logprobs)
+        seq.num_scored = max(seq.num_scored, last)
+      t += c.num_computed
 
   def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
     """The distinct ids that end a request: its own, and the engine's eos ids unless it
@@ -495,7 +531,8 @@ class Engine:
     program = StepProgram(plan, self._flat_plan(None, shape.kv_pages, segmented=False)
                           if drafts else None, mtp=bool(self.max_speculative_tokens),
                           page_size=self.page_size, logit_rows=self._logit_rows,
-                          decode_steps=shape.decode_steps, greedy=shape.greedy)
+                          decode_steps=shape.decode_steps, greedy=shape.greedy,
+                          scores=shape.scores)
     step = program.build(self._graphdef, self._state_def, self.model.layer_groups)
     jitted = jax.jit(functionalize(step, False), donate_argnums=1)
     mesh = self.model.mesh

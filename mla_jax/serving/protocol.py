@@ -73,6 +73,8 @@ class _Sampling(_Request):
   top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] = 0  # -1 or 0: off (vLLM's old, new default)
   min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
   min_tokens: Annotated[int, Field(ge=0)] = 0
+  # vLLM's: each prompt token's log-probability and that many of the most likely tokens'
+  prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
   @property
   def stop_strings(self) -> tuple[str, ...]:
@@ -93,7 +95,9 @@ class CompletionRequest(_Sampling):
   prompt: (Annotated[str, Field(min_length=1)]
            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
            | TokenIds | Annotated[list[TokenIds], Field(min_length=1)])
+  max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: score the prompt only (echo)
   logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+  echo: bool = False  # the prompt before the completion, in text and logprobs
 
   @property
   def prompts(self) -> list[str | list[int]]:

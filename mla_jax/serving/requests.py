@@ -37,7 +37,9 @@ class SamplingParams:
   the stop string that ended it (by default it ends before it).
   ``logprobs``: None, or report each output token's log-probability and that many of the most
   likely tokens' (0 to ``MAX_LOGPROBS``), from the model's distribution before temperature
-  and top_p. ``speculative_tokens``: draft tokens per step from the model's MTP layers (0: plain
+  and top_p. ``prompt_logprobs``: the same for every prompt token after the first (scoring:
+  the engine must be built with ``prompt_logprobs=True``); ``max_tokens`` 0 then scores the
+  prompt without generating. ``speculative_tokens``: draft tokens per step from the model's MTP layers (0: plain
   decoding; at most the engine's ``max_speculative_tokens``); the tokens keep the model's
   distribution (greedy: the same tokens), only their cost changes.
   """
@@ -49,6 +51,7 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   stop: tuple[str, ...] = ()
   logprobs: int | None = None
+  prompt_logprobs: int | None = None
   speculative_tokens: int = 0
   ignore_eos: bool = False
   include_stop_str_in_output: bool = False
@@ -57,7 +60,7 @@ class SamplingParams:
   min_tokens: int = 0
 
   def __post_init__(self):
-    checks.static_int(self.max_tokens, "max_tokens", minimum=1, wrong_type=TypeError)
+    checks.static_int(self.max_tokens, "max_tokens", minimum=0, wrong_type=TypeError)
     for name in ("ignore_eos", "include_stop_str_in_output"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -70,8 +73,9 @@ class SamplingParams:
     stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
     if any(not isinstance(s, str) or not s for s in stop):
       raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-    if self.logprobs is not None:
-      checks.static_int(self.logprobs, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    for name in ("logprobs", "prompt_logprobs"):
+      if getattr(self, name) is not None:
+        checks.static_int(getattr(self, name), name, minimum=0, maximum=MAX_LOGPROBS)
     checks.static_int(self.speculative_tokens, "speculative_tokens", minimum=0,
                       maximum=MAX_SPECULATIVE_TOKENS)
     checks.static_int(self.top_k, "top_k", minimum=0, maximum=MAX_TOP_K)
@@ -98,12 +102,15 @@ def _as_tuple(values, name: str) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
-  """An output token's log-probability and the ``SamplingParams.logprobs`` most likely tokens'
-  (``top``: ``(token id, log-probability)`` pairs, most likely first)."""
+  """A token's log-probability and the ``SamplingParams.logprobs`` (or ``prompt_logprobs``)
+  most likely tokens' (``top``: ``(token id, log-probability)`` pairs, most likely first);
+  ``rank``: 1 + how many tokens are more likely (a prompt token's; None for an output
+  token's)."""
 
   token: int
   logprob: float
   top: tuple[tuple[int, float], ...]
+  rank: int | None = None
 
 
 class Status(enum.Enum):
@@ -135,6 +142,9 @@ class Sequence:
   finish_time: float | None = None
   text: str = ""
   logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # if asked, per output
+  # if asked: per prompt token (None for the first, and for those not yet computed)
+  prompt_logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
+  num_scored: int = 0             # prompt rows [0, num_scored) have their next token's entry
   drafts: list[int] = dataclasses.field(default_factory=list)  # the next step verifies these
   detok: IncrementalText | None = None  # its output's text as it grows (with a tokenizer)
   num_drafted: int = 0            # draft tokens verified so far
@@ -167,6 +177,8 @@ class RequestOutput:
   num_cached_prompt_tokens: int
   num_preemptions: int
   logprobs: tuple[TokenLogprobs, ...] | None = None  # per output token, when asked
+  # per prompt token, when asked (None for the first)
+  prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
   num_draft_tokens: int = 0       # speculative decoding: draft tokens verified
   num_accepted_tokens: int = 0    # and accepted
 
@@ -186,4 +198,5 @@ class RequestOutput:
                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_prompt,
                seq.num_preemptions,
                None if seq.params.logprobs is None else tuple(seq.logprobs),
+               None if seq.params.prompt_logprobs is None else tuple(seq.prompt_logprobs),
                seq.num_drafted, seq.num_accepted)

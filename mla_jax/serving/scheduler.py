@@ -166,11 +166,16 @@ class Scheduler:
 
   def _admit(self, seq: Sequence) -> bool:
     """Takes the longest cached prefix (leaving one token to compute, whose logits sample the
-    next token) if the rest of the sequence's tokens fit the free pages; else nothing."""
+    next token) if the rest of the sequence's tokens fit the free pages; else nothing. A
+    request that asks for prompt log-probabilities takes no prefix past the rows it has scored:
+    pages hold keys, not log-probabilities, so its prompt is computed."""
     size = self.pages.page_size
     hits = []
     if self.prefix_caching:
-      keys = page_keys(seq.tokens[:len(seq.tokens) - 1], size, self.pages.salt)
+      reusable = len(seq.tokens) - 1
+      if seq.params.prompt_logprobs is not None:
+        reusable = min(reusable, seq.num_scored)
+      keys = page_keys(seq.tokens[:reusable], size, self.pages.salt)
       hits = self.pages.match(keys)
       seq.page_keys = keys[:len(hits)]
     # The whole sequence must fit, with the MTP rows of its first drafts (``Chunk.rows``).
@@ -219,10 +224,20 @@ class Scheduler:
     """Records a step: computed rows, newly full pages into the prefix cache, the new tokens
     (``sampled[id(chunk)]``: the sampled one, after the accepted drafts of a speculative
     decode); ``stops(seq)`` is the finish reason after a new token, or None, and a sequence
-    takes no token past its finish. Returns each sequence that got tokens, with how many."""
+    takes no token past its finish. Returns each sequence that got tokens, with how many (a
+    request of ``max_tokens`` 0 finishes with none once its prompt is computed)."""
     grown = []
     for chunk in (*batch.decodes, *batch.prefills):
       seq = chunk.seq
+      if chunk.samples and seq.params.max_tokens == 0:  # scored its prompt, generates nothing
+        seq.num_cached += chunk.num_tokens
+        self._register_full_pages(seq)
+        seq.first_token_time = time.perf_counter()
+        grown.append((seq, 0))
+        self.running.remove(seq)
+        self._release(seq)
+        self._finish(seq, "length")
+        continue
       new = sampled[id(chunk)] if chunk.samples else []
       reason = None
       for count, token in enumerate(new, 1):

@@ -67,15 +67,21 @@ class ServerSettings:
 @dataclasses.dataclass
 class _Choice:
   """One choice of a request in flight (sample ``sample`` of one of its prompts): its id once
-  queued, its text so far, its last update."""
+  queued, its text so far, its last update. ``echo``: the prompt's text, to send before the
+  completion (completions' ``echo``); ``logprobs`` / ``prompt_logprobs``: the most likely
+  tokens the client asked for per token (None: no such field)."""
 
   index: int
   prompt_ids: list[int]
   text: TextStream
   sample: int = 0
+  echo: str | None = None
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
   request_id: str | None = None
   last: RequestOutput | None = None
   logprobs_sent: int = 0
+  prompt_sent: bool = False  # a stream sent the echo and the prompt log-probabilities
 
 
 def create_app(loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
@@ -212,8 +218,11 @@ class _Handlers:
     self._check_model(body.model)
     tokenizer = self.settings.tokenizer
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
+    echo = [p if isinstance(p, str) else tokenizer.decode(list(p)) for p in body.prompts] \
+        if body.echo else None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-    return await self._serve(request, body, prompts, max_tokens, body.logprobs, chat=False)
+    return await self._serve(request, body, prompts, max_tokens, body.logprobs, chat=False,
+                             echo=echo)
 
   async def chat_completions(self, request: Request):
     body = protocol.parse(ChatCompletionRequest,
@@ -251,6 +260,9 @@ class _Handlers:
       raise APIError(400, str(e), param=param) from None
 
   def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    # The prompt's log-probabilities serve prompt_logprobs, and logprobs when echoed.
+    depths = [d for d in (body.prompt_logprobs, logprobs if getattr(body, "echo", False)
+                          else None) if d is not None]
     try:
       return SamplingParams(
           max_tokens=max_tokens,
@@ -261,14 +273,15 @@ class _Handlers:
           speculative_tokens=self.settings.speculative_tokens,
           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
           include_stop_str_in_output=body.include_stop_str_in_output,
-          top_k=max(body.top_k, 0), min_p=body.min_p, min_tokens=body.min_tokens)
+          top_k=max(body.top_k, 0), min_p=body.min_p, min_tokens=body.min_tokens,
+          prompt_logprobs=max(depths) if depths else None)
     except (ValueError, TypeError) as e:  # the sampling settings' own checks
       raise APIError(400, str(e)) from None
 
   # ---- running a request ----------------------------------------------------------------
 
   async def _serve(self, request: Request, body, prompts: list[list[int]], max_tokens: int,
-                   logprobs: int | None, *, chat: bool):
+                   logprobs: int | None, *, chat: bool, echo: list[str] | None = None):
     sampling = self._params(body, max_tokens, logprobs)
     names = (["messages"] if chat else
              [f"prompt.{i}" if len(prompts) > 1 else "prompt" for i in range(len(prompts))])
@@ -279,6 +292,7 @@ class _Handlers:
     params = [sampling if sampling.seed is None or j == 0 else dataclasses.replace(
         sampling, seed=(sampling.seed + j) % (MAX_SEED + 1)) for j in samples]
     prompts = [p for p in prompts for _ in range(body.n)]
+    echo = [None] * len(prompts) if echo is None else [e for e in echo for _ in range(body.n)]
     if self.pending + len(prompts) > self.settings.max_pending:
       raise APIError(429, f"the server is full ({self.pending} requests in flight): retry "
                      "later", type="rate_limit_error", code="server_busy",
@@ -286,7 +300,7 @@ class _Handlers:
     updates: asyncio.Queue = asyncio.Queue()
     choices = [_Choice(i, p, TextStream(self.settings.tokenizer.decode, params[i].stop,
                                         include_stop=params[i].include_stop_str_in_output),
-                       samples[i])
+                       samples[i], echo[i], logprobs, body.prompt_logprobs)
                for i, p in enumerate(prompts)]
     await self._submit(choices, params, updates)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -393,18 +407,41 @@ def _token_text(tokenizer: Tokenizer, token: int) -> str:
   return tokenizer.decode([token])
 
 
-def _completion_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...],
-                         offset: int) -> dict:
-  """OpenAI's legacy completions format: tokens, their log-probabilities, the top ones as
-  ``{token text: logprob}`` and each token's character offset (``offset`` for the first)."""
-  tokens = [_token_text(tokenizer, e.token) for e in entries]
+def _completion_logprobs(tokenizer: Tokenizer, tokens: list[int],
+                         entries: list[TokenLogprobs | None], offset: int, top: int) -> dict:
+  """OpenAI's legacy completions format: tokens, their log-probabilities, the ``top`` most
+  likely ones as ``{token text: logprob}`` and each token's character offset (``offset`` for
+  the first). An echoed prompt's first token has no entry: None in both lists."""
+  texts = [_token_text(tokenizer, t) for t in tokens]
   offsets, at = [], offset
-  for text in tokens:
+  for text in texts:
     offsets.append(at)
     at += len(text)
-  return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-          "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+  return {"tokens": texts,
+          "token_logprobs": [None if e is None else e.logprob for e in entries],
+          "top_logprobs": [None if e is None else
+                           {_token_text(tokenizer, t): lp for t, lp in e.top[:top]}
+                           for e in entries],
           "text_offset": offsets}
+
+
+def _prompt_logprobs(tokenizer: Tokenizer, choice: _Choice) -> list | None:
+  """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
+  ``{token id: {logprob, rank, decoded_token}}`` for it and the most likely ones."""
+  entries = choice.last.prompt_logprobs
+  if choice.prompt_logprobs is None or entries is None:
+    return None
+
+  def item(token: int, logprob: float, rank: int) -> dict:
+    return {"logprob": logprob, "rank": rank, "decoded_token": _token_text(tokenizer, token)}
+
+  out = [None]
+  for e in entries[1:]:
+    ranked = {str(e.token): item(e.token, e.logprob, e.rank)}
+    for rank, (token, logprob) in enumerate(e.top[:choice.prompt_logprobs], 1):
+      ranked.setdefault(str(token), item(token, logprob, rank))
+    out.append(ranked)
+  return out
 
 
 def _chat_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...]) -> dict:
@@ -416,13 +453,19 @@ def _chat_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...]) -> 
                        "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-def _logprobs(settings: ServerSettings, choice: _Choice, chat: bool, start: int, offset: int):
+def _logprobs(settings: ServerSettings, choice: _Choice, chat: bool, start: int, offset: int,
+              *, with_prompt: bool = False):
+  """The output tokens' from ``start`` on; ``with_prompt``: an echo's prompt tokens first."""
   entries = choice.last.logprobs
   if entries is None:
     return None
-  entries = entries[start:]
-  return _chat_logprobs(settings.tokenizer, entries) if chat else \
-      _completion_logprobs(settings.tokenizer, entries, offset)
+  entries = list(entries[start:])
+  if chat:
+    return _chat_logprobs(settings.tokenizer, entries)
+  tokens = [e.token for e in entries]
+  if with_prompt:
+    tokens, entries = choice.prompt_ids + tokens, list(choice.last.prompt_logprobs) + entries
+  return _completion_logprobs(settings.tokenizer, tokens, entries, offset, choice.logprobs)
 
 
 def _full_response(response_id: str, settings: ServerSettings, choices, chat: bool) -> dict:
@@ -430,16 +473,22 @@ def _full_response(response_id: str, settings: ServerSettings, choices, chat: bo
   for choice in choices:
     choice.text.update(choice.last.tokens, finished=True)
     text = choice.text.text
+    echoed = choice.echo is not None
     entry = {"index": choice.index, "finish_reason": _finish_reason(choice.last),
-             "logprobs": _logprobs(settings, choice, chat, 0, 0)}
+             "logprobs": _logprobs(settings, choice, chat, 0, 0, with_prompt=echoed)}
     if chat:
       entry["message"] = {"role": "assistant", "content": text}
     else:
-      entry["text"] = text
+      entry["text"] = choice.echo + text if echoed else text
+      if choice.prompt_logprobs is not None:
+        entry["prompt_logprobs"] = _prompt_logprobs(settings.tokenizer, choice)
     out.append(entry)
-  return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
-          "created": int(time.time()), "model": settings.model_name, "choices": out,
-          "usage": _usage(choices)}
+  response = {"id": response_id, "object": "chat.completion" if chat else "text_completion",
+              "created": int(time.time()), "model": settings.model_name, "choices": out,
+              "usage": _usage(choices)}
+  if chat and choices[0].prompt_logprobs is not None:  # vLLM's: once, for the one prompt
+    response["prompt_logprobs"] = _prompt_logprobs(settings.tokenizer, choices[0])
+  return response
 
 
 class _ChunkWriter:
@@ -456,26 +505,39 @@ class _ChunkWriter:
   def _event(self, choices: list[dict], **extra) -> str:
     return _sse({**self.head, "choices": choices, **extra})
 
-  def _choice_event(self, entry: dict, choices) -> str:
-    return self._event([entry], **({"usage": _usage(choices)} if self.continuous_usage else {}))
+  def _choice_event(self, entry: dict, choices, **extra) -> str:
+    if self.continuous_usage:
+      extra["usage"] = _usage(choices)
+    return self._event([entry], **extra)
 
   def role(self, index: int, choices) -> str:
     return self._choice_event({"index": index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}, choices)
 
   def delta(self, choice: _Choice, choices) -> str:
+    """A choice's new text and log-probabilities; its first also the echoed prompt and the
+    prompt log-probabilities (the engine's first update comes once the prompt is
+    computed)."""
     update = choice.last
-    offset = len(choice.text.text)
+    first, echo = not choice.prompt_sent, choice.echo or ""
+    choice.prompt_sent = True
+    offset = 0 if first else len(echo) + len(choice.text.text)
     text = choice.text.update(update.tokens, finished=update.finished)
-    logprobs = _logprobs(self.settings, choice, self.chat, choice.logprobs_sent, offset)
+    logprobs = _logprobs(self.settings, choice, self.chat, choice.logprobs_sent, offset,
+                         with_prompt=first and choice.echo is not None)
     choice.logprobs_sent = len(update.tokens)
     entry = {"index": choice.index, "logprobs": logprobs,
              "finish_reason": _finish_reason(update)}
+    extra = {}
     if self.chat:
       entry["delta"] = {"content": text}
+      if first and choice.index == 0 and choice.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = _prompt_logprobs(self.settings.tokenizer, choice)
     else:
-      entry["text"] = text
-    return self._choice_event(entry, choices)
+      entry["text"] = echo + text if first else text
+      if first and choice.prompt_logprobs is not None:
+        entry["prompt_logprobs"] = _prompt_logprobs(self.settings.tokenizer, choice)
+    return self._choice_event(entry, choices, **extra)
 
   def usage(self, choices) -> str:
     return self._event([], usage=_usage(choices))

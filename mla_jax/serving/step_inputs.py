@@ -31,7 +31,8 @@ class StepShape:
   the dense bound of tokens (the plan may then take the dense route; only an engine whose
   model can take it makes such shapes). ``decode_steps``: 1 for one step; more for a
   multi-step decode dispatch (row s is sequence s, one token per step), whose ``greedy``
-  variant takes every sequence's argmax and draws nothing.
+  variant takes every sequence's argmax and draws nothing. ``scores``: a step that also
+  returns every row's log-probability of the token after it (prompt log-probabilities).
   """
 
   tokens: int
@@ -40,17 +41,18 @@ class StepShape:
   fresh: bool = False
   decode_steps: int = 1
   greedy: bool = False
+  scores: bool = False
 
   def header(self, command: int = 1) -> np.ndarray:
     return np.array([command, self.tokens, self.seqs, self.kv_pages, int(self.fresh),
-                     self.decode_steps, int(self.greedy)], np.int32)
+                     self.decode_steps, int(self.greedy), int(self.scores)], np.int32)
 
   @classmethod
   def from_header(cls, header) -> StepShape | None:
     """The shape a header announces; None for the stop command."""
-    command, tokens, seqs, kv_pages, fresh, steps, greedy = (int(v) for v in header)
+    command, tokens, seqs, kv_pages, fresh, steps, greedy, scores = (int(v) for v in header)
     return None if command == 0 else cls(tokens, seqs, kv_pages, bool(fresh), steps,
-                                          bool(greedy))
+                                          bool(greedy), bool(scores))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,8 @@ class Buckets:
   slots as many, at most the seats' bucket; the block table is always ``max_pages`` wide,
   since the indexer scores keys up to the live reach only (``StepPlan.key_chunk``).
   ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
-  (None: the model takes none).
+  (None: the model takes none). ``scores``: the engine serves prompt log-probabilities, in
+  scoring variants of the one-step shapes (never fresh: one program per token bucket).
   """
 
   max_step_tokens: int
@@ -72,6 +75,7 @@ class Buckets:
   dense_bound: int | None = None
   decode_steps: int = 1
   batch_multiple: int = 1
+  scores: bool = False
 
   def tokens(self, num_tokens: int, minimum: int = MIN_TOKENS) -> int:
     return -(-bucket(num_tokens, minimum) // self.batch_multiple) * self.batch_multiple
@@ -79,17 +83,20 @@ class Buckets:
   def shape(self, chunks: list[Chunk], decode_steps: int = 1) -> StepShape:
     """The bucket of a step over ``chunks`` (every token computed, drafts included): fresh when
     the dense route may apply (every chunk starts its sequence and holds at most
-    ``dense_bound`` tokens); a multi-step dispatch's greedy when every sequence is."""
-    fresh = self.dense_bound is not None and decode_steps == 1 and all(
+    ``dense_bound`` tokens); a multi-step dispatch's greedy when every sequence is; scoring
+    when a chunk computes prompt rows whose next token's log-probability its request asks
+    for."""
+    scores = decode_steps == 1 and any(wants_scores(c) for c in chunks)
+    fresh = self.dense_bound is not None and decode_steps == 1 and not scores and all(
         c.num_cached == 0 and c.num_tokens <= self.dense_bound for c in chunks)
     greedy = decode_steps > 1 and all(c.seq.params.temperature == 0 for c in chunks)
     rows = self.tokens(sum(c.num_computed for c in chunks), 1 if decode_steps > 1 else MIN_TOKENS)
-    return self._shape(rows, fresh, decode_steps, greedy)
+    return self._shape(rows, fresh, decode_steps, greedy, scores)
 
-  def _shape(self, tokens: int, fresh: bool, decode_steps: int,
-             greedy: bool = False) -> StepShape:
+  def _shape(self, tokens: int, fresh: bool, decode_steps: int, greedy: bool = False,
+             scores: bool = False) -> StepShape:
     return StepShape(tokens, min(tokens, self.tokens(self.max_num_seqs)), self.max_pages, fresh,
-                     decode_steps, greedy)
+                     decode_steps, greedy, scores)
 
   def _sizes(self, most: int, minimum: int) -> list[int]:
     """Every token bucket from ``minimum`` rows up to the bucket of ``most``."""
@@ -104,6 +111,8 @@ class Buckets:
     shapes = [self._shape(n, False, 1) for n in sizes]
     if self.dense_bound is not None:
       shapes += [self._shape(n, True, 1) for n in sizes]
+    if self.scores:
+      shapes += [self._shape(n, False, 1, scores=True) for n in sizes]
     if self.decode_steps > 1:
       shapes += [self._shape(n, False, self.decode_steps, greedy)
                  for n in self._sizes(min(self.max_num_seqs, self.max_step_tokens), 1)
@@ -111,7 +120,14 @@ class Buckets:
     return shapes
 
 
-STOP_HEADER = np.zeros(7, np.int32)
+def wants_scores(chunk: Chunk) -> bool:
+  """Whether ``chunk`` computes a prompt row whose next token's log-probability its request
+  asks for (every prompt row but the last)."""
+  return (chunk.seq.params.prompt_logprobs is not None
+          and chunk.num_cached < chunk.seq.num_prompt - 1)
+
+
+STOP_HEADER = np.zeros(8, np.int32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,8 @@ class StepProgram:
   samples from (1 + the most draft tokens). ``decode_steps``: 1 for one step; more for a
   multi-step decode dispatch (row s is sequence s, one token per step; no log-probabilities:
   the engine runs one only when no sequence asks for them), ``greedy`` taking every row's
-  argmax.
+  argmax. ``scores``: every row also goes through the vocabulary projection, for the
+  log-probability of the token after it (prompt log-probabilities).
   """
 
   plan: StepPlan
@@ -62,6 +63,7 @@ class StepProgram:
   logit_rows: int
   decode_steps: int = 1
   greedy: bool = False
+  scores: bool = False
 
   def build(self, graphdef, state_def, layout):
     """``step(state_leaves, pools, *StepInputs arrays) -> (outputs, pools)``.
@@ -69,7 +71,9 @@ class StepProgram:
     One step's outputs: new tokens [S, J] (the first ``accepted + 1`` of a sequence are its),
     accepted drafts [S], the tokens' log-probabilities [S, J] and the most likely ones' ids
     and log-probabilities [S, J, K], next drafts [S, D] and how many of them are meant [S]
-    (``drafts_wanted``). A multi-step dispatch's: new tokens [N, S] (-1 once a sequence
+    (``drafts_wanted``); a scoring step's then also, per row t, the log-probability of the
+    token after it (``next_ids_T``), its rank, and the most likely ones' ids and
+    log-probabilities [T, K]. A multi-step dispatch's: new tokens [N, S] (-1 once a sequence
     stopped)."""
     page_size = self.page_size
 
@@ -122,8 +126,10 @@ class StepProgram:
               lambda views: tuple(v.buffers.pools for v in views), pos_T[last_S] + 1,
               wanted_S, self.logit_rows - 1, self.draft_plan)
         pools = (main_pools, mtp_pools)
-      return ((tokens_SJ, accepted_S, *_logprobs(logits_SJV, tokens_SJ), drafts_SD, wanted_S),
-              pools)
+      outputs = (tokens_SJ, accepted_S, *_logprobs(logits_SJV, tokens_SJ), drafts_SD, wanted_S)
+      if self.scores:
+        outputs += _row_scores(model.logits(hidden_TD), next_ids_T)
+      return outputs, pools
 
     def decode_steps(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T,
                      logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S,
@@ -181,6 +187,16 @@ def _logprobs(logits_SJV, tokens_SJ):
   chosen_SJ = jnp.take_along_axis(logprobs_SJV, tokens_SJ[..., None], axis=-1)[..., 0]
   top_SJK, top_ids_SJK = jax.lax.top_k(logprobs_SJV, min(MAX_LOGPROBS, logprobs_SJV.shape[-1]))
   return chosen_SJ, top_ids_SJK, top_SJK
+
+
+def _row_scores(logits_TV, next_ids_T):
+  """Each row's log-probability of the token after it (-1: none; row ignored), that token's
+  rank (1 + the tokens more likely) and the most likely ones' ids and log-probabilities."""
+  logprobs_TV = jax.nn.log_softmax(logits_TV.astype(jnp.float32), axis=-1)
+  chosen_T = jnp.take_along_axis(logprobs_TV, jnp.maximum(next_ids_T, 0)[:, None], axis=-1)
+  rank_T = 1 + (logprobs_TV > chosen_T).sum(axis=-1, dtype=jnp.int32)
+  top_TK, top_ids_TK = jax.lax.top_k(logprobs_TV, min(MAX_LOGPROBS, logprobs_TV.shape[-1]))
+  return chosen_T[:, 0], rank_T, top_ids_TK, top_TK
 
 
 def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, segment_ids_B=None):

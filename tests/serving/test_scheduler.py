@@ -313,7 +313,7 @@ def test_random_requests_and_aborts_leave_every_page_free(seed):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", True),
+    ("max_tokens", -1), ("max_tokens", 2.0), ("max_tokens", True),
     ("temperature", -0.5), ("temperature", float("nan")), ("temperature", float("inf")),
     ("temperature", "hot"),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
