@@ -67,7 +67,11 @@ def test_prompt_logprobs_equal_a_contiguous_forward_under_chunks_and_prefix_hits
   assert len(outs[0].tokens) == 3 and outs[0].finish_reason == "length"
   assert outs[1].tokens == () and outs[1].finish_reason == "length"
   assert outs[1].logprobs == ()  # asked, none generated
-  assert any(c.shape.scores for c in engine.programs)
+  scoring = [c for c in engine.programs if c.shape.scores]
+  assert scoring and {c.shape for c in engine.programs} <= set(engine.buckets.all_shapes())
+  for c in engine.programs:  # the MQA-only contract holds in the scoring programs too
+    assert not {"mla_dense_mha", "mla_masked_mha"} & c.summary.scopes, c.shape
+    assert "indexer_score" in c.summary.scopes and c.plan.route.name == "SPARSE_MQA", c.shape
   # Without prompt_logprobs the same request reuses the prefix again.
   plain = engine.generate([prompts[0]], max_tokens=1)[0]
   assert plain.num_cached_prompt_tokens > 0 and plain.prompt_logprobs is None
@@ -95,3 +99,11 @@ def test_an_engine_that_does_not_score_refuses_by_name(model):
     Engine(model, num_pages=8, prompt_logprobs=1)
   with pytest.raises(ValueError, match="prompt_logprobs"):
     SamplingParams(prompt_logprobs=MAX_LOGPROBS + 1)
+
+
+def test_scoring_programs_cover_every_other_token_bucket_down_from_the_largest(model):
+  engine = Engine(model, num_pages=8, page_size=PAGE, max_step_tokens=512, log_interval=None,
+                  prompt_logprobs=True)
+  shapes = engine.buckets.all_shapes()
+  assert sorted(s.tokens for s in shapes if s.scores) == [8, 32, 128, 512]
+  assert not any(s.scores and (s.fresh or s.decode_steps > 1) for s in shapes)

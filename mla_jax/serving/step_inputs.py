@@ -66,7 +66,9 @@ class Buckets:
   since the indexer scores keys up to the live reach only (``StepPlan.key_chunk``).
   ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
   (None: the model takes none). ``scores``: the engine serves prompt log-probabilities, in
-  scoring variants of the one-step shapes (never fresh: one program per token bucket).
+  scoring variants of the one-step shapes: never fresh, and at every other token bucket down
+  from the largest (a scoring step pads to at most 4x its tokens; half the programs to
+  compile).
   """
 
   max_step_tokens: int
@@ -91,6 +93,8 @@ class Buckets:
         c.num_cached == 0 and c.num_tokens <= self.dense_bound for c in chunks)
     greedy = decode_steps > 1 and all(c.seq.params.temperature == 0 for c in chunks)
     rows = self.tokens(sum(c.num_computed for c in chunks), 1 if decode_steps > 1 else MIN_TOKENS)
+    if scores:
+      rows = min(n for n in self._scoring_sizes() if n >= rows)
     return self._shape(rows, fresh, decode_steps, greedy, scores)
 
   def _shape(self, tokens: int, fresh: bool, decode_steps: int, greedy: bool = False,
@@ -105,6 +109,9 @@ class Buckets:
       sizes.append(self.tokens(sizes[-1] + 1, minimum))
     return sizes
 
+  def _scoring_sizes(self) -> list[int]:
+    return self._sizes(self.max_step_tokens, MIN_TOKENS)[::-2]
+
   def all_shapes(self) -> list[StepShape]:
     """Every shape a step of this engine can take: what ``Engine.warmup`` compiles."""
     sizes = self._sizes(self.max_step_tokens, MIN_TOKENS)
@@ -112,7 +119,7 @@ class Buckets:
     if self.dense_bound is not None:
       shapes += [self._shape(n, True, 1) for n in sizes]
     if self.scores:
-      shapes += [self._shape(n, False, 1, scores=True) for n in sizes]
+      shapes += [self._shape(n, False, 1, scores=True) for n in self._scoring_sizes()]
     if self.decode_steps > 1:
       shapes += [self._shape(n, False, self.decode_steps, greedy)
                  for n in self._sizes(min(self.max_num_seqs, self.max_step_tokens), 1)
