@@ -301,6 +301,33 @@ def test_logprobs_are_the_model_distribution_of_each_output_token(model, prompts
   assert engine.generate(prompts[:1], max_tokens=2)[0].logprobs is None  # not asked
 
 
+def test_logit_bias_shifts_what_each_row_samples_from(model, prompts):
+  """Greedy: each token is the argmax of the reference logits plus the bias (teacher-forced
+  along the output), in multi-step dispatches and one-step programs alike; sampled: +100 on
+  three tokens draws only those; the reported log-probabilities stay the model's."""
+  engine = _engine(model)
+  vocab = model.config.vocab_size
+  bias = {3: 6.0, 7: -100.0, 11: 5.0, 40: 4.5}
+  bias_V = np.zeros(vocab)
+  bias_V[list(bias)] = list(bias.values())
+  allowed = (5, 9, 200)
+  greedy, scored, sampled = engine.generate(prompts[1:4], [
+      SamplingParams(max_tokens=NEW, logit_bias=bias),
+      SamplingParams(max_tokens=NEW, logit_bias=bias, logprobs=0),  # one step per dispatch
+      SamplingParams(max_tokens=3 * NEW, temperature=1.0, seed=5,
+                     logit_bias={t: 100.0 for t in allowed})])
+  changed = 0
+  for out in (greedy, scored):
+    ref = _logprobs_reference(model, [*out.prompt_tokens, *out.tokens], len(out.prompt_tokens))
+    assert list(out.tokens) == [int(np.argmax(row + bias_V)) for row in ref[:len(out.tokens)]]
+    changed += sum(int(np.argmax(row)) != int(np.argmax(row + bias_V)) for row in ref)
+  assert changed > 0  # the bias decided some tokens
+  for lp, row in zip(scored.logprobs, ref):
+    np.testing.assert_allclose(lp.logprob, row[lp.token], rtol=1e-4, atol=1e-4)
+  assert set(sampled.tokens) <= set(allowed) and len(set(sampled.tokens)) > 1
+  _no_leaks(engine)
+
+
 @pytest.mark.parametrize("prompt, params, error, match", [
     ([1] * 200, SamplingParams(max_tokens=8), ValueError, "exceeds the model's context of 128"),
     ([1] * 100, SamplingParams(max_tokens=8), ValueError, "pages of 8 tokens, the whole pool"),
@@ -327,6 +354,9 @@ def test_bad_requests_are_refused_and_leave_the_others_untouched(model, prompts,
     (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(seed=-3), "seed"), (dict(stop=("",)), "stop"),
     (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"),
+    (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={t: 1.0 for t in range(129)}), "logit_bias holds 129 tokens"),
+    (dict(logit_bias=[(1, 1.0), (1, 2.0)]), "twice"), (dict(logit_bias=5), "logit_bias"),
 ])
 def test_bad_sampling_settings_name_the_field(kwargs, match):
   with pytest.raises((TypeError, ValueError), match=match):

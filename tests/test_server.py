@@ -200,6 +200,14 @@ def test_vllm_extra_parameters(server, model):
   assert sampled() != greedy
   for cut in ({"top_k": 1}, {"min_p": 1.0}):  # only the most likely token is left to draw
     assert sampled(**cut) == greedy
+  # logit_bias (OpenAI's field): +100 forces a token, -100 bans the greedy one; sampled, +100 on
+  # two tokens draws only those
+  forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                     logit_bias={str(ord("Z")): 100}).choices[0].text
+  assert forced == "ZZZZ"
+  banned = create(logit_bias={ord(full[0]): -100}).choices[0].text
+  assert banned[0] != full[0]
+  assert set(sampled(logit_bias={ord("a"): 100, ord("b"): 100})) == {"a", "b"}
   stop = full[2:4]
   for include in (False, True):
     text = create(stop=[stop], include_stop_str_in_output=include).choices[0].text
@@ -483,6 +491,10 @@ BAD_REQUESTS = [
     (C, {**OK, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (CHAT, {**MSG, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     (C, {**OK, "presence_penalty": 0.5}, 400, "unsupported field 'presence_penalty'"),
+    (C, {**OK, "logit_bias": {"abc": 1}}, 400, "logit_bias: keys must be token ids"),
+    (C, {**OK, "logit_bias": {"65": 101}}, 400, "logit_bias"),
+    (C, {**OK, "logit_bias": {"9999": 1}}, 400, "logit_bias token 9999 is outside the"),
+    (CHAT, {**MSG, "logit_bias": {str(t): 1 for t in range(129)}}, 400, "logit_bias"),
     (C, {**OK, "logprobs": 50}, 400, "logprobs"),
     (C, {**OK, "stream": "yes"}, 400, "stream"),
     (CHAT, {k: v for k, v in MSG.items() if k != "messages"}, 400, "messages"),

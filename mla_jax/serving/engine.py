@@ -308,6 +308,9 @@ class Engine:
     for token in params.stop_token_ids:
       if token >= vocab:
         raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})")
+    for token, _ in params.logit_bias:
+      if token >= vocab:
+        raise ValueError(f"logit_bias token {token} is outside the vocabulary [0, {vocab})")
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=))")
     if params.prompt_logprobs is not None and not self.prompt_logprobs:

@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from mla_jax.serving.requests import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K
+from mla_jax.serving.requests import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
+                                      MAX_TOP_K)
 
 
 MAX_CHOICES = 16  # n: samples of one prompt a request may ask for
@@ -75,6 +76,21 @@ class _Sampling(_Request):
   min_tokens: Annotated[int, Field(ge=0)] = 0
   # vLLM's: each prompt token's log-probability and that many of the most likely tokens'
   prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+  # OpenAI's: {"token id": bias}, added to the logits
+  logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]],
+                        Field(max_length=MAX_LOGIT_BIAS)] | None = None
+
+  @pydantic.field_validator("logit_bias")
+  @classmethod
+  def _token_id_keys(cls, bias):
+    for key in bias or {}:
+      if not key.isdigit() or not key.isascii():
+        raise ValueError(f"keys must be token ids, got {key!r}")
+    return bias
+
+  @property
+  def bias(self) -> dict[int, float]:
+    return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
   @property
   def stop_strings(self) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 MAX_SEED = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
 MAX_TOP_K = 2**31 - 1  # a step's int32 array holds it (a larger k keeps every token anyway)
+MAX_LOGIT_BIAS = 128  # biased tokens per request (a step's arrays hold this many per sequence)
+MAX_BIAS = 100.0      # |bias| at most, OpenAI's range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +36,10 @@ class SamplingParams:
   vLLM's).
   ``ignore_eos``: the engine's end-of-sequence ids do not stop it (a benchmark's fixed output
   lengths; ``stop_token_ids`` still do). ``include_stop_str_in_output``: a server's text keeps
-  the stop string that ended it (by default it ends before it).
+  the stop string that ended it (by default it ends before it). ``logit_bias``: ``{token id:
+  bias}`` (or pairs), at most ``MAX_LOGIT_BIAS`` ids, each bias in [-100, 100], added to the
+  logits before anything else (the stop ids' hold-back, temperature and the cuts; greedy takes
+  the argmax of the biased logits); the reported log-probabilities stay the model's.
   ``logprobs``: None, or report each output token's log-probability and that many of the most
   likely tokens' (0 to ``MAX_LOGPROBS``), from the model's distribution before temperature
   and top_p. ``prompt_logprobs``: the same for every prompt token after the first (scoring:
@@ -58,6 +63,7 @@ class SamplingParams:
   top_k: int = 0
   min_p: float = 0.0
   min_tokens: int = 0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     checks.static_int(self.max_tokens, "max_tokens", minimum=0, wrong_type=TypeError)
@@ -85,10 +91,32 @@ class SamplingParams:
       raise ValueError(f"min_p must be a float in [0, 1], got {self.min_p!r}")
     checks.static_int(self.min_tokens, "min_tokens", minimum=0, maximum=self.max_tokens)
     object.__setattr__(self, "min_p", float(self.min_p))
+    object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
     object.__setattr__(self, "stop", stop)
     object.__setattr__(self, "temperature", float(self.temperature))
     object.__setattr__(self, "top_p", float(self.top_p))
+
+
+def _checked_bias(bias) -> tuple[tuple[int, float], ...]:
+  """``{token id: bias}`` or ``(id, bias)`` pairs as sorted pairs of an int and a float."""
+  pairs = tuple(bias.items()) if isinstance(bias, dict) else _as_tuple(bias, "logit_bias")
+  if len(pairs) > MAX_LOGIT_BIAS:
+    raise ValueError(f"logit_bias holds {len(pairs)} tokens, at most {MAX_LOGIT_BIAS}")
+  checked = {}
+  for pair in pairs:
+    if not isinstance(pair, tuple) or len(pair) != 2:
+      raise TypeError(f"logit_bias must map token ids to biases, got entry {pair!r}")
+    token, value = pair
+    checks.static_int(token, "logit_bias token id", minimum=0)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+        -MAX_BIAS <= value <= MAX_BIAS):
+      raise ValueError(f"logit_bias of token {token} must be a number in [-100, 100], got "
+                       f"{value!r}")
+    if token in checked:
+      raise ValueError(f"logit_bias names token {token} twice")
+    checked[int(token)] = float(value)
+  return tuple(sorted(checked.items()))
 
 
 def _as_tuple(values, name: str) -> tuple:

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from mla_jax.cache import power_of_two_bucket as bucket
+from mla_jax.serving.requests import MAX_LOGIT_BIAS
 from mla_jax.serving.scheduler import Chunk
 
 MIN_TOKENS = 8  # the smallest token bucket of a step program
@@ -151,7 +152,8 @@ class StepInputs:
   ``num_logits_S`` (how many: 0 when it does not sample), ``speculative_S`` (drafts it asks
   for), ``remaining_S`` (tokens it may still emit), ``min_left_S`` (tokens before its stop ids
   may be drawn: ``min_tokens``), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step
-  dispatch stops it on the device).
+  dispatch stops it on the device), ``bias_ids_SB`` and ``bias_SB`` (its ``logit_bias``: ids,
+  -1 padded, and values).
   """
 
   ids_T: np.ndarray
@@ -173,6 +175,8 @@ class StepInputs:
   remaining_S: np.ndarray
   min_left_S: np.ndarray
   stop_ids_SM: np.ndarray
+  bias_ids_SB: np.ndarray
+  bias_SB: np.ndarray
 
   @classmethod
   def zeros(cls, shape: StepShape, logit_rows: int, stop_ids: int) -> StepInputs:
@@ -182,7 +186,8 @@ class StepInputs:
                np.full(t, -1, np.int32), ints(s, shape.kv_pages), ints(s), ints(s),
                np.zeros(s, np.float32), np.ones(s, np.float32), ints(s), np.zeros(s, np.float32),
                ints(s, logit_rows), ints(s), ints(s), ints(s), ints(s),
-               np.full((s, stop_ids), -1, np.int32))
+               np.full((s, stop_ids), -1, np.int32), np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
+               np.zeros((s, MAX_LOGIT_BIAS), np.float32))
 
   def arrays(self) -> tuple[np.ndarray, ...]:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -223,6 +228,10 @@ def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int) -> StepInpu
     inputs.remaining_S[s] = params.max_tokens - len(seq.output)
     ids = seq.stop_ids[:STOP_IDS]
     inputs.stop_ids_SM[s, :len(ids)] = ids
+    if params.logit_bias:
+      bias_ids, bias = zip(*params.logit_bias)
+      inputs.bias_ids_SB[s, :len(bias_ids)] = bias_ids
+      inputs.bias_SB[s, :len(bias)] = bias
     t += n
   return inputs
 

@@ -94,12 +94,15 @@ class StepProgram:
 
     def step(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T, logit_row_T,
              table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S,
-             logit_rows_SJ, num_logits_S, speculative_S, remaining_S, min_left_S, stop_ids_SM):
+             logit_rows_SJ, num_logits_S, speculative_S, remaining_S, min_left_S, stop_ids_SM,
+             bias_ids_SB, bias_SB):
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       hidden_TD, pools = forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN)
       logits_SJV = model.logits(hidden_TD[logit_rows_SJ])
-      stop_SV = _stop_mask(stop_ids_SM, model.config.vocab_size)
-      accepted_S, tokens_SJ = accept(_no_stop_before_min(logits_SJV, stop_SV, min_left_S),
+      vocab = model.config.vocab_size
+      stop_SV = _stop_mask(stop_ids_SM, vocab)
+      biased_SJV = logits_SJV + _bias(bias_ids_SB, bias_SB, vocab)[:, None, :]
+      accepted_S, tokens_SJ = accept(_no_stop_before_min(biased_SJV, stop_SV, min_left_S),
                                      ids_T[logit_rows_SJ], num_logits_S, seed_keys(seeds_S),
                                      counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S)
       drafts_SD = jnp.zeros((seeds_S.shape[0], 0), jnp.int32)
@@ -134,19 +137,21 @@ class StepProgram:
     def decode_steps(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T,
                      logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S,
                      min_ps_S, logit_rows_SJ, num_logits_S, speculative_S, remaining_S,
-                     min_left_S, stop_ids_SM):
+                     min_left_S, stop_ids_SM, bias_ids_SB, bias_SB):
       """Up to N decode steps of every real row (row s: sequence s's last token), each
       sampling one token; a sequence stops at a stop id or its last allowed token, and the
       loop ends early once every sequence has."""
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       n, s = self.decode_steps, ids_T.shape[0]
-      stop_SV = _stop_mask(stop_ids_SM, model.config.vocab_size)  # once, not per step
+      vocab = model.config.vocab_size
+      stop_SV = _stop_mask(stop_ids_SM, vocab)  # once, not per step
+      bias_SV = _bias(bias_ids_SB, bias_SB, vocab)
       keys_S = seed_keys(seeds_S)
 
       def one_step(carry):
         i, pools, ids_S, active_S, tokens_NS = carry
         hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
-        logits_SV = _no_stop_before_min(model.logits(hidden_SD)[:, None], stop_SV,
+        logits_SV = _no_stop_before_min((model.logits(hidden_SD) + bias_SV)[:, None], stop_SV,
                                         min_left_S - i)[:, 0]
         if self.greedy:
           new_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
@@ -170,6 +175,14 @@ class StepProgram:
 def _stop_mask(stop_ids_SM, vocab_size: int):
   """[S, V]: whether each id is one of sequence s's stop ids (-1 pads none)."""
   return jax.nn.one_hot(stop_ids_SM, vocab_size, dtype=jnp.bool_).any(axis=1)
+
+
+def _bias(bias_ids_SB, bias_SB, vocab_size: int):
+  """[S, V]: each sequence's ``logit_bias`` (ids -1 pad: dropped) as a row to add."""
+  ids_SB = jnp.where(bias_ids_SB < 0, vocab_size, bias_ids_SB)  # out of range: dropped
+  rows_SB = jnp.broadcast_to(jnp.arange(ids_SB.shape[0])[:, None], ids_SB.shape)
+  return jnp.zeros((ids_SB.shape[0], vocab_size), jnp.float32).at[rows_SB, ids_SB].add(
+      bias_SB, mode="drop")
 
 
 def _no_stop_before_min(logits_SJV, stop_SV, min_left_S):
