@@ -289,7 +289,7 @@ def cmd_serve(args) -> int:
       tokenizer.ByteTokenizer()
   if isinstance(tok, tokenizer.HFTokenizer):
     tok.check_fits(config.vocab_size)
-  template = ChatTemplate.from_checkpoint(args.checkpoint)
+  template = ChatTemplate.from_checkpoint(args.checkpoint, args.chat_template)
   model = _build_model(args, config, mesh, mtp=args.speculative_tokens > 0)
   num_pages = _num_pages(args, model)
   engine = Engine(model, num_pages=num_pages, page_size=args.page_size,
@@ -523,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
                      default=10.0, help="seconds between engine stats lines (with -v)")
   serve.add_argument("--decode-steps", type=int_in(1, 256), default=DECODE_STEPS_PER_DISPATCH,
                      help="decode steps per dispatch when only decodes run and nothing waits")
+  serve.add_argument("--chat-template", metavar="FILE",
+                     help="a jinja2 chat template replacing the checkpoint's")
   serve.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
                      help="refuse echo with logprobs and prompt_logprobs (scoring), compiling "
                           "no scoring step programs")

@@ -333,6 +333,31 @@ def test_scoring_with_echo_and_prompt_logprobs(server, model):
       full.choices[0].logprobs.token_logprobs
 
 
+def test_tokenize_and_detokenize(server):
+  """vLLM's /tokenize (a prompt, or messages rendered as chat renders them) and /detokenize."""
+  tok = ByteTokenizer()
+  got = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "aQ",
+                                                   "return_token_strs": True}).json()
+  assert got == {"count": 3, "max_model_len": got["max_model_len"], "tokens": tok.encode("aQ"),
+                 "token_strs": ["", "a", "Q"]}
+  bare = httpx.post(f"{server.url}/tokenize", json={"prompt": "aQ", "add_special_tokens": False})
+  assert bare.json()["tokens"] == tok.encode("aQ", add_special_tokens=False)
+  messages = [{"role": "user", "content": "hi"}]
+  chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+  assert chat["tokens"] == _chat_ids(messages)
+  back = httpx.post(f"{server.url}/detokenize", json={"tokens": tok.encode("zB ?z")}).json()
+  assert back == {"prompt": "zB ?z"}
+  for path, body, words in (
+      ("/tokenize", {"prompt": "a", "messages": messages}, "not both"),
+      ("/tokenize", {}, "prompt or messages"),
+      ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "does not exist"),
+      ("/detokenize", {"tokens": [65, 10**6]}, "tokens.1: token id 1000000 is outside"),
+      ("/detokenize", {"tokens": [-1]}, "tokens")):
+    answer = httpx.post(f"{server.url}{path}", json=body)
+    assert answer.status_code in (400, 404) and words in answer.json()["error"]["message"], \
+        answer.text
+
+
 def test_models_health_and_metrics(server):
   models = server.client().models.list()
   assert [m.id for m in models.data] == [MODEL]
@@ -533,10 +558,17 @@ def test_an_oversized_body_is_413(server):
 # ---- a second server: auth, overload, SIGTERM ----------------------------------------------
 
 
-def test_api_key_overload_and_sigterm(checkpoint):
+def test_api_key_overload_and_sigterm(checkpoint, tmp_path):
+  template = tmp_path / "template.jinja"
+  template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                      "[assistant]")
   s = Server(checkpoint, "--api-key", "sesame", "--max-pending", "1", "--max-step-tokens", "1",
-             "--shutdown-timeout", "5")
+             "--shutdown-timeout", "5", "--chat-template", str(template))
   try:
+    # --chat-template replaces the checkpoint's (/tokenize renders messages as chat does)
+    rendered = httpx.post(f"{s.url}/tokenize", json={
+        "messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    assert ByteTokenizer().decode(rendered) == "[user] hi\n[assistant]"
     with pytest.raises(openai.AuthenticationError):
       s.client(api_key="wrong").completions.create(model=MODEL, prompt="a", max_tokens=1)
     missing = httpx.post(f"{s.url}{C}", json=OK)

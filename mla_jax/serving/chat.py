@@ -67,14 +67,18 @@ class ChatTemplate:
       raise TemplateError(f"the chat template failed on these messages: {e}") from None
 
   @classmethod
-  def from_checkpoint(cls, directory: str | Path | None) -> ChatTemplate:
+  def from_checkpoint(cls, directory: str | Path | None,
+                      template_file: str | Path | None = None) -> ChatTemplate:
     """The template of ``directory``'s ``tokenizer_config.json`` (HF's default one when it
-    names several), or the plain format without a directory, file or template."""
+    names several), or the plain format without a directory, file or template.
+    ``template_file``: a jinja2 file that replaces the checkpoint's template (its special
+    tokens still come from the checkpoint)."""
+    override = None if template_file is None else _read_template(Path(template_file))
     if directory is None:
-      return cls()
+      return cls(override)
     file = Path(directory) / TOKENIZER_CONFIG
     config = read_json_object(file) or {}
-    source = config.get("chat_template")
+    source = config.get("chat_template") if override is None else override
     if isinstance(source, list):  # HF's named templates: [{"name": ..., "template": ...}]
       named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
       source = named.get("default")
@@ -84,3 +88,10 @@ class ChatTemplate:
     special = {key: special_token(file, config, key)
                for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
     return cls(source, {key: value for key, value in special.items() if value is not None})
+
+
+def _read_template(file: Path) -> str:
+  try:
+    return file.read_text(encoding="utf-8")
+  except (OSError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"--chat-template {file}: cannot read it ({e})") from None

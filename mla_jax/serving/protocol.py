@@ -158,6 +158,27 @@ class ChatCompletionRequest(_Sampling):
     return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
 
+class TokenizeRequest(_Request):
+  """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+  model: str | None = None
+  prompt: str | None = None
+  messages: Annotated[list[Message], Field(min_length=1)] | None = None
+  add_special_tokens: bool | None = None  # default: a prompt's yes, rendered messages' no
+  return_token_strs: bool = False
+
+  @pydantic.model_validator(mode="after")
+  def _one_source(self):
+    if (self.prompt is None) == (self.messages is None):
+      raise ValueError("give prompt or messages (one of them, not both)")
+    return self
+
+
+class DetokenizeRequest(_Request):
+  model: str | None = None
+  tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=0)]
+
+
 def parse(model: type[_Request], body: bytes) -> _Request:
   """``body`` validated as ``model``, or a 400 naming the first field at fault."""
   try:

@@ -133,6 +133,8 @@ def create_app(loop: EngineLoop, settings: ServerSettings, metrics: ServerMetric
 
   app.post("/v1/completions")(handlers.completions)
   app.post("/v1/chat/completions")(handlers.chat_completions)
+  app.post("/tokenize")(handlers.tokenize)
+  app.post("/detokenize")(handlers.detokenize)
   app.add_middleware(_Guard, settings=settings, metrics=metrics)
   return app
 
@@ -169,7 +171,8 @@ class _Guard:
                                    str(status[0]) if status else "500").inc()
 
 
-_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+              "/tokenize", "/detokenize")
 _STARTED = int(time.time())
 
 
@@ -228,13 +231,7 @@ class _Handlers:
     body = protocol.parse(ChatCompletionRequest,
                           await _read_body(request, self.settings.max_body_bytes))
     self._check_model(body.model)
-    template = self.settings.chat_template
-    try:
-      text = template.render([{"role": m.role, "content": m.text} for m in body.messages])
-    except TemplateError as e:
-      raise APIError(400, f"messages: {e}", param="messages") from None
-    # A template spells its own special tokens (as HF's apply_chat_template encodes it).
-    prompt = self.settings.tokenizer.encode(text, add_special_tokens=template.is_plain)
+    prompt = self._chat_prompt(body.messages)
     max_tokens = body.token_limit
     if max_tokens is None:  # as vLLM: whatever the context (and the page pool) leaves
       room = min(self.settings.max_model_len, self.settings.pool_tokens)
@@ -242,7 +239,48 @@ class _Handlers:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await self._serve(request, body, [prompt], max_tokens, logprobs, chat=True)
 
+  async def tokenize(self, request: Request):
+    """vLLM's: a prompt's (or rendered messages') token ids, their count and the context."""
+    body = protocol.parse(protocol.TokenizeRequest,
+                          await _read_body(request, self.settings.max_body_bytes))
+    if body.model is not None:
+      self._check_model(body.model)
+    tokenizer = self.settings.tokenizer
+    if body.prompt is not None:
+      ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    else:
+      ids = self._chat_prompt(body.messages, body.add_special_tokens)
+    answer = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+      answer["token_strs"] = [_token_text(tokenizer, t) for t in ids]
+    return answer
+
+  async def detokenize(self, request: Request):
+    body = protocol.parse(protocol.DetokenizeRequest,
+                          await _read_body(request, self.settings.max_body_bytes))
+    if body.model is not None:
+      self._check_model(body.model)
+    vocab = self.settings.vocab_size
+    for i, token in enumerate(body.tokens):
+      if token >= vocab:
+        raise APIError(400, f"tokens.{i}: token id {token} is outside the vocabulary "
+                       f"[0, {vocab})", param="tokens")
+    return {"prompt": self.settings.tokenizer.decode(body.tokens)}
+
   # ---- checks ---------------------------------------------------------------------------
+
+  def _chat_prompt(self, messages, add_special_tokens: bool | None = None) -> list[int]:
+    """The messages rendered with the chat template, as token ids. A template spells its own
+    special tokens (HF's apply_chat_template encodes its text without adding any); the plain
+    format gets the tokenizer's."""
+    template = self.settings.chat_template
+    try:
+      text = template.render([{"role": m.role, "content": m.text} for m in messages])
+    except TemplateError as e:
+      raise APIError(400, f"messages: {e}", param="messages") from None
+    if add_special_tokens is None:
+      add_special_tokens = template.is_plain
+    return self.settings.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
   def _check_model(self, name: str) -> None:
     if name != self.settings.model_name:
