@@ -328,6 +328,51 @@ def test_logit_bias_shifts_what_each_row_samples_from(model, prompts):
   _no_leaks(engine)
 
 
+def _penalized_reference(logits_V, context, num_prompt, repetition=1.0, frequency=0.0,
+                         presence=0.0):
+  """vLLM's penalties in NumPy: a token seen in the context has a positive logit divided by
+  ``repetition`` and a negative one multiplied; an output token loses ``frequency`` per
+  occurrence and ``presence`` once."""
+  out = np.array(logits_V, np.float64)
+  seen = sorted(set(context))
+  out[seen] = np.where(out[seen] > 0, out[seen] / repetition, out[seen] * repetition)
+  tokens, counts = np.unique(np.asarray(context[num_prompt:], int), return_counts=True)
+  out[tokens] -= frequency * counts + presence * (counts > 0)
+  return out
+
+
+@pytest.mark.parametrize("penalty", [
+    dict(repetition_penalty=1.8), dict(frequency_penalty=1.5, presence_penalty=0.7),
+    dict(repetition_penalty=0.6, presence_penalty=-1.0)])
+def test_penalties_follow_vllms_rules(model, prompts, penalty):
+  """Each token is the argmax of the reference logits with the penalties of its context
+  (teacher-forced): in multi-step greedy dispatches, one-step programs (logprobs asked), the
+  sampling path (top_k 1) and again over prefix hits."""
+  engine = _engine(model, num_pages=24)
+  new = 12
+  params = [SamplingParams(max_tokens=new, **penalty),
+            SamplingParams(max_tokens=new, logprobs=0, **penalty),
+            SamplingParams(max_tokens=new, temperature=1.0, top_k=1, seed=2, **penalty)]
+  outs = engine.generate(prompts[1:4], params)
+  again = engine.generate(prompts[1:2], params[:1])[0]
+  assert again.num_cached_prompt_tokens > 0 and again.tokens == outs[0].tokens
+  changed = 0
+  for out in outs:
+    prompt, tokens = list(out.prompt_tokens), list(out.tokens)
+    ids = np.asarray(prompt + tokens[:-1])[None]
+    logits = np.asarray(model(ids, model.init_cache(1, ids.shape[1]))[0][0], np.float64)
+    for j, token in enumerate(tokens):
+      row = logits[len(prompt) - 1 + j]
+      expected = _penalized_reference(row, prompt + tokens[:j], len(prompt), *(
+          penalty.get(k, d) for k, d in (("repetition_penalty", 1.0),
+                                         ("frequency_penalty", 0.0),
+                                         ("presence_penalty", 0.0))))
+      assert token == int(np.argmax(expected)), (out.request_id, j)
+      changed += int(np.argmax(row)) != token
+  assert changed > 0  # the penalties decided some tokens
+  _no_leaks(engine)
+
+
 @pytest.mark.parametrize("prompt, params, error, match", [
     ([1] * 200, SamplingParams(max_tokens=8), ValueError, "exceeds the model's context of 128"),
     ([1] * 100, SamplingParams(max_tokens=8), ValueError, "pages of 8 tokens, the whole pool"),
@@ -357,6 +402,10 @@ def test_bad_requests_are_refused_and_leave_the_others_untouched(model, prompts,
     (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(logit_bias={t: 1.0 for t in range(129)}), "logit_bias holds 129 tokens"),
     (dict(logit_bias=[(1, 1.0), (1, 2.0)]), "twice"), (dict(logit_bias=5), "logit_bias"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(presence_penalty="1"), "presence_penalty"),
 ])
 def test_bad_sampling_settings_name_the_field(kwargs, match):
   with pytest.raises((TypeError, ValueError), match=match):

@@ -208,6 +208,12 @@ def test_vllm_extra_parameters(server, model):
   banned = create(logit_bias={ord(full[0]): -100}).choices[0].text
   assert banned[0] != full[0]
   assert set(sampled(logit_bias={ord("a"): 100, ord("b"): 100})) == {"a", "b"}
+  # penalties change the greedy answer to a prompt the model is unsure of, "KUKLLLLL" (the
+  # exact rules: tests/test_engine.py; this trained model's margins outlast +2 penalties)
+  for penalty, text in (({"presence_penalty": -2.0, "frequency_penalty": -2.0}, "KUKUKUKU"),
+                        ({"repetition_penalty": 5.0}, "KUQQQQQQ")):
+    assert client.completions.create(model=MODEL, prompt=unsure, max_tokens=8, temperature=0,
+                                     extra_body=penalty).choices[0].text == text != greedy
   stop = full[2:4]
   for include in (False, True):
     text = create(stop=[stop], include_stop_str_in_output=include).choices[0].text
@@ -515,7 +521,10 @@ BAD_REQUESTS = [
     (C, {**OK, "echo": "yes"}, 400, "echo"),
     (C, {**OK, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (CHAT, {**MSG, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
-    (C, {**OK, "presence_penalty": 0.5}, 400, "unsupported field 'presence_penalty'"),
+    (C, {**OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {**OK, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (C, {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (C, {**OK, "best_of": 2}, 400, "unsupported field 'best_of'"),
     (C, {**OK, "logit_bias": {"abc": 1}}, 400, "logit_bias: keys must be token ids"),
     (C, {**OK, "logit_bias": {"65": 101}}, 400, "logit_bias"),
     (C, {**OK, "logit_bias": {"9999": 1}}, 400, "logit_bias token 9999 is outside the"),

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -65,7 +66,8 @@ class CompiledStep:
 
 def engine_pools(model: CausalLM, rows: int, cache_dtype, *, mtp: bool):
   """An engine's page pools of ``rows`` token rows: ``(main pools per group and unit, MTP
-  pools per MTP layer, or () without speculative decoding)``."""
+  pools per MTP layer, or () without speculative decoding, each row's token id)`` (the ids:
+  ``mla_jax.decoding.penalties``)."""
   config, cache_dtype = model.config, resolve_cache_dtype(cache_dtype, "cache_dtype")
   main = tuple(
       tuple(empty_pools(config.mla, group.reps, rows, cache_dtype,
@@ -74,7 +76,7 @@ def engine_pools(model: CausalLM, rows: int, cache_dtype, *, mtp: bool):
       for group in model.layer_groups)
   mtp_pools = tuple(empty_pools(config.mla, 1, rows, cache_dtype, index_keys=True)
                     for _ in range(config.num_mtp_layers if mtp else 0))
-  return main, mtp_pools
+  return main, mtp_pools, jnp.zeros((rows,), jnp.int32)
 
 
 def page_bytes(model: CausalLM, page_size: int, cache_dtype="fp32", *, mtp: bool = False) -> int:
@@ -316,6 +318,10 @@ class Engine:
     if params.prompt_logprobs is not None and not self.prompt_logprobs:
       raise ValueError("prompt_logprobs: this engine does not score prompts (build it with "
                        "Engine(..., prompt_logprobs=True); mla-jax serve does by default)")
+    if params.speculative_tokens and (params.repetition_penalty != 1
+                                      or params.frequency_penalty or params.presence_penalty):
+      raise ValueError("repetition, frequency and presence penalties do not combine with "
+                       "speculative_tokens (a draft's penalties would need its drafts counted)")
     if params.speculative_tokens > self.max_speculative_tokens:
       raise ValueError(f"speculative_tokens {params.speculative_tokens} exceeds the engine's "
                        f"max_speculative_tokens {self.max_speculative_tokens}"

@@ -76,6 +76,10 @@ class _Sampling(_Request):
   min_tokens: Annotated[int, Field(ge=0)] = 0
   # vLLM's: each prompt token's log-probability and that many of the most likely tokens'
   prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+  # OpenAI's presence and frequency penalties and vLLM's repetition penalty (docs/serving.md)
+  presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+  frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+  repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
   # OpenAI's: {"token id": bias}, added to the logits
   logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]],
                         Field(max_length=MAX_LOGIT_BIAS)] | None = None

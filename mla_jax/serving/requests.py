@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import numbers
 import time
 
@@ -40,6 +41,9 @@ class SamplingParams:
   bias}`` (or pairs), at most ``MAX_LOGIT_BIAS`` ids, each bias in [-100, 100], added to the
   logits before anything else (the stop ids' hold-back, temperature and the cuts; greedy takes
   the argmax of the biased logits); the reported log-probabilities stay the model's.
+  ``repetition_penalty`` (> 0, 1: off), ``frequency_penalty`` and ``presence_penalty`` ([-2, 2],
+  0: off): vLLM's penalties, after the bias (``mla_jax.decoding.penalties``); not with
+  ``speculative_tokens``.
   ``logprobs``: None, or report each output token's log-probability and that many of the most
   likely tokens' (0 to ``MAX_LOGPROBS``), from the model's distribution before temperature
   and top_p. ``prompt_logprobs``: the same for every prompt token after the first (scoring:
@@ -64,6 +68,9 @@ class SamplingParams:
   min_p: float = 0.0
   min_tokens: int = 0
   logit_bias: tuple[tuple[int, float], ...] = ()
+  repetition_penalty: float = 1.0
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
 
   def __post_init__(self):
     checks.static_int(self.max_tokens, "max_tokens", minimum=0, wrong_type=TypeError)
@@ -92,6 +99,15 @@ class SamplingParams:
     checks.static_int(self.min_tokens, "min_tokens", minimum=0, maximum=self.max_tokens)
     object.__setattr__(self, "min_p", float(self.min_p))
     object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+    for name, valid, where in (("repetition_penalty", lambda v: 0 < v < math.inf, "> 0"),
+                               ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+                               ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+      if not valid(value):
+        raise ValueError(f"{name} must be a finite float {where}, got {value!r}")
+      object.__setattr__(self, name, float(value))
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
     object.__setattr__(self, "stop", stop)
     object.__setattr__(self, "temperature", float(self.temperature))

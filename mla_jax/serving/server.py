@@ -312,7 +312,9 @@ class _Handlers:
           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
           include_stop_str_in_output=body.include_stop_str_in_output,
           top_k=max(body.top_k, 0), min_p=body.min_p, min_tokens=body.min_tokens,
-          prompt_logprobs=max(depths) if depths else None, logit_bias=body.bias)
+          prompt_logprobs=max(depths) if depths else None, logit_bias=body.bias,
+          repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+          presence_penalty=body.presence_penalty)
     except (ValueError, TypeError) as e:  # the sampling settings' own checks
       raise APIError(400, str(e)) from None
 

@@ -153,7 +153,8 @@ class StepInputs:
   for), ``remaining_S`` (tokens it may still emit), ``min_left_S`` (tokens before its stop ids
   may be drawn: ``min_tokens``), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step
   dispatch stops it on the device), ``bias_ids_SB`` and ``bias_SB`` (its ``logit_bias``: ids,
-  -1 padded, and values).
+  -1 padded, and values), ``repetition_S``, ``frequency_S``, ``presence_S`` (its penalties)
+  and ``num_prompt_S`` (where its output starts: the penalties count output tokens).
   """
 
   ids_T: np.ndarray
@@ -177,6 +178,10 @@ class StepInputs:
   stop_ids_SM: np.ndarray
   bias_ids_SB: np.ndarray
   bias_SB: np.ndarray
+  repetition_S: np.ndarray
+  frequency_S: np.ndarray
+  presence_S: np.ndarray
+  num_prompt_S: np.ndarray
 
   @classmethod
   def zeros(cls, shape: StepShape, logit_rows: int, stop_ids: int) -> StepInputs:
@@ -187,7 +192,8 @@ class StepInputs:
                np.zeros(s, np.float32), np.ones(s, np.float32), ints(s), np.zeros(s, np.float32),
                ints(s, logit_rows), ints(s), ints(s), ints(s), ints(s),
                np.full((s, stop_ids), -1, np.int32), np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
-               np.zeros((s, MAX_LOGIT_BIAS), np.float32))
+               np.zeros((s, MAX_LOGIT_BIAS), np.float32), np.ones(s, np.float32),
+               np.zeros(s, np.float32), np.zeros(s, np.float32), ints(s))
 
   def arrays(self) -> tuple[np.ndarray, ...]:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -228,6 +234,9 @@ def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int) -> StepInpu
     inputs.remaining_S[s] = params.max_tokens - len(seq.output)
     ids = seq.stop_ids[:STOP_IDS]
     inputs.stop_ids_SM[s, :len(ids)] = ids
+    inputs.repetition_S[s] = params.repetition_penalty
+    inputs.frequency_S[s], inputs.presence_S[s] = params.frequency_penalty, params.presence_penalty
+    inputs.num_prompt_S[s] = seq.num_prompt
     if params.logit_bias:
       bias_ids, bias = zip(*params.logit_bias)
       inputs.bias_ids_SB[s, :len(bias_ids)] = bias_ids

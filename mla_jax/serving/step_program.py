@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax.decoding import penalties
 from mla_jax.decoding.sampling import sample_rows, seed_keys
 from mla_jax.decoding.speculative import accept, draft, drafts_wanted, row
 from mla_jax.decoding.stops import ends
@@ -78,9 +79,11 @@ class StepProgram:
     page_size = self.page_size
 
     def forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN):
-      """The main model on the flat rows: hidden states [T, D] and the pools."""
-      main_pools, mtp_pools = pools
+      """The main model on the flat rows: hidden states [T, D] and the pools (the rows' token
+      ids recorded too)."""
+      main_pools, mtp_pools, token_ids = pools
       table_TN = table_SN[seq_T]
+      token_ids = penalties.record_ids(token_ids, ids_T, table_TN, pos_T, real_T, page_size)
       caches = ModelCache(tuple(
           tuple(PagedLayerCache(latent, keys, table_TN,
                                 jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)), page_size,
@@ -90,25 +93,31 @@ class StepProgram:
       hidden_T1D, caches = model.forward_hidden(ids_T[:, None], caches, new_lens_B=real_T,
                                                 plan=self.plan)
       main_pools = tuple(tuple(c.pools for c in unit) for unit in caches.groups)
-      return hidden_T1D[:, 0], (main_pools, mtp_pools)
+      return hidden_T1D[:, 0], (main_pools, mtp_pools, token_ids)
 
     def step(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T, logit_row_T,
              table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S,
              logit_rows_SJ, num_logits_S, speculative_S, remaining_S, min_left_S, stop_ids_SM,
-             bias_ids_SB, bias_SB):
+             bias_ids_SB, bias_SB, repetition_S, frequency_S, presence_S, num_prompt_S):
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
       hidden_TD, pools = forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN)
       logits_SJV = model.logits(hidden_TD[logit_rows_SJ])
       vocab = model.config.vocab_size
       stop_SV = _stop_mask(stop_ids_SM, vocab)
       biased_SJV = logits_SJV + _bias(bias_ids_SB, bias_SB, vocab)[:, None, :]
+      penalize = (repetition_S, frequency_S, presence_S)
+      active = penalties.any_penalty(*penalize)
+      counts = penalties.maybe_counts(pools[2], table_SN, pos_T[logit_rows_SJ[:, 0]],
+                                      num_prompt_S, page_size, vocab, active)
+      biased_SJV = jax.lax.cond(active, lambda x: penalties.penalized(x, *counts, *penalize),
+                                lambda x: x, biased_SJV)
       accepted_S, tokens_SJ = accept(_no_stop_before_min(biased_SJV, stop_SV, min_left_S),
                                      ids_T[logit_rows_SJ], num_logits_S, seed_keys(seeds_S),
                                      counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S)
       drafts_SD = jnp.zeros((seeds_S.shape[0], 0), jnp.int32)
       wanted_S = jnp.zeros_like(seeds_S)
       if self.mtp:
-        main_pools, mtp_pools = pools
+        main_pools, mtp_pools, token_ids = pools
         # Row t's pair: (h_t, the token after it): known on the host, or sampled here.
         sampled_T = tokens_SJ[seq_T, jnp.maximum(logit_row_T, 0)]
         pairs_T = jnp.where(next_ids_T < 0, sampled_T, next_ids_T)
@@ -128,7 +137,7 @@ class StepProgram:
               lambda pools, rows_S: _mtp_views(pools, table_SN, rows_S, page_size),
               lambda views: tuple(v.buffers.pools for v in views), pos_T[last_S] + 1,
               wanted_S, self.logit_rows - 1, self.draft_plan)
-        pools = (main_pools, mtp_pools)
+        pools = (main_pools, mtp_pools, token_ids)
       outputs = (tokens_SJ, accepted_S, *_logprobs(logits_SJV, tokens_SJ), drafts_SD, wanted_S)
       if self.scores:
         outputs += _row_scores(model.logits(hidden_TD), next_ids_T)
@@ -137,7 +146,8 @@ class StepProgram:
     def decode_steps(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T,
                      logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S,
                      min_ps_S, logit_rows_SJ, num_logits_S, speculative_S, remaining_S,
-                     min_left_S, stop_ids_SM, bias_ids_SB, bias_SB):
+                     min_left_S, stop_ids_SM, bias_ids_SB, bias_SB, repetition_S, frequency_S,
+                     presence_S, num_prompt_S):
       """Up to N decode steps of every real row (row s: sequence s's last token), each
       sampling one token; a sequence stops at a stop id or its last allowed token, and the
       loop ends early once every sequence has."""
@@ -147,12 +157,17 @@ class StepProgram:
       stop_SV = _stop_mask(stop_ids_SM, vocab)  # once, not per step
       bias_SV = _bias(bias_ids_SB, bias_SB, vocab)
       keys_S = seed_keys(seeds_S)
+      penalize = (repetition_S, frequency_S, presence_S)
+      penalizing = penalties.any_penalty(*penalize)
 
       def one_step(carry):
-        i, pools, ids_S, active_S, tokens_NS = carry
+        i, pools, ids_S, active_S, tokens_NS, counts = carry
         hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
-        logits_SV = _no_stop_before_min((model.logits(hidden_SD) + bias_SV)[:, None], stop_SV,
-                                        min_left_S - i)[:, 0]
+        biased_S1V = (model.logits(hidden_SD) + bias_SV)[:, None]
+        biased_S1V = jax.lax.cond(
+            penalizing, lambda x: penalties.penalized(x, *counts, *penalize), lambda x: x,
+            biased_S1V)
+        logits_SV = _no_stop_before_min(biased_S1V, stop_SV, min_left_S - i)[:, 0]
         if self.greedy:
           new_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
         else:
@@ -161,12 +176,19 @@ class StepProgram:
         emit_S = active_S > 0
         stopped_S = emit_S & ends(new_S, stop_ids_SM, i + 1, remaining_S)
         return (i + 1, pools, jnp.where(emit_S, new_S, ids_S), active_S * ~stopped_S,
-                tokens_NS.at[i].set(jnp.where(emit_S, new_S, -1)))
+                tokens_NS.at[i].set(jnp.where(emit_S, new_S, -1)),
+                penalties.add_token(*counts, new_S, emit_S))
 
+      # Row s holds sequence s's last token, at position pos_T[s], not yet in the id pool: the
+      # counts of the tokens before it, then it.
+      counts = penalties.add_token(
+          *penalties.maybe_counts(pools[2], table_SN, pos_T - 1, num_prompt_S, page_size, vocab,
+                                  penalizing),
+          ids_T, real_T > 0, pos_T >= num_prompt_S)
       carry = (jnp.int32(0), pools, ids_T, real_T * (remaining_S > 0),
-               jnp.full((n, s), -1, jnp.int32))
+               jnp.full((n, s), -1, jnp.int32), counts)
       carry = jax.lax.while_loop(lambda c: (c[0] < n) & (c[3].sum() > 0), one_step, carry)
-      _, pools, _, _, tokens_NS = carry
+      _, pools, _, _, tokens_NS, _ = carry
       return (tokens_NS,), pools
 
     return step if self.decode_steps == 1 else decode_steps

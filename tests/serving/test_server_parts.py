@@ -34,7 +34,8 @@ def test_a_completion_takes_every_prompt_form():
     (dict(prompt=[[1], []]), "prompt.1", "at least 1 item"),
     (dict(prompt="x", stop=["a", ""]), "stop.1", "at least 1 character"),
     (dict(prompt="x", max_tokens="5"), "max_tokens", "valid integer"),
-    (dict(prompt="x", logit_bias={}), "logit_bias", "unsupported field"),
+    (dict(prompt="x", best_of=2), "best_of", "unsupported field"),
+    (dict(prompt="x", logit_bias={"7": 1, "x": 2}), "logit_bias", "keys must be token ids"),
     (dict(), "prompt", "missing required field"),
 ])
 def test_the_error_names_the_field_the_client_meant(body, param, words):
