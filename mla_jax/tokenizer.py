@@ -13,6 +13,7 @@ several tokens) and ``max_id``, the largest id they can produce.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import tokenizers
@@ -36,6 +37,11 @@ class Tokenizer(abc.ABC):
   @abc.abstractmethod
   def decode(self, ids) -> str:
     """Text of ``ids``; special tokens are dropped."""
+
+  def decoder_keeping(self, texts) -> Callable[[Sequence[int]], str]:
+    """A ``decode`` that keeps the special tokens spelled as one of ``texts`` (a parser's
+    tags, such as GLM's ``<tool_call>``), dropping the others."""
+    return self.decode
 
   @property
   @abc.abstractmethod
@@ -137,6 +143,19 @@ class HFTokenizer(Tokenizer):
 
   def decode(self, ids) -> str:
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def decoder_keeping(self, texts) -> Callable[[Sequence[int]], str]:
+    special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()
+               if t.special}
+    if not set(special.values()) & set(texts):  # nothing to keep: the plain decode
+      return self.decode
+    dropped = {i for i, content in special.items() if content not in texts}
+
+    def decode(ids) -> str:
+      return self.tokenizer.decode([int(i) for i in ids if int(i) not in dropped],
+                                   skip_special_tokens=False)
+
+    return decode
 
   @property
   def max_id(self) -> int:

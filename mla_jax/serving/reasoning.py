@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mla_jax.serving.tool_parsers import ToolParser, _held
+from mla_jax.serving.tool_parsers import TOOL_PARSERS, ToolParser, _held
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -115,3 +115,34 @@ def _merge(deltas: list[dict], d: dict) -> None:
         function[k] = function.get(k, "") + v if k == "arguments" else v
       return
   deltas.append(d)
+
+
+REASONING_PARSERS = ("deepseek_v3", "glm45")  # vLLM's names; both are the <think> split here
+# model_type (config.json) -> (tool-call parser, reasoning parser), as vLLM's recipes serve them
+DEFAULT_PARSERS = {"deepseek_v32": ("deepseek_v32", "deepseek_v3"),
+                   "glm_moe_dsa": ("glm45", "glm45")}
+
+
+def default_parsers(model_type: str | None) -> tuple[str | None, str | None]:
+  """The parsers a checkpoint of ``model_type`` gets without flags (none for others)."""
+  return DEFAULT_PARSERS.get(model_type, (None, None))
+
+
+def parser_tags(tool_parser: str | None, reasoning_parser: str | None) -> tuple[str, ...]:
+  """The tags the parsers read: a tokenizer that spells one as a special token must keep it
+  when decoding."""
+  tags = [THINK, END_THINK] if reasoning_parser else []
+  if tool_parser is not None:
+    tags += TOOL_PARSERS[tool_parser].tags
+  return tuple(tags)
+
+
+def output_parser(tool_parser: str | None, reasoning_parser: str | None, tools, *,
+                  opens_think: bool) -> ChatOutputParser | None:
+  """A fresh parser for one choice: ``tool_parser`` None (or ``tools`` None) parses no calls,
+  ``reasoning_parser`` None splits no reasoning; None when neither applies."""
+  calls = TOOL_PARSERS[tool_parser](tools) if tool_parser and tools is not None else None
+  thinking = ReasoningParser(opens_think) if reasoning_parser else None
+  if calls is None and thinking is None:
+    return None
+  return ChatOutputParser(thinking, calls)

@@ -96,6 +96,7 @@ class ToolParser:
   """The machinery both formats share: content outside calls, call deltas, hold-back."""
 
   start_tag: str = ""
+  tags: tuple[str, ...] = ()  # what a tokenizer must not drop as special tokens
 
   def __init__(self, tools: Sequence[dict] = (), *, call_id: Callable[[], str] = new_call_id):
     # tools: OpenAI function tools as dicts ({"type": "function", "function": {...}})
@@ -209,6 +210,7 @@ class DeepSeekV32ToolParser(ToolParser):
 
   start_tag = f"<{_DSML}function_calls>"
   end_tag = f"</{_DSML}function_calls>"
+  tags = (start_tag, end_tag)
   invoke = f"<{_DSML}invoke"
   invoke_end = f"</{_DSML}invoke>"
   parameter = f"<{_DSML}parameter"
@@ -280,6 +282,7 @@ class Glm45ToolParser(ToolParser):
   end_tag = "</tool_call>"
   key, key_end = "<arg_key>", "</arg_key>"
   value, value_end = "<arg_value>", "</arg_value>"
+  tags = (start_tag, end_tag, key, key_end, value, value_end)
 
   def _until(self, tags: Sequence[str], final: bool):
     """The text before the first of ``tags`` and the tag (both consumed), or None."""
