@@ -235,7 +235,7 @@ class ChatCompletionRequest(_Sampling):
   max_completion_tokens: PositiveInt | None = None
   logprobs: bool = False
   top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-  tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+  tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
   tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
   @pydantic.model_validator(mode="after")

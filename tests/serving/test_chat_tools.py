@@ -57,6 +57,7 @@ def _refused(**body):
     (dict(tool_choice="required"), "tool_choice", "needs tools"),
     (dict(tool_choice="sometimes"), "tool_choice", "'none', 'auto' or 'required'"),
     (dict(tools=[WEATHER, WEATHER]), "tools.1.function.name", "defined twice"),
+    (dict(tools=[]), "tools", "at least 1 item"),  # as OpenAI
 ])
 def test_bad_tools_name_the_field(body, param, words):
   error = _refused(messages=USER, **body)
