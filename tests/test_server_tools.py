@@ -2,11 +2,12 @@
 
 The recall model writes no tool calls, so the test steers what its tokens *say*, not what
 they are: the checkpoint gets a byte-level ``tokenizer.json`` whose decoder spells the two
-letters the model greedily answers this prompt with as pieces of a DeepSeek-V3.2 turn
-(reasoning, ``</think>``, content, then a DSML call split between the two tokens), the way a
-real tokenizer spells ``<tool_call>`` or ``</think>`` as one token. The token ids, and so the
-generation, are the model's own; a stop string at its third letter ends the turn. The
-parsers are the defaults of the checkpoint's ``model_type`` (deepseek_v32), no flags.
+letters the model greedily answers this prompt with as pieces of a thinking turn (reasoning,
+``</think>``, content, then a call split between the two tokens), the way a real tokenizer
+spells ``<tool_call>`` or ``</think>`` as one token. The token ids, and so the generation, are
+the model's own; a stop string at its third letter ends the turn. Two servers: a DeepSeek-V3.2
+turn in DSML with the parsers of the checkpoint's ``model_type`` (deepseek_v32, no flags), and a
+GLM-5 turn with ``--tool-call-parser glm45 --reasoning-parser glm45``.
 """
 
 from __future__ import annotations
@@ -40,10 +41,17 @@ TEMPLATE = (
     "{% else %}{{ m.role }}:{{ m.content }};{% endif %}{% endfor %}"
     "<think>{{ messages[-1].content }}")
 D = "｜DSML｜"
-FIRST = (f"Thinking it over.</think>Sure.<{D}function_calls>\n<{D}invoke name=\"get_weather\">"
-         f'\n<{D}parameter name="city" string="true">Par')
-SECOND = (f'is</{D}parameter>\n<{D}parameter name="days" string="false">3</{D}parameter>\n'
-          f"</{D}invoke>\n</{D}function_calls>")
+TURNS = {  # format: (server flags, the first token's text, the second's)
+    "deepseek_v32": ([], f"Thinking it over.</think>Sure.<{D}function_calls>\n"
+                         f'<{D}invoke name="get_weather">\n<{D}parameter name="city" '
+                         'string="true">Par',
+                     f'is</{D}parameter>\n<{D}parameter name="days" string="false">3'
+                     f"</{D}parameter>\n</{D}invoke>\n</{D}function_calls>"),
+    "glm45": (["--tool-call-parser", "glm45", "--reasoning-parser", "glm45"],
+              "Thinking it over.</think>Sure.<tool_call>get_weather<arg_key>city</arg_key>"
+              "<arg_value>Par",
+              "is</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"),
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
 ASK = [{"role": "user", "content": RECALL}]
@@ -69,31 +77,36 @@ def _byte_tokenizer(replace: dict[str, str]) -> tokenizers.Tokenizer:
   return tok
 
 
-@pytest.fixture(scope="module")
-def steered(tmp_path_factory):
-  """The checkpoint, and the three letters the model answers the tools request with."""
+@pytest.fixture(scope="module", params=sorted(TURNS))
+def steered(request, tmp_path_factory):
+  """The checkpoint, the three letters the model answers the tools request with, the turn
+  they spell and the server's flags."""
+  flags, first, second = TURNS[request.param]
   prompt = "T:get_weather;<think>" + RECALL
   model = load_pretrained(presets.RECALL_CHECKPOINT, dtype=jnp.float32, backend="xla")
   ids = [ByteTokenizer.BOS_ID, *ByteTokenizer().encode(prompt, add_special_tokens=False)]
   letters = ByteTokenizer().decode(generate(model, [ids], 3).tokens[0])
   assert len(set(letters)) == 3 and letters.isalpha(), letters  # three distinct letters
-  assert letters[2] not in FIRST + SECOND  # the stop string
+  assert letters[2] not in first + second  # the stop string
   path = tmp_path_factory.mktemp("ckpt") / MODEL
   shutil.copytree(presets.RECALL_CHECKPOINT, path)
-  _byte_tokenizer({letters[0]: FIRST, letters[1]: SECOND}).save(str(path / "tokenizer.json"))
+  _byte_tokenizer({letters[0]: first, letters[1]: second}).save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps(
       {"chat_template": TEMPLATE, "bos_token": "<bos>", "eos_token": "<eos>"}))
   assert json.loads((path / "config.json").read_text())["model_type"] == "deepseek_v32"
-  return path, letters
+  return path, letters, first + second, flags
 
 
 @pytest.fixture(scope="module")
 def server(steered):
-  s = Server(steered[0], "--no-warmup")
+  # one token per step: each token's text comes in a chunk of its own
+  s = Server(steered[0], "--no-warmup", "--decode-steps", "1", *steered[3])
   yield s
   code, out, err = s.stop()
   assert code == 0, err
-  assert "tool-call parser deepseek_v32, reasoning parser deepseek_v3" in out
+  parsers = "glm45, reasoning parser glm45" if steered[3] else \
+      "deepseek_v32, reasoning parser deepseek_v3"
+  assert f"tool-call parser {parsers}" in out
 
 
 def test_a_steered_tool_call_full_and_streamed(server, steered):
@@ -121,6 +134,8 @@ def test_a_steered_tool_call_full_and_streamed(server, steered):
   assert reasoning == "Thinking it over." and content == "Sure."
   assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
   assert {d.index for d in deltas} == {0}
+  # the call's name came with the first token, its arguments with the second
+  assert len(deltas) == 2 and deltas[0].function.arguments == ""
   assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
   assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -133,7 +148,7 @@ def test_tool_choice_none_leaves_the_call_as_text(server, steered):
   message = out.choices[0].message
   assert message.tool_calls is None and out.choices[0].finish_reason == "stop"
   assert message.model_extra["reasoning_content"] == "Thinking it over."
-  assert message.content == (FIRST + SECOND).split("</think>")[1]
+  assert message.content == steered[2].split("</think>")[1]
 
 
 def test_tool_messages_reach_the_template(server):
