@@ -114,6 +114,7 @@ class HFTokenizer(Tokenizer):
       self.tokenizer = tokenizers.Tokenizer.from_file(str(self.file))
     except Exception as e:  # the library raises a bare Exception for unreadable files
       raise CheckpointError(f"{self.file}: not a tokenizers file ({e})") from None
+    self._special: dict[int, str] | None = None  # special tokens' texts, once asked
     config_file = directory / TOKENIZER_CONFIG
     config = read_json_object(config_file) or {}
     generation = read_generation_config(directory)
@@ -145,11 +146,12 @@ class HFTokenizer(Tokenizer):
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
   def decoder_keeping(self, texts) -> Callable[[Sequence[int]], str]:
-    special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()
-               if t.special}
-    if not set(special.values()) & set(texts):  # nothing to keep: the plain decode
+    if self._special is None:
+      self._special = {i: t.content for i, t in
+                       self.tokenizer.get_added_tokens_decoder().items() if t.special}
+    if not set(self._special.values()) & set(texts):  # nothing to keep: the plain decode
       return self.decode
-    dropped = {i for i, content in special.items() if content not in texts}
+    dropped = {i for i, content in self._special.items() if content not in texts}
 
     def decode(ids) -> str:
       return self.tokenizer.decode([int(i) for i in ids if int(i) not in dropped],

@@ -12,6 +12,7 @@ import collections
 import json
 from typing import Annotated, Literal
 
+import jsonschema
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -190,8 +191,6 @@ class FunctionDefinition(_Request):
   def _object_schema(cls, parameters: dict | None) -> dict | None:
     if parameters is None:
       return None
-    import jsonschema
-
     try:
       jsonschema.validators.validator_for(parameters).check_schema(parameters)
     except jsonschema.SchemaError as e:

@@ -284,7 +284,7 @@ class Glm45ToolParser(ToolParser):
   value, value_end = "<arg_value>", "</arg_value>"
   tags = (start_tag, end_tag, key, key_end, value, value_end)
 
-  def _until(self, tags: Sequence[str], final: bool):
+  def _until(self, tags: Sequence[str]):
     """The text before the first of ``tags`` and the tag (both consumed), or None."""
     hit = _first(self._buf, tags)
     if hit is None:
@@ -295,7 +295,7 @@ class Glm45ToolParser(ToolParser):
   def _skip_to(self, tags: Sequence[str]):
     """Drops text up to the first of ``tags`` and returns that tag, or None (keeping what
     could begin one)."""
-    got = self._until(tags, False)
+    got = self._until(tags)
     if got is None:
       keep = _held(self._buf, tags)
       self._buf = self._buf[len(self._buf) - keep:]
@@ -309,7 +309,7 @@ class Glm45ToolParser(ToolParser):
           return
         self._state = "name"
       elif self._state == "name":
-        got = self._until(["\n", self.key, self.end_tag], final)
+        got = self._until(["\n", self.key, self.end_tag])
         if got is None:
           return
         name, tag = got[0].strip(), got[1]
@@ -337,7 +337,7 @@ class Glm45ToolParser(ToolParser):
         else:
           self._state = "key"
       elif self._state == "key":
-        got = self._until([self.key_end, self.end_tag], final)
+        got = self._until([self.key_end, self.end_tag])
         if got is None:
           return
         if got[1] == self.end_tag:
@@ -356,7 +356,7 @@ class Glm45ToolParser(ToolParser):
         else:
           self._state = "value"
       elif self._state == "value":
-        got = self._until([self.value_end], final)
+        got = self._until([self.value_end])
         if got is None:
           return
         function = self.calls[-1]["function"]["name"]
