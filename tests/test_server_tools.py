@@ -139,6 +139,15 @@ def test_a_steered_tool_call_full_and_streamed(server, steered):
   assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
   assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
+  # an agent's next turn: the answer sent back as it came (content null, reasoning_content,
+  # tool_calls), the tool's result after it
+  follow = client.chat.completions.create(model=MODEL, max_tokens=1, temperature=0, messages=[
+      *ASK, message, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}, *ASK],
+      tools=[WEATHER])
+  rendered = (f"T:get_weather;user:{RECALL};C[{call.id}]:get_weather,city=Paris,days=3;"
+              f"R[{call.id}]:sunny;<think>{RECALL}")
+  assert follow.usage.prompt_tokens == 1 + len(rendered.encode())
+
 
 def test_tool_choice_none_leaves_the_call_as_text(server, steered):
   letters = steered[1]

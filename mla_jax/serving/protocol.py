@@ -137,8 +137,9 @@ class ToolCall(_Request):
 
 
 class Message(_Request):
-  """One message. ``tool_calls`` (and ``reasoning_content``) only on an assistant's,
-  whose ``content`` may then be null; a ``tool`` message answers ``tool_call_id``."""
+  """One message. ``tool_calls`` and ``reasoning_content`` only on an assistant's, whose
+  ``content`` may be null (as this server's own answers have it beside them); a ``tool``
+  message answers ``tool_call_id``."""
 
   role: Literal["system", "user", "assistant", "developer", "tool"]
   content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
@@ -155,9 +156,9 @@ class Message(_Request):
       raise ValueError("reasoning_content: only an assistant message has it")
     if (self.role == "tool") != (self.tool_call_id is not None):
       raise ValueError("a tool message needs tool_call_id (and only a tool message has one)")
-    if self.content is None and self.tool_calls is None:
-      raise ValueError("content: missing (only an assistant message with tool_calls may "
-                       "leave it out)")
+    if self.content is None and self.role != "assistant":
+      raise ValueError("content: missing (only an assistant message may leave it out: one "
+                       "with tool_calls, or only reasoning_content, as this server answers)")
     return self
 
   @property

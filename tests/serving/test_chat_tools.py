@@ -70,7 +70,8 @@ def test_bad_tools_name_the_field(body, param, words):
     ({"role": "user", "content": "x", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
      "messages.1", "only an assistant"),
-    ({"role": "assistant"}, "messages.1", "content: missing"),
+    ({"role": "tool", "tool_call_id": "a"}, "messages.1", "content: missing"),
+    ({"role": "user", "content": None}, "messages.1", "content: missing"),
     ({"role": "assistant", "content": None, "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{'a': 1}"}}]},
      "messages.1.tool_calls.0.function.arguments", "not JSON"),
