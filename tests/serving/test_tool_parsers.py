@@ -196,6 +196,9 @@ def test_glm_without_a_call_is_content_and_a_nameless_call_is_dropped():
   text = "Plain answer with <b>tags</b>, a < sign and a trailing space "
   _check_every_split("glm", text, ("", text, []))
   assert _whole("glm", "a<tool_call>\n<arg_key>k</arg_key></tool_call> b") == ("", "ab", [])
+  # no arguments: an empty object, with GLM-4.5's newline or without
+  _check_every_split("glm", "<tool_call>search\n</tool_call><tool_call>search</tool_call>",
+                     ("", "", [_call(0, "search", {}), _call(1, "search", {})]))
 
 
 # ---- reasoning ----------------------------------------------------------------------------
