@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mla_jax.serving.tool_parsers import TOOL_PARSERS, ToolParser, _held
+from mla_jax.serving.tool_parsers import TOOL_PARSERS, ToolParser, held_back
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -53,7 +53,7 @@ class ReasoningParser:
     if self._state == "reasoning":
       at = self._buf.find(END_THINK)
       if at < 0:
-        keep = 0 if final else _held(self._buf, [END_THINK])
+        keep = 0 if final else held_back(self._buf, [END_THINK])
         reasoning, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return reasoning, ""
       reasoning, self._buf = self._buf[:at], self._buf[at + len(END_THINK):]

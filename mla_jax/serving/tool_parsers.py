@@ -60,7 +60,7 @@ class ToolDelta:
   tool_calls: list[dict] = dataclasses.field(default_factory=list)
 
 
-def _held(text: str, tags: Sequence[str]) -> int:
+def held_back(text: str, tags: Sequence[str]) -> int:
   """Characters at the end of ``text`` that begin one of ``tags`` (and may yet complete it)."""
   for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
     if any(t.startswith(text[-n:]) for t in tags):
@@ -187,7 +187,7 @@ class ToolParser:
     if hit is None:
       keep = 0
       if not final:  # what may begin the tag, and the whitespace before it
-        keep = _held(self._buf, [self.start_tag])
+        keep = held_back(self._buf, [self.start_tag])
         rest = self._buf[:len(self._buf) - keep]
         keep += len(rest) - len(rest.rstrip())
       self._content(self._buf[:len(self._buf) - keep])
@@ -224,7 +224,7 @@ class DeepSeekV32ToolParser(ToolParser):
     Anything else before them is dropped."""
     hit = _first(self._buf, [opener, *ends])
     if hit is None:
-      keep = _held(self._buf, [opener, *ends])
+      keep = held_back(self._buf, [opener, *ends])
       self._buf = self._buf[len(self._buf) - keep:]
       return None
     at, tag = hit
@@ -297,7 +297,7 @@ class Glm45ToolParser(ToolParser):
     could begin one)."""
     got = self._until(tags)
     if got is None:
-      keep = _held(self._buf, tags)
+      keep = held_back(self._buf, tags)
       self._buf = self._buf[len(self._buf) - keep:]
       return None
     return got[1]
