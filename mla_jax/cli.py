@@ -309,20 +309,23 @@ def cmd_serve(args) -> int:
   has_defaults = args.checkpoint and (Path(args.checkpoint) / GENERATION_CONFIG).is_file()
   defaults = read_generation_config(args.checkpoint) if has_defaults else \
       GenerationDefaults(temperature=1.0)  # OpenAI's default without a checkpoint's own
+  tool_parser, reasoning_parser = _output_parsers(args)
   settings = ServerSettings(
       model_name=name, tokenizer=tok, chat_template=template,
       max_model_len=engine.max_model_len, vocab_size=config.vocab_size,
       pool_tokens=engine.num_pages * engine.page_size, api_key=api_key,
       max_body_bytes=args.max_body_bytes, max_pending=args.max_pending,
       temperature=defaults.temperature, top_p=defaults.top_p,
-      speculative_tokens=args.speculative_tokens)
+      speculative_tokens=args.speculative_tokens, tool_parser=tool_parser,
+      reasoning_parser=reasoning_parser)
   metrics = ServerMetrics(engine.num_pages)
   loop = EngineLoop(engine, metrics)
   app = create_app(loop, settings, metrics)
   print(f"serving {name!r} ({type(model.layer_module(0).self_attn).__name__} x "
         f"{config.num_layers} layers, backend {model.backend.name}, {engine.num_pages} pages "
         f"of {engine.page_size} tokens, context {engine.max_model_len}, chat template "
-        f"{'plain' if template.is_plain else 'from tokenizer_config.json'}) on "
+        f"{'plain' if template.is_plain else 'from tokenizer_config.json'}, tool-call parser "
+        f"{tool_parser or 'none'}, reasoning parser {reasoning_parser or 'none'}) on "
         f"http://{args.host}:{args.port}/v1", flush=True)
   try:
     run(app, loop, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
@@ -330,6 +333,26 @@ def cmd_serve(args) -> int:
     engine.shutdown()  # releases the other processes of a multi-process run
     print("server stopped", flush=True)
   return 0
+
+
+TOOL_CALL_PARSERS = ("deepseek_v32", "glm45")  # serving.tool_parsers.TOOL_PARSERS
+REASONING_PARSERS = ("deepseek_v3", "glm45")    # serving.reasoning.REASONING_PARSERS
+
+
+def _output_parsers(args) -> tuple[str | None, str | None]:
+  """``--tool-call-parser`` / ``--reasoning-parser``; without them, what the checkpoint's
+  ``model_type`` is served with (``serving.reasoning.DEFAULT_PARSERS``); "none": None."""
+  from mla_jax.serving.reasoning import default_parsers
+
+  model_type = None
+  if args.checkpoint:
+    from mla_jax.checkpoints.loading import read_config
+
+    model_type = read_config(Path(args.checkpoint)).get("model_type")
+  tool, reasoning = default_parsers(model_type)
+  tool = tool if args.tool_call_parser is None else args.tool_call_parser
+  reasoning = reasoning if args.reasoning_parser is None else args.reasoning_parser
+  return (None if tool == "none" else tool), (None if reasoning == "none" else reasoning)
 
 
 def cmd_routes(args) -> int:
@@ -521,6 +544,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds SIGTERM leaves requests in flight before aborting them")
   serve.add_argument("--log-interval", type=float_in(0.0, math.inf, low_open=True),
                      default=10.0, help="seconds between engine stats lines (with -v)")
+  serve.add_argument("--tool-call-parser", choices=[*TOOL_CALL_PARSERS, "none"],
+                     help="parse chat output for tool calls in this format: DeepSeek-V3.2's "
+                          "DSML or GLM-4.5..5's <tool_call> (default: from the checkpoint's "
+                          "model_type, deepseek_v32 or glm_moe_dsa; else none)")
+  serve.add_argument("--reasoning-parser", choices=[*REASONING_PARSERS, "none"],
+                     help="split <think>...</think> off chat output as reasoning_content "
+                          "(default: from the checkpoint's model_type; else none)")
   serve.add_argument("--decode-steps", type=int_in(1, 256), default=DECODE_STEPS_PER_DISPATCH,
                      help="decode steps per dispatch when only decodes run and nothing waits")
   serve.add_argument("--chat-template", metavar="FILE",

@@ -13,6 +13,7 @@ several tokens) and ``max_id``, the largest id they can produce.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import tokenizers
@@ -36,6 +37,11 @@ class Tokenizer(abc.ABC):
   @abc.abstractmethod
   def decode(self, ids) -> str:
     """Text of ``ids``; special tokens are dropped."""
+
+  def decoder_keeping(self, texts) -> Callable[[Sequence[int]], str]:
+    """A ``decode`` that keeps the special tokens spelled as one of ``texts`` (a parser's
+    tags, such as GLM's ``<tool_call>``), dropping the others."""
+    return self.decode
 
   @property
   @abc.abstractmethod
@@ -108,6 +114,7 @@ class HFTokenizer(Tokenizer):
       self.tokenizer = tokenizers.Tokenizer.from_file(str(self.file))
     except Exception as e:  # the library raises a bare Exception for unreadable files
       raise CheckpointError(f"{self.file}: not a tokenizers file ({e})") from None
+    self._special: dict[int, str] | None = None  # special tokens' texts, once asked
     config_file = directory / TOKENIZER_CONFIG
     config = read_json_object(config_file) or {}
     generation = read_generation_config(directory)
@@ -137,6 +144,20 @@ class HFTokenizer(Tokenizer):
 
   def decode(self, ids) -> str:
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def decoder_keeping(self, texts) -> Callable[[Sequence[int]], str]:
+    if self._special is None:
+      self._special = {i: t.content for i, t in
+                       self.tokenizer.get_added_tokens_decoder().items() if t.special}
+    if not set(self._special.values()) & set(texts):  # nothing to keep: the plain decode
+      return self.decode
+    dropped = {i for i, content in self._special.items() if content not in texts}
+
+    def decode(ids) -> str:
+      return self.tokenizer.decode([int(i) for i in ids if int(i) not in dropped],
+                                   skip_special_tokens=False)
+
+    return decode
 
   @property
   def max_id(self) -> int:

@@ -28,10 +28,10 @@ def _strftime_now(format: str) -> str:
 
 
 class ChatTemplate:
-  """Renders a list of ``{"role", "content"}`` messages to the prompt text that asks for the
-  assistant's turn.
+  """Renders a list of messages (``{"role", "content"}``, and an assistant's ``tool_calls``, a
+  tool message's ``tool_call_id``) to the prompt text that asks for the assistant's turn.
 
-  ``source`` is a jinja2 template, rendered in a sandbox with ``messages``,
+  ``source`` is a jinja2 template, rendered in a sandbox with ``messages``, ``tools``,
   ``add_generation_prompt=True``, the tokenizer's special tokens (``bos_token``,
   ``eos_token``, ...), ``raise_exception`` and ``strftime_now``, with HF's whitespace settings.
   None: the plain format, one ``"{role}: {content}\\n"`` line per message, then
@@ -55,11 +55,14 @@ class ChatTemplate:
   def is_plain(self) -> bool:
     return self._template is None
 
-  def render(self, messages: list[dict[str, str]]) -> str:
+  def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """``tools``: OpenAI function tools, which the template gets as ``tools`` (None when the
+    request gave none), as HF's ``apply_chat_template(tools=...)`` passes them. The plain
+    format renders no tools (nor tool calls): the server refuses them there."""
     if self._template is None:
-      return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+      return "".join(f"{m['role']}: {m['content'] or ''}\n" for m in messages) + "assistant:"
     try:
-      return self._template.render(messages=messages, add_generation_prompt=True,
+      return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                    **self.special_tokens)
     except TemplateError:
       raise

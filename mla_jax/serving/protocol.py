@@ -12,6 +12,7 @@ import collections
 import json
 from typing import Annotated, Literal
 
+import jsonschema
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -132,15 +133,125 @@ class TextPart(_Request):
   text: str
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class CalledFunction(_Request):
+  name: FunctionName
+  arguments: str  # JSON text, as OpenAI sends it
+
+  @pydantic.field_validator("arguments")
+  @classmethod
+  def _json_object(cls, arguments: str) -> str:
+    try:
+      value = json.loads(arguments)
+    except ValueError as e:
+      raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+      raise ValueError("not a JSON object")
+    return arguments
+
+
+class ToolCall(_Request):
+  """A call of an earlier assistant turn, sent back in ``messages``."""
+
+  id: Annotated[str, Field(min_length=1)]
+  type: Literal["function"]
+  function: CalledFunction
+
+
 class Message(_Request):
-  role: Literal["system", "user", "assistant", "developer"]
-  content: str | Annotated[list[TextPart], Field(min_length=1)]
+  """One message. ``tool_calls`` and ``reasoning_content`` only on an assistant's, whose
+  ``content`` may be null (as this server's own answers have it beside them); a ``tool``
+  message answers ``tool_call_id``."""
+
+  role: Literal["system", "user", "assistant", "developer", "tool"]
+  content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
   name: str | None = None
+  tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+  tool_call_id: Annotated[str, Field(min_length=1)] | None = None
+  reasoning_content: str | None = None
+
+  @pydantic.model_validator(mode="after")
+  def _fields_of_its_role(self):
+    if self.role != "assistant" and self.tool_calls is not None:
+      raise ValueError("tool_calls: only an assistant message has them")
+    if self.role != "assistant" and self.reasoning_content is not None:
+      raise ValueError("reasoning_content: only an assistant message has it")
+    if (self.role == "tool") != (self.tool_call_id is not None):
+      raise ValueError("a tool message needs tool_call_id (and only a tool message has one)")
+    if self.content is None and self.role != "assistant":
+      raise ValueError("content: missing (only an assistant message may leave it out: one "
+                       "with tool_calls, or only reasoning_content, as this server answers)")
+    return self
 
   @property
-  def text(self) -> str:
-    return self.content if isinstance(self.content, str) else \
-        "".join(part.text for part in self.content)
+  def text(self) -> str | None:
+    if self.content is None or isinstance(self.content, str):
+      return self.content
+    return "".join(part.text for part in self.content)
+
+  def for_template(self) -> dict:
+    """The message as a chat template gets it (HF's and vLLM's convention): content as text,
+    a tool call's arguments as a dict, the other fields given passed as they are."""
+    out = {"role": self.role, "content": self.text}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+      if getattr(self, key) is not None:
+        out[key] = getattr(self, key)
+    if self.tool_calls is not None:
+      out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+          "name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+          for c in self.tool_calls]
+    return out
+
+
+class FunctionDefinition(_Request):
+  name: FunctionName
+  description: str | None = None
+  parameters: dict | None = None  # a JSON Schema of an object
+  strict: bool | None = None
+
+  @pydantic.field_validator("parameters")
+  @classmethod
+  def _object_schema(cls, parameters: dict | None) -> dict | None:
+    if parameters is None:
+      return None
+    try:
+      jsonschema.validators.validator_for(parameters).check_schema(parameters)
+    except jsonschema.SchemaError as e:
+      raise ValueError(f"not a JSON Schema: {e.message}") from None
+    if parameters.get("type", "object") != "object":
+      raise ValueError(f"the schema must be of an object (\"type\": \"object\"), got "
+                       f"{_short(parameters.get('type'))}")
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, dict):
+      raise ValueError("properties must be an object")
+    return parameters
+
+  @pydantic.field_validator("strict")
+  @classmethod
+  def _not_strict(cls, strict: bool | None) -> bool | None:
+    if strict:
+      raise ValueError("strict: true needs guided decoding, which this server does not have")
+    return strict
+
+
+class Tool(_Request):
+  type: Literal["function"]
+  function: FunctionDefinition
+
+  def as_dict(self) -> dict:
+    """The tool as a chat template and a parser get it (fields not given left out)."""
+    return self.model_dump(exclude_none=True)
+
+
+class FunctionChoice(_Request):
+  name: FunctionName
+
+
+class NamedToolChoice(_Request):
+  type: Literal["function"]
+  function: FunctionChoice
 
 
 class ChatCompletionRequest(_Sampling):
@@ -148,6 +259,8 @@ class ChatCompletionRequest(_Sampling):
   max_completion_tokens: PositiveInt | None = None
   logprobs: bool = False
   top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+  tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
   @pydantic.model_validator(mode="after")
   def _one_token_limit(self):
@@ -156,6 +269,30 @@ class ChatCompletionRequest(_Sampling):
     if self.top_logprobs is not None and not self.logprobs:
       raise ValueError("top_logprobs needs logprobs: true")
     return self
+
+  def check_tools(self) -> None:
+    """A 400 naming the field for a function defined twice, or a ``tool_choice`` that
+    needs tools or names a function not among them."""
+    names = [t.function.name for t in self.tools or ()]
+    for i, name in enumerate(names):
+      if name in names[:i]:
+        raise APIError(400, f"tools.{i}.function.name: function {name!r} is defined twice",
+                       param=f"tools.{i}.function.name")
+    choice = self.tool_choice
+    if choice in (None, "none", "auto"):
+      return
+    if not names:
+      raise APIError(400, f"tool_choice: {choice if isinstance(choice, str) else 'a function'}"
+                     " needs tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+      raise APIError(400, f"tool_choice.function.name: {choice.function.name!r} is not among "
+                     f"the tools ({', '.join(map(repr, names))})",
+                     param="tool_choice.function.name")
+
+  @property
+  def parses_tools(self) -> bool:
+    """Whether the output is parsed for tool calls: tools given, and tool_choice not none."""
+    return bool(self.tools) and self.tool_choice != "none"
 
   @property
   def token_limit(self) -> int | None:

@@ -31,6 +31,8 @@ from mla_jax.serving.chat import ChatTemplate, TemplateError
 from mla_jax.serving.engine_loop import EngineFailure, EngineLoop
 from mla_jax.serving.metrics import ServerMetrics
 from mla_jax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from mla_jax.serving.reasoning import (ChatOutputParser, output_parser, parser_tags,
+                                       prompt_opens_think)
 from mla_jax.serving.requests import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
 from mla_jax.serving.text import TextStream
 from mla_jax.tokenizer import Tokenizer
@@ -46,7 +48,9 @@ class ServerSettings:
   ``top_p``: used where a request gives none (the checkpoint's generation_config.json, else
   OpenAI's 1.0); ``retry_after``: seconds a 429 asks the client to wait;
   ``speculative_tokens``: draft tokens per step of every request (the engine's
-  ``max_speculative_tokens`` at most).
+  ``max_speculative_tokens`` at most); ``tool_parser`` / ``reasoning_parser``: what chat
+  output is parsed with (``tool_parsers.TOOL_PARSERS``, ``reasoning.REASONING_PARSERS``; None:
+  not parsed).
   """
 
   model_name: str
@@ -62,6 +66,21 @@ class ServerSettings:
   top_p: float = 1.0
   retry_after: int = 1
   speculative_tokens: int = 0
+  tool_parser: str | None = None
+  reasoning_parser: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChatOutput:
+  """How a chat request's choices are parsed: the tools to parse calls of (None: no calls
+  parsed) and whether the prompt left ``<think>`` open."""
+
+  tools: list[dict] | None
+  opens_think: bool
+
+  def parser(self, settings: ServerSettings) -> ChatOutputParser | None:
+    return output_parser(settings.tool_parser, settings.reasoning_parser, self.tools,
+                         opens_think=self.opens_think)
 
 
 @dataclasses.dataclass
@@ -82,6 +101,7 @@ class _Choice:
   last: RequestOutput | None = None
   logprobs_sent: int = 0
   prompt_sent: bool = False  # a stream sent the echo and the prompt log-probabilities
+  parser: ChatOutputParser | None = None  # chat output's reasoning / tool-call split
 
 
 def create_app(loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
@@ -231,13 +251,18 @@ class _Handlers:
     body = protocol.parse(ChatCompletionRequest,
                           await _read_body(request, self.settings.max_body_bytes))
     self._check_model(body.model)
-    prompt = self._chat_prompt(body.messages)
+    body.check_tools()
+    tools = [t.as_dict() for t in body.tools] if body.tools else None
+    self._check_tool_support(body, self.settings.chat_template)
+    text, prompt = self._chat_prompt(body.messages, tools)
     max_tokens = body.token_limit
     if max_tokens is None:  # as vLLM: whatever the context (and the page pool) leaves
       room = min(self.settings.max_model_len, self.settings.pool_tokens)
       max_tokens = max(1, room - len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await self._serve(request, body, [prompt], max_tokens, logprobs, chat=True)
+    output = _ChatOutput(tools if body.parses_tools else None, prompt_opens_think(text))
+    return await self._serve(request, body, [prompt], max_tokens, logprobs, chat=True,
+                             output=output)
 
   async def tokenize(self, request: Request):
     """vLLM's: a prompt's (or rendered messages') token ids, their count and the context."""
@@ -249,7 +274,7 @@ class _Handlers:
     if body.prompt is not None:
       ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
-      ids = self._chat_prompt(body.messages, body.add_special_tokens)
+      _, ids = self._chat_prompt(body.messages, add_special_tokens=body.add_special_tokens)
     answer = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
     if body.return_token_strs:
       answer["token_strs"] = [_token_text(tokenizer, t) for t in ids]
@@ -269,23 +294,39 @@ class _Handlers:
 
   # ---- checks ---------------------------------------------------------------------------
 
-  def _chat_prompt(self, messages, add_special_tokens: bool | None = None) -> list[int]:
-    """The messages rendered with the chat template, as token ids. A template spells its own
-    special tokens (HF's apply_chat_template encodes its text without adding any); the plain
-    format gets the tokenizer's."""
+  def _chat_prompt(self, messages, tools: list[dict] | None = None, *,
+                   add_special_tokens: bool | None = None) -> tuple[str, list[int]]:
+    """The messages (and tools) rendered with the chat template: the text and its token ids.
+    A template spells its own special tokens (HF's apply_chat_template encodes its text
+    without adding any); the plain format gets the tokenizer's."""
     template = self.settings.chat_template
     try:
-      text = template.render([{"role": m.role, "content": m.text} for m in messages])
+      text = template.render([m.for_template() for m in messages], tools)
     except TemplateError as e:
       raise APIError(400, f"messages: {e}", param="messages") from None
     if add_special_tokens is None:
       add_special_tokens = template.is_plain
-    return self.settings.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text, self.settings.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
   def _check_model(self, name: str) -> None:
     if name != self.settings.model_name:
       raise APIError(404, f"model {name!r} does not exist: this server serves "
                      f"{self.settings.model_name!r}", param="model", code="model_not_found")
+
+  def _check_tool_support(self, body: ChatCompletionRequest, template: ChatTemplate) -> None:
+    if template.is_plain:
+      if body.tools:
+        raise APIError(400, "tools: this checkpoint has no chat template, and the plain "
+                       "format renders no tools", param="tools")
+      for i, m in enumerate(body.messages):
+        if m.tool_calls is not None:
+          raise APIError(400, f"messages.{i}.tool_calls: this checkpoint has no chat "
+                         "template, and the plain format renders no tool calls",
+                         param=f"messages.{i}.tool_calls")
+    if body.parses_tools and self.settings.tool_parser is None:
+      raise APIError(400, "tools: this server parses no tool calls (start it with "
+                     "--tool-call-parser), so tool_choice can only be \"none\"",
+                     param="tools")
 
   def _checked(self, prompt: list[int], params: SamplingParams, param: str) -> list[int]:
     """The engine's own check of a request (``Engine.check_request``), as a 400 naming
@@ -321,7 +362,8 @@ class _Handlers:
   # ---- running a request ----------------------------------------------------------------
 
   async def _serve(self, request: Request, body, prompts: list[list[int]], max_tokens: int,
-                   logprobs: int | None, *, chat: bool, echo: list[str] | None = None):
+                   logprobs: int | None, *, chat: bool, echo: list[str] | None = None,
+                   output: _ChatOutput | None = None):
     sampling = self._params(body, max_tokens, logprobs)
     names = (["messages"] if chat else
              [f"prompt.{i}" if len(prompts) > 1 else "prompt" for i in range(len(prompts))])
@@ -338,9 +380,14 @@ class _Handlers:
                      "later", type="rate_limit_error", code="server_busy",
                      headers={"Retry-After": str(self.settings.retry_after)})
     updates: asyncio.Queue = asyncio.Queue()
-    choices = [_Choice(i, p, TextStream(self.settings.tokenizer.decode, params[i].stop,
+    parsers = [output.parser(self.settings) if output is not None else None for _ in prompts]
+    decode = self.settings.tokenizer.decode
+    if any(parsers):  # a tag spelled as a special token must reach the parser
+      decode = self.settings.tokenizer.decoder_keeping(
+          parser_tags(self.settings.tool_parser, self.settings.reasoning_parser))
+    choices = [_Choice(i, p, TextStream(decode, params[i].stop,
                                         include_stop=params[i].include_stop_str_in_output),
-                       samples[i], echo[i], logprobs, body.prompt_logprobs)
+                       samples[i], echo[i], logprobs, body.prompt_logprobs, parser=parsers[i])
                for i, p in enumerate(prompts)]
     await self._submit(choices, params, updates)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -443,6 +490,30 @@ def _finish_reason(update: RequestOutput | None) -> str | None:
   return None if update is None or not update.finished else update.finish_reason
 
 
+def _chat_finish_reason(choice: _Choice) -> str | None:
+  """OpenAI's ``tool_calls`` for a choice that stopped after calls (``length`` stays: a call
+  may have been cut)."""
+  reason = _finish_reason(choice.last)
+  if reason == "stop" and choice.parser is not None and choice.parser.calls:
+    return "tool_calls"
+  return reason
+
+
+def _message(choice: _Choice, text: str) -> dict:
+  """The assistant message of a finished choice: its text split by the choice's parser."""
+  if choice.parser is None:
+    return {"role": "assistant", "content": text}
+  out = choice.parser.parse(text)
+  message = {"role": "assistant",
+             "content": out.content if out.content or not (out.reasoning or out.tool_calls)
+             else None}
+  if choice.parser.reasoning is not None:
+    message["reasoning_content"] = out.reasoning or None
+  if out.tool_calls:
+    message["tool_calls"] = out.tool_calls
+  return message
+
+
 def _token_text(tokenizer: Tokenizer, token: int) -> str:
   return tokenizer.decode([token])
 
@@ -517,7 +588,8 @@ def _full_response(response_id: str, settings: ServerSettings, choices, chat: bo
     entry = {"index": choice.index, "finish_reason": _finish_reason(choice.last),
              "logprobs": _logprobs(settings, choice, chat, 0, 0, with_prompt=echoed)}
     if chat:
-      entry["message"] = {"role": "assistant", "content": text}
+      entry["message"] = _message(choice, text)
+      entry["finish_reason"] = _chat_finish_reason(choice)
     else:
       entry["text"] = choice.echo + text if echoed else text
       if choice.prompt_logprobs is not None:
@@ -570,7 +642,8 @@ class _ChunkWriter:
              "finish_reason": _finish_reason(update)}
     extra = {}
     if self.chat:
-      entry["delta"] = {"content": text}
+      entry["delta"] = _delta(choice, text, update.finished)
+      entry["finish_reason"] = _chat_finish_reason(choice)
       if first and choice.index == 0 and choice.prompt_logprobs is not None:
         extra["prompt_logprobs"] = _prompt_logprobs(self.settings.tokenizer, choice)
     else:
@@ -581,6 +654,23 @@ class _ChunkWriter:
 
   def usage(self, choices) -> str:
     return self._event([], usage=_usage(choices))
+
+
+def _delta(choice: _Choice, text: str, finished: bool) -> dict:
+  """A chat chunk's delta: the new text, split by the choice's parser (``reasoning_content``,
+  ``content``, OpenAI's ``tool_calls`` deltas; ``content`` is there whenever nothing else
+  is)."""
+  if choice.parser is None:
+    return {"content": text}
+  out = choice.parser.feed(text, final=finished)
+  delta = {}
+  if out.reasoning:
+    delta["reasoning_content"] = out.reasoning
+  if out.content or not (out.reasoning or out.tool_calls):
+    delta["content"] = out.content
+  if out.tool_calls:
+    delta["tool_calls"] = out.tool_calls
+  return delta
 
 
 def run(app: FastAPI, loop: EngineLoop, *, host: str, port: int,
