@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import hmac
-import json
 import logging
 import sys
 import time
@@ -26,14 +25,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from mla_jax.decoding.requests import ContextLengthError
-from mla_jax.serving import protocol
+from mla_jax.serving import protocol, responses
 from mla_jax.serving.chat import ChatTemplate, TemplateError
 from mla_jax.serving.engine_loop import EngineFailure, EngineLoop
 from mla_jax.serving.metrics import ServerMetrics
 from mla_jax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from mla_jax.serving.reasoning import (ChatOutputParser, output_parser, parser_tags,
                                        prompt_opens_think)
-from mla_jax.serving.requests import MAX_SEED, RequestOutput, SamplingParams, TokenLogprobs
+from mla_jax.serving.requests import MAX_SEED, SamplingParams
+from mla_jax.serving.responses import Choice
 from mla_jax.serving.text import TextStream
 from mla_jax.tokenizer import Tokenizer
 
@@ -81,27 +81,6 @@ class _ChatOutput:
   def parser(self, settings: ServerSettings) -> ChatOutputParser | None:
     return output_parser(settings.tool_parser, settings.reasoning_parser, self.tools,
                          opens_think=self.opens_think)
-
-
-@dataclasses.dataclass
-class _Choice:
-  """One choice of a request in flight (sample ``sample`` of one of its prompts): its id once
-  queued, its text so far, its last update. ``echo``: the prompt's text, to send before the
-  completion (completions' ``echo``); ``logprobs`` / ``prompt_logprobs``: the most likely
-  tokens the client asked for per token (None: no such field)."""
-
-  index: int
-  prompt_ids: list[int]
-  text: TextStream
-  sample: int = 0
-  echo: str | None = None
-  logprobs: int | None = None
-  prompt_logprobs: int | None = None
-  request_id: str | None = None
-  last: RequestOutput | None = None
-  logprobs_sent: int = 0
-  prompt_sent: bool = False  # a stream sent the echo and the prompt log-probabilities
-  parser: ChatOutputParser | None = None  # chat output's reasoning / tool-call split
 
 
 def create_app(loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
@@ -277,7 +256,7 @@ class _Handlers:
       _, ids = self._chat_prompt(body.messages, add_special_tokens=body.add_special_tokens)
     answer = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
     if body.return_token_strs:
-      answer["token_strs"] = [_token_text(tokenizer, t) for t in ids]
+      answer["token_strs"] = [responses.token_text(tokenizer, t) for t in ids]
     return answer
 
   async def detokenize(self, request: Request):
@@ -385,7 +364,7 @@ class _Handlers:
     if any(parsers):  # a tag spelled as a special token must reach the parser
       decode = self.settings.tokenizer.decoder_keeping(
           parser_tags(self.settings.tool_parser, self.settings.reasoning_parser))
-    choices = [_Choice(i, p, TextStream(decode, params[i].stop,
+    choices = [Choice(i, p, TextStream(decode, params[i].stop,
                                         include_stop=params[i].include_stop_str_in_output),
                        samples[i], echo[i], logprobs, body.prompt_logprobs, parser=parsers[i])
                for i, p in enumerate(prompts)]
@@ -401,9 +380,9 @@ class _Handlers:
       self._release(choices)
     if not finished:  # the client went away: nobody reads an answer
       return Response(status_code=499)
-    return _full_response(response_id, self.settings, choices, chat)
+    return responses.full_response(response_id, self.settings, choices, chat)
 
-  async def _submit(self, choices: list[_Choice], params, updates: asyncio.Queue) -> None:
+  async def _submit(self, choices: list[Choice], params, updates: asyncio.Queue) -> None:
     event_loop = asyncio.get_running_loop()
     self.pending += len(choices)
     try:
@@ -417,7 +396,7 @@ class _Handlers:
         raise APIError(400, str(e)) from None
       raise
 
-  def _release(self, choices: list[_Choice]) -> None:
+  def _release(self, choices: list[Choice]) -> None:
     """Aborts the choices still running (a client gone, a failure) and ends their count."""
     for choice in choices:
       if choice.request_id is not None and (choice.last is None or not choice.last.finished):
@@ -446,7 +425,7 @@ class _Handlers:
 
   async def _stream(self, choices, updates, response_id: str, body, chat: bool
                     ) -> AsyncIterator[str]:
-    chunk = _ChunkWriter(response_id, self.settings, chat, body.continuous_usage)
+    chunk = responses.ChunkWriter(response_id, self.settings, chat, body.continuous_usage)
     try:
       yield ""  # the priming step (see _serve): not sent
       if chat:
@@ -456,7 +435,7 @@ class _Handlers:
         try:
           choice = await self._next(choices, updates)
         except APIError as e:
-          yield _sse(e.body())
+          yield responses.sse(e.body())
           break
         yield chunk.delta(choice, choices)
       if body.include_usage:
@@ -469,208 +448,6 @@ class _Handlers:
 def _post_update(event_loop, updates: asyncio.Queue, index: int, update) -> None:
   """Called on the engine's thread: hands ``update`` of choice ``index`` to the event loop."""
   event_loop.call_soon_threadsafe(updates.put_nowait, (index, update))
-
-
-# ---- response bodies ----------------------------------------------------------------------
-
-
-def _sse(payload: dict) -> str:
-  return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _usage(choices) -> dict:
-  """A prompt's tokens count once however many choices sample it (OpenAI's, vLLM's)."""
-  prompt = sum(len(c.prompt_ids) for c in choices if c.sample == 0)
-  completion = sum(len(c.last.tokens) for c in choices if c.last is not None)
-  return {"prompt_tokens": prompt, "completion_tokens": completion,
-          "total_tokens": prompt + completion}
-
-
-def _finish_reason(update: RequestOutput | None) -> str | None:
-  return None if update is None or not update.finished else update.finish_reason
-
-
-def _chat_finish_reason(choice: _Choice) -> str | None:
-  """OpenAI's ``tool_calls`` for a choice that stopped after calls (``length`` stays: a call
-  may have been cut)."""
-  reason = _finish_reason(choice.last)
-  if reason == "stop" and choice.parser is not None and choice.parser.calls:
-    return "tool_calls"
-  return reason
-
-
-def _message(choice: _Choice, text: str) -> dict:
-  """The assistant message of a finished choice: its text split by the choice's parser."""
-  if choice.parser is None:
-    return {"role": "assistant", "content": text}
-  out = choice.parser.parse(text)
-  message = {"role": "assistant",
-             "content": out.content if out.content or not (out.reasoning or out.tool_calls)
-             else None}
-  if choice.parser.reasoning is not None:
-    message["reasoning_content"] = out.reasoning or None
-  if out.tool_calls:
-    message["tool_calls"] = out.tool_calls
-  return message
-
-
-def _token_text(tokenizer: Tokenizer, token: int) -> str:
-  return tokenizer.decode([token])
-
-
-def _completion_logprobs(tokenizer: Tokenizer, tokens: list[int],
-                         entries: list[TokenLogprobs | None], offset: int, top: int) -> dict:
-  """OpenAI's legacy completions format: tokens, their log-probabilities, the ``top`` most
-  likely ones as ``{token text: logprob}`` and each token's character offset (``offset`` for
-  the first). An echoed prompt's first token has no entry: None in both lists."""
-  texts = [_token_text(tokenizer, t) for t in tokens]
-  offsets, at = [], offset
-  for text in texts:
-    offsets.append(at)
-    at += len(text)
-  return {"tokens": texts,
-          "token_logprobs": [None if e is None else e.logprob for e in entries],
-          "top_logprobs": [None if e is None else
-                           {_token_text(tokenizer, t): lp for t, lp in e.top[:top]}
-                           for e in entries],
-          "text_offset": offsets}
-
-
-def _prompt_logprobs(tokenizer: Tokenizer, choice: _Choice) -> list | None:
-  """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
-  ``{token id: {logprob, rank, decoded_token}}`` for it and the most likely ones."""
-  entries = choice.last.prompt_logprobs
-  if choice.prompt_logprobs is None or entries is None:
-    return None
-
-  def item(token: int, logprob: float, rank: int) -> dict:
-    return {"logprob": logprob, "rank": rank, "decoded_token": _token_text(tokenizer, token)}
-
-  out = [None]
-  for e in entries[1:]:
-    ranked = {str(e.token): item(e.token, e.logprob, e.rank)}
-    for rank, (token, logprob) in enumerate(e.top[:choice.prompt_logprobs], 1):
-      ranked.setdefault(str(token), item(token, logprob, rank))
-    out.append(ranked)
-  return out
-
-
-def _chat_logprobs(tokenizer: Tokenizer, entries: tuple[TokenLogprobs, ...]) -> dict:
-  def item(token: int, logprob: float) -> dict:
-    text = _token_text(tokenizer, token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-  return {"content": [{**item(e.token, e.logprob),
-                       "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
-
-
-def _logprobs(settings: ServerSettings, choice: _Choice, chat: bool, start: int, offset: int,
-              *, with_prompt: bool = False):
-  """The output tokens' from ``start`` on; ``with_prompt``: an echo's prompt tokens first."""
-  entries = choice.last.logprobs
-  if entries is None:
-    return None
-  entries = list(entries[start:])
-  if chat:
-    return _chat_logprobs(settings.tokenizer, entries)
-  tokens = [e.token for e in entries]
-  if with_prompt:
-    tokens, entries = choice.prompt_ids + tokens, list(choice.last.prompt_logprobs) + entries
-  return _completion_logprobs(settings.tokenizer, tokens, entries, offset, choice.logprobs)
-
-
-def _full_response(response_id: str, settings: ServerSettings, choices, chat: bool) -> dict:
-  out = []
-  for choice in choices:
-    choice.text.update(choice.last.tokens, finished=True)
-    text = choice.text.text
-    echoed = choice.echo is not None
-    entry = {"index": choice.index, "finish_reason": _finish_reason(choice.last),
-             "logprobs": _logprobs(settings, choice, chat, 0, 0, with_prompt=echoed)}
-    if chat:
-      entry["message"] = _message(choice, text)
-      entry["finish_reason"] = _chat_finish_reason(choice)
-    else:
-      entry["text"] = choice.echo + text if echoed else text
-      if choice.prompt_logprobs is not None:
-        entry["prompt_logprobs"] = _prompt_logprobs(settings.tokenizer, choice)
-    out.append(entry)
-  response = {"id": response_id, "object": "chat.completion" if chat else "text_completion",
-              "created": int(time.time()), "model": settings.model_name, "choices": out,
-              "usage": _usage(choices)}
-  if chat and choices[0].prompt_logprobs is not None:  # vLLM's: once, for the one prompt
-    response["prompt_logprobs"] = _prompt_logprobs(settings.tokenizer, choices[0])
-  return response
-
-
-class _ChunkWriter:
-  """Server-sent events in OpenAI's chunk format, one per update; with ``continuous_usage``
-  (vLLM's ``continuous_usage_stats``) each carries the request's usage so far."""
-
-  def __init__(self, response_id: str, settings: ServerSettings, chat: bool,
-               continuous_usage: bool):
-    self.settings, self.chat, self.continuous_usage = settings, chat, continuous_usage
-    self.head = {"id": response_id,
-                 "object": "chat.completion.chunk" if chat else "text_completion",
-                 "created": int(time.time()), "model": settings.model_name}
-
-  def _event(self, choices: list[dict], **extra) -> str:
-    return _sse({**self.head, "choices": choices, **extra})
-
-  def _choice_event(self, entry: dict, choices, **extra) -> str:
-    if self.continuous_usage:
-      extra["usage"] = _usage(choices)
-    return self._event([entry], **extra)
-
-  def role(self, index: int, choices) -> str:
-    return self._choice_event({"index": index, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}, choices)
-
-  def delta(self, choice: _Choice, choices) -> str:
-    """A choice's new text and log-probabilities; its first also the echoed prompt and the
-    prompt log-probabilities (the engine's first update comes once the prompt is
-    computed)."""
-    update = choice.last
-    first, echo = not choice.prompt_sent, choice.echo or ""
-    choice.prompt_sent = True
-    offset = 0 if first else len(echo) + len(choice.text.text)
-    text = choice.text.update(update.tokens, finished=update.finished)
-    logprobs = _logprobs(self.settings, choice, self.chat, choice.logprobs_sent, offset,
-                         with_prompt=first and choice.echo is not None)
-    choice.logprobs_sent = len(update.tokens)
-    entry = {"index": choice.index, "logprobs": logprobs,
-             "finish_reason": _finish_reason(update)}
-    extra = {}
-    if self.chat:
-      entry["delta"] = _delta(choice, text, update.finished)
-      entry["finish_reason"] = _chat_finish_reason(choice)
-      if first and choice.index == 0 and choice.prompt_logprobs is not None:
-        extra["prompt_logprobs"] = _prompt_logprobs(self.settings.tokenizer, choice)
-    else:
-      entry["text"] = echo + text if first else text
-      if first and choice.prompt_logprobs is not None:
-        entry["prompt_logprobs"] = _prompt_logprobs(self.settings.tokenizer, choice)
-    return self._choice_event(entry, choices, **extra)
-
-  def usage(self, choices) -> str:
-    return self._event([], usage=_usage(choices))
-
-
-def _delta(choice: _Choice, text: str, finished: bool) -> dict:
-  """A chat chunk's delta: the new text, split by the choice's parser (``reasoning_content``,
-  ``content``, OpenAI's ``tool_calls`` deltas; ``content`` is there whenever nothing else
-  is)."""
-  if choice.parser is None:
-    return {"content": text}
-  out = choice.parser.feed(text, final=finished)
-  delta = {}
-  if out.reasoning:
-    delta["reasoning_content"] = out.reasoning
-  if out.content or not (out.reasoning or out.tool_calls):
-    delta["content"] = out.content
-  if out.tool_calls:
-    delta["tool_calls"] = out.tool_calls
-  return delta
 
 
 def run(app: FastAPI, loop: EngineLoop, *, host: str, port: int,

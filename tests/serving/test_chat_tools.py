@@ -10,7 +10,7 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from mla_jax.serving import server
+from mla_jax.serving import responses
 from mla_jax.serving.chat import ChatTemplate
 from mla_jax.serving.protocol import APIError, ChatCompletionRequest, parse
 from mla_jax.serving.reasoning import default_parsers, output_parser, parser_tags
@@ -177,7 +177,7 @@ GLM_OUT = ("Let me think.</think>Checking.<tool_call>get_weather<arg_key>city</a
 def _choice(reason="stop", *, tools=(WEATHER,), reasoning="glm45"):
   parser = output_parser("glm45", reasoning, list(tools) if tools is not None else None,
                          opens_think=True)
-  choice = server._Choice(0, [1], text=None, parser=parser)
+  choice = responses.Choice(0, [1], text=None, parser=parser)
   choice.last = RequestOutput(
       request_id="r", prompt_tokens=(1,), tokens=(1,), new_tokens=(1,), finished=True,
       finish_reason=reason, text="", arrival_time=0.0, first_token_time=0.0, finish_time=0.0,
@@ -187,27 +187,27 @@ def _choice(reason="stop", *, tools=(WEATHER,), reasoning="glm45"):
 
 def test_a_full_message_carries_reasoning_and_calls():
   choice = _choice()
-  message = server._message(choice, GLM_OUT)
+  message = responses._message(choice, GLM_OUT)
   call = message["tool_calls"][0]
   assert call["id"].startswith("call_") and len(call["id"]) == 29
   assert message == {"role": "assistant", "content": "Checking.",
                      "reasoning_content": "Let me think.", "tool_calls": [
                          {"id": call["id"], "type": "function", "function": {
                              "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
-  assert server._chat_finish_reason(choice) == "tool_calls"
-  assert server._chat_finish_reason(_choice("length")) == "length"  # a call may be cut
+  assert responses._chat_finish_reason(choice) == "tool_calls"
+  assert responses._chat_finish_reason(_choice("length")) == "length"  # a call may be cut
   plain = _choice(tools=None)  # tool_choice none: no calls parsed, reasoning still split
-  assert server._message(plain, GLM_OUT) == {
+  assert responses._message(plain, GLM_OUT) == {
       "role": "assistant", "reasoning_content": "Let me think.",
       "content": GLM_OUT.split("</think>")[1]}
-  assert server._chat_finish_reason(plain) == "stop"
-  assert server._message(_choice(reasoning=None), "hi") == {"role": "assistant",
+  assert responses._chat_finish_reason(plain) == "stop"
+  assert responses._message(_choice(reasoning=None), "hi") == {"role": "assistant",
                                                             "content": "hi"}
 
 
 def test_streamed_deltas_add_up_to_the_full_message():
   choice = _choice()
-  deltas = [server._delta(choice, GLM_OUT[i:i + 3], i + 3 >= len(GLM_OUT))
+  deltas = [responses._delta(choice, GLM_OUT[i:i + 3], i + 3 >= len(GLM_OUT))
             for i in range(0, len(GLM_OUT), 3)]
   assert all(d for d in deltas)  # every chunk has a delta (content "" when nothing else)
   assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me think."
@@ -216,4 +216,4 @@ def test_streamed_deltas_add_up_to_the_full_message():
   assert calls[0]["function"]["name"] == "get_weather" and calls[0]["type"] == "function"
   assert "".join(c["function"].get("arguments", "") for c in calls) == '{"city": "Oslo"}'
   assert {c["index"] for c in calls} == {0} and sum("id" in c for c in calls) == 1
-  assert server._chat_finish_reason(choice) == "tool_calls"
+  assert responses._chat_finish_reason(choice) == "tool_calls"

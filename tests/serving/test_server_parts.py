@@ -145,7 +145,7 @@ def test_usage_counts_every_choice_of_a_batched_request():
   choice's output tokens, not the first choice's; a prompt sampled n > 1 times counts once."""
   from types import SimpleNamespace
 
-  from mla_jax.serving.server import _usage
+  from mla_jax.serving.responses import usage as _usage
 
   choices = [SimpleNamespace(prompt_ids=[1, 2, 3], last=SimpleNamespace(tokens=(7, 8)), sample=0),
              SimpleNamespace(prompt_ids=[4] * 5, last=SimpleNamespace(tokens=(9,)), sample=0),
