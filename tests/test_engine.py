@@ -346,14 +346,15 @@ def _penalized_reference(logits_V, context, num_prompt, repetition=1.0, frequenc
     dict(repetition_penalty=0.6, presence_penalty=-1.0)])
 def test_penalties_follow_vllms_rules(model, prompts, penalty):
   """Each token is the argmax of the reference logits with the penalties of its context
-  (teacher-forced): in multi-step greedy dispatches, one-step programs (logprobs asked), the
-  sampling path (top_k 1) and again over prefix hits."""
+  (teacher-forced): greedy, with logprobs asked, on the sampling path (top_k 1) and again
+  over prefix hits; penalized requests never run multi-step decode dispatches."""
   engine = _engine(model, num_pages=24)
   new = 12
   params = [SamplingParams(max_tokens=new, **penalty),
             SamplingParams(max_tokens=new, logprobs=0, **penalty),
             SamplingParams(max_tokens=new, temperature=1.0, top_k=1, seed=2, **penalty)]
   outs = engine.generate(prompts[1:4], params)
+  assert engine.stats.decode_dispatches == 0
   again = engine.generate(prompts[1:2], params[:1])[0]
   assert again.num_cached_prompt_tokens > 0 and again.tokens == outs[0].tokens
   changed = 0

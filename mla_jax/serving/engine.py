@@ -318,8 +318,7 @@ class Engine:
     if params.prompt_logprobs is not None and not self.prompt_logprobs:
       raise ValueError("prompt_logprobs: this engine does not score prompts (build it with "
                        "Engine(..., prompt_logprobs=True); mla-jax serve does by default)")
-    if params.speculative_tokens and (params.repetition_penalty != 1
-                                      or params.frequency_penalty or params.presence_penalty):
+    if params.speculative_tokens and params.penalized:
       raise ValueError("repetition, frequency and presence penalties do not combine with "
                        "speculative_tokens (a draft's penalties would need its drafts counted)")
     if params.speculative_tokens > self.max_speculative_tokens:
@@ -391,11 +390,12 @@ class Engine:
 
   def _multi_step(self, batch: StepBatch) -> bool:
     """Whether ``batch`` runs as a multi-step decode dispatch (pages reserved if so): plain
-    decodes only (no drafts, no log-probabilities asked), nothing waiting, and every stop id
-    checkable on the device."""
+    decodes only (no drafts, no log-probabilities or penalties asked), nothing waiting, and
+    every stop id checkable on the device."""
     if self.decode_steps == 1 or self.scheduler.waiting or not batch.decodes or any(
         c.seq.params.speculative_tokens or c.seq.params.logprobs is not None
-        or len(c.seq.stop_ids) > step_inputs.STOP_IDS for c in batch.decodes):
+        or c.seq.params.penalized or len(c.seq.stop_ids) > step_inputs.STOP_IDS
+        for c in batch.decodes):
       return False
     return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
 

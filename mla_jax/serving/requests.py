@@ -72,6 +72,11 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
 
+  @property
+  def penalized(self) -> bool:
+    """Whether it asks for a repetition, frequency or presence penalty."""
+    return self.repetition_penalty != 1 or bool(self.frequency_penalty or self.presence_penalty)
+
   def __post_init__(self):
     checks.static_int(self.max_tokens, "max_tokens", minimum=0, wrong_type=TypeError)
     for name in ("ignore_eos", "include_stop_str_in_output"):

@@ -51,8 +51,9 @@ class StepProgram:
   layers' pairs'); ``draft_plan``: a one-token step per sequence for the further drafts
   (None without drafting). ``mtp``: run the MTP layers. ``logit_rows``: J, rows a sequence
   samples from (1 + the most draft tokens). ``decode_steps``: 1 for one step; more for a
-  multi-step decode dispatch (row s is sequence s, one token per step; no log-probabilities:
-  the engine runs one only when no sequence asks for them), ``greedy`` taking every row's
+  multi-step decode dispatch (row s is sequence s, one token per step; no log-probabilities
+  and no penalties: the engine runs one only when no sequence asks for them), ``greedy``
+  taking every row's
   argmax. ``scores``: every row also goes through the vocabulary projection, for the
   log-probability of the token after it (prompt log-probabilities).
   """
@@ -157,17 +158,12 @@ class StepProgram:
       stop_SV = _stop_mask(stop_ids_SM, vocab)  # once, not per step
       bias_SV = _bias(bias_ids_SB, bias_SB, vocab)
       keys_S = seed_keys(seeds_S)
-      penalize = (repetition_S, frequency_S, presence_S)
-      penalizing = penalties.any_penalty(*penalize)
 
       def one_step(carry):
-        i, pools, ids_S, active_S, tokens_NS, counts = carry
+        i, pools, ids_S, active_S, tokens_NS = carry
         hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
-        biased_S1V = (model.logits(hidden_SD) + bias_SV)[:, None]
-        biased_S1V = jax.lax.cond(
-            penalizing, lambda x: penalties.penalized(x, *counts, *penalize), lambda x: x,
-            biased_S1V)
-        logits_SV = _no_stop_before_min(biased_S1V, stop_SV, min_left_S - i)[:, 0]
+        logits_SV = _no_stop_before_min((model.logits(hidden_SD) + bias_SV)[:, None], stop_SV,
+                                        min_left_S - i)[:, 0]
         if self.greedy:
           new_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
         else:
@@ -176,19 +172,12 @@ class StepProgram:
         emit_S = active_S > 0
         stopped_S = emit_S & ends(new_S, stop_ids_SM, i + 1, remaining_S)
         return (i + 1, pools, jnp.where(emit_S, new_S, ids_S), active_S * ~stopped_S,
-                tokens_NS.at[i].set(jnp.where(emit_S, new_S, -1)),
-                penalties.add_token(*counts, new_S, emit_S))
+                tokens_NS.at[i].set(jnp.where(emit_S, new_S, -1)))
 
-      # Row s holds sequence s's last token, at position pos_T[s], not yet in the id pool: the
-      # counts of the tokens before it, then it.
-      counts = penalties.add_token(
-          *penalties.maybe_counts(pools[2], table_SN, pos_T - 1, num_prompt_S, page_size, vocab,
-                                  penalizing),
-          ids_T, real_T > 0, pos_T >= num_prompt_S)
       carry = (jnp.int32(0), pools, ids_T, real_T * (remaining_S > 0),
-               jnp.full((n, s), -1, jnp.int32), counts)
+               jnp.full((n, s), -1, jnp.int32))
       carry = jax.lax.while_loop(lambda c: (c[0] < n) & (c[3].sum() > 0), one_step, carry)
-      _, pools, _, _, tokens_NS, _ = carry
+      _, pools, _, _, tokens_NS = carry
       return (tokens_NS,), pools
 
     return step if self.decode_steps == 1 else decode_steps
