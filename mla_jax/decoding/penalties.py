@@ -59,10 +59,15 @@ def any_penalty(repetition_S, frequency_S, presence_S):
   return ((repetition_S != 1) | (frequency_S != 0) | (presence_S != 0)).any()
 
 
-def maybe_counts(token_ids, table_SN, last_S, num_prompt_S, page_size, vocab_size, active):
-  """``context_counts`` when ``active``, else zeros (nothing gathered)."""
-  s = table_SN.shape[0]
-  return jax.lax.cond(
-      active, lambda: context_counts(token_ids, table_SN, last_S, num_prompt_S, page_size,
-                                     vocab_size),
-      lambda: (jnp.zeros((s, vocab_size), jnp.int32), jnp.zeros((s, vocab_size), bool)))
+def penalize_rows(logits_SJV, token_ids, table_SN, last_S, num_prompt_S, page_size: int,
+                  repetition_S, frequency_S, presence_S):
+  """``penalized`` with the counts of ``context_counts``, in a step where some sequence asks
+  for a penalty; the logits as they are otherwise (nothing gathered or counted)."""
+  settings = (repetition_S, frequency_S, presence_S)
+
+  def apply(logits_SJV):
+    counts = context_counts(token_ids, table_SN, last_S, num_prompt_S, page_size,
+                            logits_SJV.shape[-1])
+    return penalized(logits_SJV, *counts, *settings)
+
+  return jax.lax.cond(any_penalty(*settings), apply, lambda x: x, logits_SJV)

@@ -215,9 +215,7 @@ class _Handlers:
   # ---- endpoints ------------------------------------------------------------------------
 
   async def completions(self, request: Request):
-    body = protocol.parse(CompletionRequest, await _read_body(request,
-                                                              self.settings.max_body_bytes))
-    self._check_model(body.model)
+    body = await self._body(request, CompletionRequest)
     tokenizer = self.settings.tokenizer
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
     echo = [p if isinstance(p, str) else tokenizer.decode(list(p)) for p in body.prompts] \
@@ -227,9 +225,7 @@ class _Handlers:
                              echo=echo)
 
   async def chat_completions(self, request: Request):
-    body = protocol.parse(ChatCompletionRequest,
-                          await _read_body(request, self.settings.max_body_bytes))
-    self._check_model(body.model)
+    body = await self._body(request, ChatCompletionRequest)
     body.check_tools()
     tools = [t.as_dict() for t in body.tools] if body.tools else None
     self._check_tool_support(body, self.settings.chat_template)
@@ -245,10 +241,7 @@ class _Handlers:
 
   async def tokenize(self, request: Request):
     """vLLM's: a prompt's (or rendered messages') token ids, their count and the context."""
-    body = protocol.parse(protocol.TokenizeRequest,
-                          await _read_body(request, self.settings.max_body_bytes))
-    if body.model is not None:
-      self._check_model(body.model)
+    body = await self._body(request, protocol.TokenizeRequest)
     tokenizer = self.settings.tokenizer
     if body.prompt is not None:
       ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
@@ -260,10 +253,7 @@ class _Handlers:
     return answer
 
   async def detokenize(self, request: Request):
-    body = protocol.parse(protocol.DetokenizeRequest,
-                          await _read_body(request, self.settings.max_body_bytes))
-    if body.model is not None:
-      self._check_model(body.model)
+    body = await self._body(request, protocol.DetokenizeRequest)
     vocab = self.settings.vocab_size
     for i, token in enumerate(body.tokens):
       if token >= vocab:
@@ -272,6 +262,14 @@ class _Handlers:
     return {"prompt": self.settings.tokenizer.decode(body.tokens)}
 
   # ---- checks ---------------------------------------------------------------------------
+
+  async def _body(self, request: Request, model: type):
+    """The request's body, read within the size limit, validated as ``model``, and naming this
+    server's model (where it names one: /tokenize and /detokenize may not)."""
+    body = protocol.parse(model, await _read_body(request, self.settings.max_body_bytes))
+    if body.model is not None:
+      self._check_model(body.model)
+    return body
 
   def _chat_prompt(self, messages, tools: list[dict] | None = None, *,
                    add_special_tokens: bool | None = None) -> tuple[str, list[int]]:

@@ -53,8 +53,7 @@ class StepProgram:
   samples from (1 + the most draft tokens). ``decode_steps``: 1 for one step; more for a
   multi-step decode dispatch (row s is sequence s, one token per step; no log-probabilities
   and no penalties: the engine runs one only when no sequence asks for them), ``greedy``
-  taking every row's
-  argmax. ``scores``: every row also goes through the vocabulary projection, for the
+  taking every row's argmax. ``scores``: every row also goes through the vocabulary projection, for the
   log-probability of the token after it (prompt log-probabilities).
   """
 
@@ -106,12 +105,9 @@ class StepProgram:
       vocab = model.config.vocab_size
       stop_SV = _stop_mask(stop_ids_SM, vocab)
       biased_SJV = logits_SJV + _bias(bias_ids_SB, bias_SB, vocab)[:, None, :]
-      penalize = (repetition_S, frequency_S, presence_S)
-      active = penalties.any_penalty(*penalize)
-      counts = penalties.maybe_counts(pools[2], table_SN, pos_T[logit_rows_SJ[:, 0]],
-                                      num_prompt_S, page_size, vocab, active)
-      biased_SJV = jax.lax.cond(active, lambda x: penalties.penalized(x, *counts, *penalize),
-                                lambda x: x, biased_SJV)
+      biased_SJV = penalties.penalize_rows(biased_SJV, pools[2], table_SN,
+                                           pos_T[logit_rows_SJ[:, 0]], num_prompt_S, page_size,
+                                           repetition_S, frequency_S, presence_S)
       accepted_S, tokens_SJ = accept(_no_stop_before_min(biased_SJV, stop_SV, min_left_S),
                                      ids_T[logit_rows_SJ], num_logits_S, seed_keys(seeds_S),
                                      counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S)
