@@ -291,7 +291,7 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
   sizes = sharding.parse_mesh_spec(mesh_spec)
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   mesh = AbstractMesh(tuple(sizes[a] for a in sharding.AXES), sharding.AXES,
-                      axis_types=(AxisType.Auto,) * 3, abstract_device=device)
+                      axis_types=(AxisType.Auto,) * len(sharding.AXES), abstract_device=device)
   check_mesh(config, mesh)
   with jax.sharding.use_abstract_mesh(mesh):
     lm = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=PallasTritonBackend(),
