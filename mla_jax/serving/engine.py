@@ -80,10 +80,15 @@ def engine_pools(model: CausalLM, rows: int, cache_dtype, *, mtp: bool):
 
 
 def page_bytes(model: CausalLM, page_size: int, cache_dtype="fp32", *, mtp: bool = False) -> int:
-  """The bytes one page of ``page_size`` tokens takes in every pool of an engine (shapes
-  only: nothing is allocated). The engine holds its pools whole on every device."""
-  shapes = jax.eval_shape(lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp))
-  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+  """The bytes one page of ``page_size`` tokens takes in every pool of an engine on one
+  device (shapes only: nothing is allocated). The engine holds its pools whole on every
+  device, or on a mesh with a ``context`` axis each device 1/context of the layers' pools
+  (and the token ids whole): the bytes of a page, averaged over the ranks."""
+  main, mtp_pools, token_ids = jax.eval_shape(
+      lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp))
+  size = lambda tree: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+  ranks = sharding.axis_size(model.mesh, sharding.CONTEXT)
+  return -(-size((main, mtp_pools)) // ranks) + size(token_ids)
 
 
 @dataclasses.dataclass
