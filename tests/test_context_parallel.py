@@ -223,12 +223,16 @@ def test_exact_mode_equals_one_device(spec, reference):
 def test_union_mode_equals_exact_while_every_key_fits_in_each_rank_top_k(reference):
   """Union mode attends over each rank's own top-k: while a sequence has at most top-k keys,
   every rank's holds all of its keys, so union selects what exact does (the prompts shorter
-  than and equal to top-k, decoded while they stay within it)."""
-  engine = Engine(_model(_mesh("context=4,tensor=2")), **SETTINGS, context_topk="union")
+  than and equal to top-k, decoded while they stay within it). An exact engine over the same
+  model compiles the same shapes first: the union engine shares none of its programs."""
+  model = _model(_mesh("context=4,tensor=2"))
   prompts, params = _prompts()[:2], PARAMS[:2]
   short = [dataclasses.replace(p, max_tokens=1) for p in params]
-  _same_outputs(engine.generate(prompts, short),
-                Engine(_model(), **SETTINGS).generate(prompts, short))
+  exact = Engine(model, **SETTINGS)
+  want = exact.generate(prompts, short)
+  engine = Engine(model, **SETTINGS, context_topk="union")
+  _same_outputs(engine.generate(prompts, short), want)
+  assert {c.shape for c in engine.programs} == {c.shape for c in exact.programs}
   assert all(c.plan.context_topk == "union" for c in engine.programs)
   _check_engine(engine)
 

@@ -550,9 +550,9 @@ class Engine:
   def _program(self, shape: StepShape):
     if shape in self._programs:
       return self._programs[shape][0]
-    key = (shape, self.page_size, self._logit_rows, self._graphdef, self._state_def,
-           signature((self._state_leaves, self._pools)))
-    # Engines over the same model and pool shapes share programs.
+    key = (shape, self.page_size, self._logit_rows, self.context_topk, self._graphdef,
+           self._state_def, signature((self._state_leaves, self._pools)))
+    # Engines over the same model, pool shapes and selection share programs.
     self._programs[shape], seconds = _COMPILED.lookup(key, lambda: self._compile(shape))
     self.stats.compile_s += seconds
     return self._programs[shape][0]
