@@ -306,6 +306,8 @@ def test_bad_context_settings_are_named_errors():
     StepPlan(PrefillRoute.SPARSE_MQA, 1, None, 8, (object,), XlaBackend, context_topk="all")
   with pytest.raises(SystemExit, match="generate's contiguous caches cannot be split"):
     cli.main(["generate", "--preset", "tiny", "--mesh", "context=2"])
+  with pytest.raises(SystemExit):  # argparse: invalid choice
+    cli.main(["serve", "--dcp-indexer-mode", "approx"])
   with pytest.raises(ValueError, match="mesh data=1,tensor=1,expert=1,context=3 needs 3"):
     sharding.make_mesh("context=3")
   assert context_parallel.check_mode("union") == "union"
