@@ -191,10 +191,11 @@ class MLAAttentionBase(nnx.Module):
     return jnp.concatenate([q_lat_BTHA, q_pe_BTHR.astype(dtype)], axis=-1)
 
   def forward_mqa(self, q_nope_BTHN, q_pe_BTHR, latent_BSL, topk_BTK, *,
-                  batched_rows: bool = True):
+                  batched_rows: bool = True, split_rows: bool = False):
     """Absorb W_UK into q, attend over the selected latent rows, apply W_UV: [B, T, H, V].
 
-    ``batched_rows`` False: ``latent_BSL`` is rows [S, L] shared by the batch (a page pool)."""
+    ``batched_rows`` False: ``latent_BSL`` is rows [S, L] shared by the batch (a page pool);
+    ``split_rows``: they are a union top-k over a context axis (``MeshOps.sparse_mqa``)."""
     _, w_uv_HVA = self._kv_b_heads()
     dtype = q_nope_BTHN.dtype
     q_BTHL = self._absorbed_query(q_nope_BTHN, q_pe_BTHR)
@@ -203,7 +204,7 @@ class MLAAttentionBase(nnx.Module):
     out_lat_BTHA, _ = self.ops.sparse_mqa(q_BTHL, latent_BSL, topk_BTK,
                                           sm_scale=self.config.softmax_scale,
                                           d_v=self.config.kv_lora_rank,
-                                          batched_rows=batched_rows)
+                                          batched_rows=batched_rows, split_rows=split_rows)
     return jnp.einsum("btha,hva->bthv", out_lat_BTHA, w_uv_HVA.astype(dtype),
                       preferred_element_type=jnp.float32).astype(dtype)
 
@@ -326,7 +327,7 @@ class MLAAttentionBase(nnx.Module):
       latent, rows_BTK, batched = step.cache.attention_rows(topk_BTK, plan.kv_rows)
       with jax.named_scope(plan.route.scope):
         o_BTHV = self.forward_mqa(step.q_nope_BTHN, step.q_pe_BTHR, latent, rows_BTK,
-                                  batched_rows=batched)
+                                  batched_rows=batched, split_rows=self._union_topk(plan))
     c = self.config
     b, t, _ = x_BTD.shape
     out_BTD = self.o_proj(o_BTHV.reshape(b, t, c.num_heads * c.v_head_dim))
@@ -387,13 +388,19 @@ class MLAAttentionBase(nnx.Module):
       with jax.named_scope("indexer_score"):
         return self.indexer.select_in_key_chunks(
             step.x_BTD, step.q_resid_BTC, step.positions_BT, key_pool, key_rows, self.ops,
-            key_chunk=plan.key_chunk, num_keys=jnp.max(step.cache.num_cached_B))
+            key_chunk=plan.key_chunk, num_keys=jnp.max(step.cache.num_cached_B),
+            context_topk=plan.context_topk)
     # A paged cache's keys are read in place: its pool and each position's physical row.
     keys, key_rows_BS = step.cache.index_keys(plan.kv_rows)
     with jax.named_scope("indexer_score"):
       return self.indexer.select(step.x_BTD, step.q_resid_BTC, step.positions_BT, keys,
                                  self.ops, chunk_size=self.index_chunk_size,
                                  key_rows_BS=key_rows_BS)
+
+  def _union_topk(self, plan: StepPlan) -> bool:
+    """Whether this step's top-k is a union over context ranks (the pool-scoring route)."""
+    return (plan.route is PrefillRoute.SPARSE_MQA and plan.key_chunk is not None
+            and plan.context_topk == "union" and self.ops.context > 1)
 
   def _indexer_kl(self, step: PreparedStep, plan: StepPlan, selected_BTK):
     """Mean over real tokens of KL(head-summed main attention || softmax(indexer scores))."""

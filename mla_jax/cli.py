@@ -20,6 +20,7 @@ from flax import nnx
 from mla_jax import presets, sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
 from mla_jax.cache import CACHE_DTYPE_NAMES, init_layer_cache
+from mla_jax.context_parallel import CONTEXT_TOPK_MODES
 from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, GenerationDefaults,
                                                    read_generation_config)
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
@@ -101,10 +102,12 @@ def _num_pages(args, model) -> int:
                                                   mtp=args.speculative_tokens > 0))
   if jax.process_index() == 0:
     print(f"--num-pages auto: {capacity.describe()}", flush=True)
-  if capacity.pages < 1:
+  ranks = sharding.axis_size(model.mesh, sharding.CONTEXT)
+  pages = capacity.pages - capacity.pages % ranks  # whole pages on every context rank
+  if pages < 1:
     raise SystemExit("--num-pages auto: not one page fits beside the weights; give a number, "
                      "a smaller --page-size or --cache-dtype, or shard over more devices")
-  return capacity.pages
+  return pages
 
 
 def _start_processes(args) -> None:
@@ -211,6 +214,10 @@ def cmd_generate(args) -> int:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
+  if mesh_sizes and mesh_sizes[sharding.CONTEXT] > 1:
+    raise SystemExit(f"--mesh {args.mesh}: a 'context' axis splits the page pools of "
+                     "mla-jax serve's engine; generate's contiguous caches cannot be split "
+                     "over it")
   _start_processes(args)
   import jax
 
@@ -298,7 +305,8 @@ def cmd_serve(args) -> int:
                   tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
                   prefix_caching=args.prefix_caching, log_interval=args.log_interval,
                   seed=args.seed, max_speculative_tokens=args.speculative_tokens,
-                  decode_steps=args.decode_steps, prompt_logprobs=args.prompt_logprobs)
+                  decode_steps=args.decode_steps, prompt_logprobs=args.prompt_logprobs,
+                  context_topk=args.dcp_indexer_mode)
   if args.warmup:  # every process compiles every program before any step runs
     count, seconds = engine.warmup(progress=jax.process_index() == 0)
     if jax.process_index() == 0:
@@ -404,7 +412,8 @@ def cmd_plan(args) -> int:
   print(f"\npaged KV cache (page size {args.page_size}, {args.cache_dtype}: "
         f"{plans[0].token_bytes:,} B per token over all layers): pages per data shard left "
         f"after the weights in {plan.FIT_FRACTION:.0%} of each GPU (every device of a data "
-        "shard holds its whole pool), and the tokens and sequences they hold on the mesh:")
+        "shard holds its whole pool; over a 'context' axis each holds 1/context of its "
+        "pages), and the tokens and sequences they hold on the mesh:")
   print(plan.format_pages(plans, args.page_size))
   print("\npartition rules:")
   print(plan.format_rules())
@@ -472,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="latent and indexer-key caches; fp8: e4m3 values with float32 scales")
   model.add_argument("--mesh", metavar="SPEC",
                      help="shard over a device mesh, e.g. data=1,tensor=2,expert=2 (the "
-                          "product must equal the number of devices of all processes)")
+                          "product must equal the number of devices of all processes); serve "
+                          "also takes context=N, splitting the page pools over N ranks")
   model.add_argument("--coordinator", metavar="HOST:PORT",
                      help="multi-process run: the jax.distributed coordinator (process 0's "
                           "host)")
@@ -558,6 +568,10 @@ def build_parser() -> argparse.ArgumentParser:
   serve.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
                      help="refuse echo with logprobs and prompt_logprobs (scoring), compiling "
                           "no scoring step programs")
+  serve.add_argument("--dcp-indexer-mode", choices=CONTEXT_TOPK_MODES, default="exact",
+                     help="with a 'context' axis in --mesh (the page pools split over it): "
+                          "exact selects the global top-k (one device's tokens); union each "
+                          "rank's own top-k, exchanging no candidates (approximate)")
   serve.add_argument("--no-warmup", dest="warmup", action="store_false",
                      help="serve at once, compiling each step program when a step first needs "
                           "it (by default every one is compiled before the server listens)")

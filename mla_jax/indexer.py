@@ -167,14 +167,18 @@ class Indexer(nnx.Module):
     return jnp.moveaxis(idx, 0, 1).reshape(b, n * chunk_size, topk)[:, :t]
 
   def select_in_key_chunks(self, x_BTD, q_resid_BTC, positions_BT, key_pool, key_rows,
-                           backend, *, key_chunk: int, num_keys):
+                           ops, *, key_chunk: int, num_keys, context_topk: str = "exact"):
     """``select`` over a page pool, scoring ``key_chunk`` key positions at a time and only
     up to ``num_keys`` (a traced scalar: the longest row's reach), so the work follows the
     live context rather than a static bound. Equal to ``select`` (the same indices in the
     same order: ``merge_topk``).
 
     ``key_pool``: the pool of key rows (as ``select``'s pooled ``keys_BSI``);
-    ``key_rows(positions_BC)``: the pool row of each sequence's key positions (-1: none).
+    ``key_rows(positions_BC)``: the pool row of each sequence's key positions (-1: none);
+    ``ops``: the layer's ``MeshOps``. On a mesh with a ``context`` axis each rank keeps a
+    top-k of the keys it holds, and ``context_topk`` says how they become the selection
+    (``mla_jax.context_parallel``): ``"exact"`` equals one device's, ``"union"`` is every
+    rank's own top-k, [B, T, context x topk].
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
     q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, key_pool, w_BTG, pooled=True)
@@ -186,11 +190,12 @@ class Indexer(nnx.Module):
       start = c * key_chunk
       positions_BC = jnp.broadcast_to(start + jnp.arange(key_chunk, dtype=jnp.int32),
                                       (b, key_chunk))
-      logits_BTC = backend.indexer_logits(
-          q_BTGI, keys, w_BTG, jnp.zeros_like(ends_BT), jnp.clip(ends_BT - start, 0, key_chunk),
-          k_scale_BS=k_scale, key_rows_BS=key_rows(positions_BC))
-      return merge_topk(*carry, logits_BTC, start)
+      return ops.topk_key_chunk(*carry, q_BTGI, keys, w_BTG, jnp.zeros_like(ends_BT),
+                                jnp.clip(ends_BT - start, 0, key_chunk), k_scale=k_scale,
+                                key_rows_BC=key_rows(positions_BC), start=start)
 
-    init = (jnp.full((b, t, topk), -jnp.inf, jnp.float32), jnp.full((b, t, topk), -1, jnp.int32))
-    _, idx_BTK = jax.lax.fori_loop(0, (num_keys + key_chunk - 1) // key_chunk, chunk, init)
-    return idx_BTK
+    width = topk * ops.context
+    init = (jnp.full((b, t, width), -jnp.inf, jnp.float32), jnp.full((b, t, width), -1, jnp.int32))
+    values_BTN, idx_BTN = jax.lax.fori_loop(0, (num_keys + key_chunk - 1) // key_chunk, chunk,
+                                            init)
+    return ops.finish_topk(values_BTN, idx_BTN, topk, context_topk)

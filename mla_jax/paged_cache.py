@@ -54,6 +54,12 @@ class PagedLayerCache:
       sequence ``segment_ids_B[b]`` (rows of one sequence share its block table, and
       ``num_cached_B`` is then each token's position); the segmented dense route attends within
       segments (``StepPlan.segmented``). None: every row is a sequence of its own.
+    context: the ranks of a mesh's ``context`` axis that the pools' rows are split over
+      (static; 1: one block). Rows are laid out rank-major: block r holds, for each of the
+      reps layers in turn, the pages p with ``p % context == r`` in order (page p is page
+      ``p // context`` of its block), so each rank's block is one contiguous slice of rows
+      (``sharding.POOL_SPEC``) and a sequence's consecutive pages lie on every rank in turn.
+      The pages must divide into the ranks.
   """
 
   latent_RL: jax.Array
@@ -63,6 +69,7 @@ class PagedLayerCache:
   page_size: int = dataclasses.field(metadata=dict(static=True))
   segment_ids_B: jax.Array | None = None
   reps: int = dataclasses.field(default=1, metadata=dict(static=True))
+  context: int = dataclasses.field(default=1, metadata=dict(static=True))
 
   @property
   def rows_per_layer(self) -> int:
@@ -143,8 +150,17 @@ class PagedLayerView(CacheView):
     return fp8_cache.readable(part), self._flat_rows(rows)
 
   def _flat_rows(self, rows):
-    """This layer's pool rows ``rows`` (-1 stays -1) as rows of the shared pool."""
-    return jnp.where(rows >= 0, rows + self.index * self.stacked.rows_per_layer, -1)
+    """This layer's pool rows ``rows`` (-1 stays -1) as rows of the shared pool (its layout:
+    ``PagedLayerCache.context``)."""
+    stacked = self.stacked
+    per_layer, ranks = stacked.rows_per_layer, stacked.context
+    if ranks == 1:
+      return jnp.where(rows >= 0, rows + self.index * per_layer, -1)
+    page, slot = rows // stacked.page_size, rows % stacked.page_size
+    rank_rows = per_layer // ranks  # one layer's rows in one block
+    flat = ((page % ranks) * (stacked.reps * rank_rows) + self.index * rank_rows
+            + (page // ranks) * stacked.page_size + slot)
+    return jnp.where(rows >= 0, flat, -1)
 
   def attention_rows(self, topk_BTK, num_rows: int):
     """The latent pool and the physical rows of ``topk_BTK``: the op gathers the selected

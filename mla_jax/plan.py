@@ -51,6 +51,7 @@ class Plan:
   token_bytes: int     # one cached token over all layers, on every device of its data shard
   data_shards: int     # the mesh's 'data' size: each shard caches its own sequences
   total_param_bytes: int
+  context_shards: int = 1  # the mesh's 'context' size: an engine's pools split over it
 
   @property
   def cache_bytes(self) -> int:  # per device
@@ -145,7 +146,8 @@ def make_plan(model: str, mesh_spec: str, dtype: str = "bf16", batch: int = 1,
   state = nnx.state(abstract_model(config, dtype))
   per_device, total = param_bytes(state, mesh)
   return Plan(model, mesh_spec, dtype, batch, context, per_device,
-              token_bytes(config, cache_dtype), mesh.shape[sharding.DATA], total)
+              token_bytes(config, cache_dtype), mesh.shape[sharding.DATA], total,
+              mesh.shape[sharding.CONTEXT])
 
 
 def format_plans(plans: list[Plan]) -> str:
@@ -171,15 +173,22 @@ class PageCapacity:
   """A paged KV cache in what one GPU kind has left after the weights.
 
   Caches are split by batch over ``data`` and replicated over ``tensor`` / ``expert``
-  (``sharding.cache_spec``): each data shard has one page pool, which every device of the
-  shard holds whole, and a sequence's pages all live in its shard's pool.
+  (``sharding.cache_spec``): each data shard has one page pool, and a sequence's pages all
+  live in its shard's pool. Every device of the shard holds that pool whole, or, on a mesh
+  with a ``context`` axis, one block of its pages (``mla_jax.context_parallel``): the pool
+  then holds ``context_shards`` times the pages one device has room for.
   """
 
   gpu: str
   page_size: int
-  page_bytes: int   # per device: page_size tokens over all layers
-  pages: int        # per data shard
+  page_bytes: int   # one whole page: page_size tokens over all layers (on one device)
+  pages: int        # per data shard (over its context ranks)
   data_shards: int
+  context_shards: int = 1
+
+  @property
+  def pages_per_device(self) -> int:
+    return self.pages // self.context_shards
 
   @property
   def tokens(self) -> int:
@@ -206,8 +215,8 @@ def page_capacity(p: Plan, gpu: str, page_size: int = 64) -> PageCapacity:
   if not checks.is_int(page_size) or page_size < 1:
     raise ValueError(f"page size must be a positive int, got {page_size!r}")
   page_bytes = int(page_size) * p.token_bytes
-  pages = pages_that_fit(GPUS[gpu], p.param_bytes, page_bytes)
-  return PageCapacity(gpu, int(page_size), page_bytes, pages, p.data_shards)
+  pages = p.context_shards * pages_that_fit(GPUS[gpu], p.param_bytes, page_bytes)
+  return PageCapacity(gpu, int(page_size), page_bytes, pages, p.data_shards, p.context_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +300,7 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
   sizes = sharding.parse_mesh_spec(mesh_spec)
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   mesh = AbstractMesh(tuple(sizes[a] for a in sharding.AXES), sharding.AXES,
-                      axis_types=(AxisType.Auto,) * 3, abstract_device=device)
+                      axis_types=(AxisType.Auto,) * len(sharding.AXES), abstract_device=device)
   check_mesh(config, mesh)
   with jax.sharding.use_abstract_mesh(mesh):
     lm = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend=PallasTritonBackend(),

@@ -1,7 +1,8 @@
 """Device meshes and partition rules: where each parameter, cache and activation lives.
 
-A mesh has three named axes: ``data`` (the batch of sequences), ``tensor`` (attention heads,
-MLP intermediate width, vocabulary) and ``expert`` (routed experts). One table,
+A mesh has four named axes: ``data`` (the batch of sequences), ``tensor`` (attention heads,
+MLP intermediate width, vocabulary), ``expert`` (routed experts) and ``context`` (an engine's
+page pools: each rank holds 1/context of every pool's rows, ``mla_jax.context_parallel``). One table,
 ``PARTITION_RULES``, maps Hugging Face parameter names to how each tensor is split; stacked
 axes that the model adds in front of an HF tensor (scanned layers, stacked experts) are
 split as ``LEADING_AXIS_SPECS`` says. Nothing else in the package knows the axis names'
@@ -25,8 +26,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA, TENSOR, EXPERT = "data", "tensor", "expert"
-AXES = (DATA, TENSOR, EXPERT)
+DATA, TENSOR, EXPERT, CONTEXT = "data", "tensor", "expert", "context"
+AXES = (DATA, TENSOR, EXPERT, CONTEXT)
 
 # HF parameter name (regex, searched) -> PartitionSpec of that HF tensor. First match wins.
 # An fp8 weight's ``weight_scale_inv`` [rows / 128, cols / 128] is split like the weight, so
@@ -52,6 +53,9 @@ LEADING_AXIS_SPECS = {"layer": None, "expert": EXPERT}
 # Caches and activations (leading stacked-layer axes get None in front).
 TOKENS_SPEC = P(DATA)  # [B, T, ...] activations: batch over data, replicated otherwise
 REPLICATED = P()       # scalars (seeds, step counters) and anything every device holds whole
+# An engine's page pools (latent rows, indexer keys): rows over ``context``, each rank a block
+# (``PagedLayerCache``'s layout puts page p in block p % context); whole on every other axis.
+POOL_SPEC = P(CONTEXT)
 
 # The attention ops under ``shard_map`` (``mla_jax.backends.on_mesh``): per-sequence values
 # split over ``data``; queries and outputs [B, T, H, ...] also split their heads over
@@ -86,7 +90,7 @@ MOE_OUT_PROJ_SPEC = P(EXPERT, None, TENSOR)   # down_proj [E, D, F]
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
-  """``"data=1,tensor=2,expert=4"`` -> ``{"data": 1, "tensor": 2, "expert": 4}``.
+  """``"data=1,tensor=2,expert=4"`` -> ``{"data": 1, "tensor": 2, "expert": 4, "context": 1}``.
 
   Axes left out have size 1. Unknown or repeated axis names and sizes that are not positive
   ints are ``ValueError``s naming the offending part.
@@ -112,7 +116,8 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
 
 
 def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
-  """A ``Mesh`` with axes (data, tensor, expert) over ``devices`` (default: all devices).
+  """A ``Mesh`` with axes (data, tensor, expert, context) over ``devices`` (default: all
+  devices).
 
   The product of the sizes must equal the number of devices (all processes' devices in a
   multi-process run). Axes are ``Auto``: XLA propagates shardings between the annotated
@@ -126,13 +131,14 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
   if math.prod(shape) != len(devices):
     raise ValueError(f"mesh {_describe(sizes)} needs {math.prod(shape)} devices but "
                      f"{len(devices)} are available")
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def abstract_mesh(spec: str | dict[str, int]) -> AbstractMesh:
   """A device-less mesh of any size, for plans and lowering without the hardware."""
   sizes = parse_mesh_spec(spec) if isinstance(spec, str) else spec
-  return AbstractMesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * 3)
+  return AbstractMesh(tuple(sizes[a] for a in AXES), AXES,
+                      axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def _describe(sizes) -> str:
@@ -140,7 +146,8 @@ def _describe(sizes) -> str:
 
 
 def axis_size(mesh, axis: str) -> int:
-  return mesh.shape[axis] if mesh is not None else 1
+  """The size of ``axis`` on ``mesh`` (1 without a mesh, or on a mesh without that axis)."""
+  return mesh.shape.get(axis, 1) if mesh is not None else 1
 
 
 def hf_rule(hf_name: str) -> P:

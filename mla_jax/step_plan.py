@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from mla_jax import checks, sharding
+from mla_jax import checks, context_parallel, sharding
 from mla_jax.cache import bucket_rows
 from mla_jax.routing import PrefillRoute, route_for_layers, static_count
 
@@ -50,6 +50,9 @@ class StepPlan:
     key_chunk: a segmented plan's indexer scores its keys this many positions at a time, up
       to the longest row's reach only (``Indexer.select_in_key_chunks``), so ``kv_rows`` can
       be the whole capacity without costing its scoring.
+    context_topk: how a segmented plan's indexer selects over a page pool split on a mesh's
+      ``context`` axis (``mla_jax.context_parallel``): ``"exact"`` (the global top-k, as one
+      device) or ``"union"`` (each rank's own top-k). It never changes the route.
   """
 
   route: PrefillRoute
@@ -62,8 +65,10 @@ class StepPlan:
   carry_topk: bool = False
   segmented: bool = False
   key_chunk: int | None = None
+  context_topk: str = "exact"
 
   def __post_init__(self):
+    context_parallel.check_mode(self.context_topk)
     if not isinstance(self.route, PrefillRoute):
       raise TypeError(f"route must be a PrefillRoute, got {self.route!r}")
     checks.static_int(self.num_new_tokens, "num_new_tokens", minimum=1)
@@ -179,7 +184,8 @@ def plan_step(layers: Iterable, backend, *, num_new_tokens: int, num_cached_toke
 
 
 def plan_flat_step(layers: Iterable, backend, *, fresh_tokens: int | None, kv_rows: int,
-                   key_chunk: int | None = None, shares_topk: bool = False) -> StepPlan:
+                   key_chunk: int | None = None, shares_topk: bool = False,
+                   context_topk: str = "exact") -> StepPlan:
   """The plan of an engine's flat step over ``layers``: one token per row, each row's
   sequence named by its cache view's segment ids (``StepPlan.segmented``).
 
@@ -187,7 +193,7 @@ def plan_flat_step(layers: Iterable, backend, *, fresh_tokens: int | None, kv_ro
   tokens any one of them holds (the dense route may then apply: ``routing.route_for_layers``
   with ``segmented``); None when any sequence has cached rows or decodes, and the route is
   then the MQA one, as in decode. ``kv_rows`` bounds the cache rows any row reads;
-  ``key_chunk``: see ``StepPlan``.
+  ``key_chunk``, ``context_topk``: see ``StepPlan``.
   """
   layers = tuple(layers)
   fresh = static_count(fresh_tokens, "fresh_tokens")
@@ -197,4 +203,4 @@ def plan_flat_step(layers: Iterable, backend, *, fresh_tokens: int | None, kv_ro
                   kv_rows=checks.static_int(kv_rows, "kv_rows", minimum=1),
                   layer_classes=tuple(dict.fromkeys(type(layer) for layer in layers)),
                   backend_class=type(backend), carry_topk=shares_topk and route.needs_topk,
-                  segmented=True, key_chunk=key_chunk)
+                  segmented=True, key_chunk=key_chunk, context_topk=context_topk)

@@ -1,12 +1,15 @@
 """Walk a traced program: which named scopes, primitives and Pallas kernels it contains.
 
 Routes are decided while tracing, so the traced program *is* the route: tests and notebooks
-assert on these sets instead of trusting flags (docs/design.md §6).
+assert on these sets instead of trusting flags (docs/design.md §6). ``collective_bytes`` reads
+a compiled program's collectives (context parallelism's exchanges, docs/scaling.md).
 """
 
 from __future__ import annotations
 
 import collections
+import math
+import re
 from collections.abc import Iterator
 
 import jax
@@ -97,3 +100,24 @@ def traced_scopes(fn, *args, **kwargs) -> frozenset[str]:
 def traced_kernels(fn, *args, **kwargs) -> tuple[str, ...]:
   """Names of the Pallas kernels in the traced program, in trace order."""
   return summarize(fn, *args, **kwargs).kernels
+
+
+_COLLECTIVE = re.compile(r"=\s*(.*?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+_ARRAY_TYPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+_TYPE_BYTES = {"pred": 1, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes each kind of collective produces per device in one run of a compiled program's
+  text (``Compiled.as_text()``): the sizes of their results, summed over their instructions
+  as written (an instruction inside a loop counts once)."""
+  totals: dict[str, int] = collections.Counter()
+  for line in hlo_text.splitlines():
+    match = _COLLECTIVE.search(line)
+    if match is None:
+      continue
+    for dtype, dims in _ARRAY_TYPE.findall(match.group(1)):
+      size = math.prod(int(d) for d in dims.split(",") if d)
+      totals[match.group(2)] += size * _TYPE_BYTES.get(dtype, int(dtype[1:]) // 8 or 1)
+  return dict(totals)

@@ -3,17 +3,25 @@
 The backend is kernels only; this wrapper adds where they run. On a mesh each op runs under
 ``shard_map`` with the specs of ``mla_jax.sharding.OP_SPECS``: the batch over ``data`` and
 query heads over ``tensor``. That is also what lets the Pallas kernels, which XLA cannot
-partition itself, run on a mesh.
+partition itself, run on a mesh. On a mesh with a ``context`` axis the ops that read an
+engine's page pool run on each rank's block of it (``mla_jax.context_parallel``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
-from mla_jax import sharding
+from mla_jax import context_parallel, sharding
 from mla_jax.backends.base import Backend
+from mla_jax.indexer import merge_topk
+
+# Candidates and union top-k: each context rank's k columns side by side.
+_SPLIT_TOPK_SPEC = P(sharding.DATA, None, sharding.CONTEXT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,18 +37,41 @@ class MeshOps:
     if self.mesh is not None and not isinstance(self.mesh, (Mesh, AbstractMesh)):
       raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(self.mesh).__name__}")
 
+  @property
+  def context(self) -> int:
+    """Ranks of the mesh's ``context`` axis (1: pools whole on every device)."""
+    return sharding.axis_size(self.mesh, sharding.CONTEXT)
+
   def _placed(self, op: str, fn, num_args: int):
     in_specs, out_specs = sharding.OP_SPECS[op]
     return sharding.shard_map(fn, self.mesh, in_specs[:num_args], out_specs)
 
   def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int,
-                 batched_rows: bool = True):
+                 batched_rows: bool = True, split_rows: bool = False):
     """``Backend.sparse_mqa`` on the mesh (a shared pool, ``batched_rows`` False, is
-    replicated: every data shard's sequences index it)."""
+    replicated: every data shard's sequences index it; or, on a context axis, split over it,
+    each rank attending over the rows it holds).
+
+    ``split_rows``: the rows are a union top-k (``topk_key_chunk``), each context rank's own
+    k columns of ``topk_BTK`` on that rank."""
     fn = lambda q, kv, idx: self.backend.sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v,
                                                     batched_rows=batched_rows)
+    if not batched_rows and self.context > 1:
+      return self._sparse_mqa_split(fn, q_BTHL, kv_BSL, topk_BTK, split_rows)
     return self._placed("sparse_mqa" if batched_rows else "sparse_mqa_pool", fn, 3)(
         q_BTHL, kv_BSL, topk_BTK)
+
+  def _sparse_mqa_split(self, fn, q_BTHL, pool, rows_BTK, split_rows: bool):
+    """Each rank's partial attention over the pool rows it holds, merged by LSE."""
+    def partial(q, kv, rows):
+      rows = context_parallel.local_rows(rows, context_parallel.num_rows(kv))
+      out, lse = fn(q, kv, rows)
+      return context_parallel.merge_partials(out, lse, (rows >= 0).any(axis=-1))
+
+    heads = sharding.HEADS_SPEC
+    rows_spec = _SPLIT_TOPK_SPEC if split_rows else sharding.BATCH_SPEC
+    return sharding.shard_map(partial, self.mesh, (heads, sharding.POOL_SPEC, rows_spec),
+                              (heads, heads))(q_BTHL, pool, rows_BTK)
 
   def indexer_logits(self, q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, *, k_scale_BS=None,
                      key_rows_BS=None):
@@ -48,9 +79,59 @@ class MeshOps:
     shared pool, ``key_rows_BS`` given, is replicated with its scales)."""
     fn = lambda q, k, w, s, e, ks, rows: self.backend.indexer_logits(
         q, k, w, s, e, k_scale_BS=ks, key_rows_BS=rows)
+    if key_rows_BS is not None and self.context > 1:
+      # Each rank scores the keys it holds; every column is one rank's (-inf elsewhere).
+      def scored(q, k, w, s, e, ks, rows):
+        rows = context_parallel.local_rows(rows, context_parallel.num_rows(k))
+        return jax.lax.pmax(fn(q, k, w, s, e, ks, rows), sharding.CONTEXT)
+      return self._on_pool(scored)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS,
+                                   key_rows_BS)
     op = "indexer_logits" if key_rows_BS is None else "indexer_logits_pool"
     return self._placed(op, fn, 7)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS,
                                    key_rows_BS)
+
+  def _on_pool(self, fn, carry_spec=()):
+    """``fn(*carry, q, keys, w, starts, ends, key scales, key rows)`` under ``shard_map``:
+    the pool and its scales split over ``context``, the rest over ``data`` (``carry_spec``
+    for the leading carried arrays); the output over ``data``, or like the carry."""
+    batch, pool = sharding.BATCH_SPEC, sharding.POOL_SPEC
+    in_specs = (*carry_spec, batch, pool, batch, batch, batch, pool, batch)
+    return sharding.shard_map(fn, self.mesh, in_specs, carry_spec or batch)
+
+  def topk_key_chunk(self, values_BTN, idx_BTN, q_BTGI, keys, w_BTG, starts_BT, ends_BT,
+                     *, k_scale, key_rows_BC, start):
+    """A running top-k (``values, idx`` [B, T, N]) merged with the scores of keys ``start +
+    c`` of a pool (``indexer.merge_topk``). On a context axis each rank keeps its own top-k of
+    its own keys: N is ``context x k``, each rank's k columns on that rank (``finish_topk``
+    merges them)."""
+    fn = lambda q, k, w, s, e, ks, rows: self.backend.indexer_logits(
+        q, k, w, s, e, k_scale_BS=ks, key_rows_BS=rows)
+    if self.context == 1:
+      logits_BTC = self.indexer_logits(q_BTGI, keys, w_BTG, starts_BT, ends_BT,
+                                       k_scale_BS=k_scale, key_rows_BS=key_rows_BC)
+      return merge_topk(values_BTN, idx_BTN, logits_BTC, start)
+
+    def chunk(values, idx, q, k, w, s, e, ks, rows):
+      rows = context_parallel.local_rows(rows, context_parallel.num_rows(k))
+      return merge_topk(values, idx, fn(q, k, w, s, e, ks, rows), start)
+
+    carry = (_SPLIT_TOPK_SPEC, _SPLIT_TOPK_SPEC)
+    return self._on_pool(chunk, carry)(values_BTN, idx_BTN, q_BTGI, keys, w_BTG, starts_BT,
+                                       ends_BT, k_scale, key_rows_BC)
+
+  def finish_topk(self, values_BTN, idx_BTN, k: int, mode: str):
+    """The selection of ``topk_key_chunk``'s running top-k: as it is on one rank (or in
+    union mode: every rank's own k, [B, T, context x k]); in exact mode on a context axis the
+    ranks all-gather their candidates and take the global top-k [B, T, k]."""
+    if self.context == 1 or context_parallel.check_mode(mode) == "union":
+      return idx_BTN
+
+    def exact(values, idx):
+      gather = lambda a: jax.lax.all_gather(a, sharding.CONTEXT, axis=2, tiled=True)
+      return context_parallel.merge_candidates(gather(values), gather(idx), k)
+
+    return sharding.shard_map(exact, self.mesh, (_SPLIT_TOPK_SPEC,) * 2,
+                              sharding.BATCH_SPEC)(values_BTN, idx_BTN)
 
   def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B,
                 segment_ids_BT=None):

@@ -320,6 +320,11 @@ class CausalLM(nnx.Module):
     ``data``; ``shardings_of(abstract caches, mesh)``), or on the default device."""
     if self.mesh is None:
       return build()
+    if sharding.axis_size(self.mesh, sharding.CONTEXT) > 1:
+      raise ValueError(
+          f"a mesh with a 'context' axis (size {sharding.axis_size(self.mesh, sharding.CONTEXT)})"
+          " splits an engine's page pools only; generate's contiguous caches cannot be split "
+          "over it: serve with mla_jax.serving.Engine, or build the model on a mesh without it")
     if batch_size % sharding.axis_size(self.mesh, sharding.DATA):
       raise ValueError(f"batch_size {batch_size} cannot be split over mesh axis 'data' of "
                        f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
@@ -359,12 +364,13 @@ class CausalLM(nnx.Module):
                      shares_topk=self.config.indexer_types is not None)
 
   def flat_step_plan(self, fresh_tokens: int | None, *, kv_rows: int,
-                     key_chunk: int | None = None) -> StepPlan:
+                     key_chunk: int | None = None, context_topk: str = "exact") -> StepPlan:
     """The plan of an engine's flat step over this model's layers (one token per row, rows
     of a sequence sharing its segment): see ``mla_jax.step_plan.plan_flat_step``."""
     return plan_flat_step(self._attention_modules(), self.backend, fresh_tokens=fresh_tokens,
                           kv_rows=kv_rows, key_chunk=key_chunk,
-                          shares_topk=self.config.indexer_types is not None)
+                          shares_topk=self.config.indexer_types is not None,
+                          context_topk=context_topk)
 
   def prefill_routes(self, num_new_tokens: int, num_cached_tokens: int | None = 0, *,
                      force_mqa: bool = False) -> list[PrefillRoute]:
@@ -553,8 +559,10 @@ class CausalLM(nnx.Module):
     if plan.bounds_num_cached:
       checks.within_cached_bound(caches.num_cached_B, plan.num_cached_tokens)
     # Shared-indexer layers read the top-k of the last full layer, carried through the scans.
-    topk_BTK = (jnp.full((b, t, self.config.mla.indexer.topk), -1, jnp.int32)
-                if plan.carry_topk else None)
+    topk_BTK = None
+    if plan.carry_topk:  # a union top-k over context ranks holds each rank's own top-k
+      ranks = sharding.axis_size(self.mesh, sharding.CONTEXT) if plan.context_topk == "union" else 1
+      topk_BTK = jnp.full((b, t, self.config.mla.indexer.topk * ranks), -1, jnp.int32)
     h_BTD = sharding.constrain(self.model.embed_tokens(ids_BT), self.mesh)
     new_groups, loss = [], jnp.zeros((), jnp.float32)
     for stack, group_caches in zip(self.model.groups, caches.groups):

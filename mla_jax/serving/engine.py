@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mla_jax import checks, sharding
+from mla_jax import checks, context_parallel, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import functionalize
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
@@ -80,10 +80,15 @@ def engine_pools(model: CausalLM, rows: int, cache_dtype, *, mtp: bool):
 
 
 def page_bytes(model: CausalLM, page_size: int, cache_dtype="fp32", *, mtp: bool = False) -> int:
-  """The bytes one page of ``page_size`` tokens takes in every pool of an engine (shapes
-  only: nothing is allocated). The engine holds its pools whole on every device."""
-  shapes = jax.eval_shape(lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp))
-  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+  """The bytes one page of ``page_size`` tokens takes in every pool of an engine on one
+  device (shapes only: nothing is allocated). The engine holds its pools whole on every
+  device, or on a mesh with a ``context`` axis each device 1/context of the layers' pools
+  (and the token ids whole): the bytes of a page, averaged over the ranks."""
+  main, mtp_pools, token_ids = jax.eval_shape(
+      lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp))
+  size = lambda tree: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+  ranks = sharding.axis_size(model.mesh, sharding.CONTEXT)
+  return -(-size((main, mtp_pools)) // ranks) + size(token_ids)
 
 
 @dataclasses.dataclass
@@ -169,6 +174,10 @@ class Engine:
       (``SamplingParams.prompt_logprobs``: scoring); this compiles a scoring variant of each
       one-step program (``warmup`` too). Such a request reuses no cached prefix past what it
       has scored: pages keep keys, not log-probabilities.
+    context_topk: on a mesh with a ``context`` axis (the pools' rows split over it,
+      ``mla_jax.context_parallel``), how the indexer selects: ``"exact"`` (the global top-k:
+      one device's tokens) or ``"union"`` (each rank's own top-k, no candidate exchange;
+      approximate). ``num_pages`` must divide into the context ranks.
   """
 
   def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
@@ -177,7 +186,8 @@ class Engine:
                eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
                log_interval: float | None = 10.0, seed: int = 0,
                max_speculative_tokens: int = 0,
-               decode_steps: int = DECODE_STEPS_PER_DISPATCH, prompt_logprobs: bool = False):
+               decode_steps: int = DECODE_STEPS_PER_DISPATCH, prompt_logprobs: bool = False,
+               context_topk: str = "exact"):
     if not isinstance(model, CausalLM):
       raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
     mla = model.config.mla
@@ -209,9 +219,14 @@ class Engine:
     self._state_leaves, self._state_def = jax.tree.flatten(state)
     self._multiprocess = jax.process_count() > 1
     mesh = model.mesh
-    data_shards = 1 if mesh is None else sharding.axis_size(mesh, sharding.DATA)
+    data_shards = sharding.axis_size(mesh, sharding.DATA)
+    self.context = sharding.axis_size(mesh, sharding.CONTEXT)
+    self.context_topk = context_parallel.check_mode(context_topk)
+    if self.num_pages % self.context:
+      raise ValueError(f"num_pages {self.num_pages} cannot be split over mesh axis 'context' "
+                       f"of size {self.context}: give a multiple of {self.context}")
     self._pools = self._empty_pools() if mesh is None else jax.jit(
-        self._empty_pools, out_shardings=jax.sharding.NamedSharding(mesh, sharding.REPLICATED))()
+        self._empty_pools, out_shardings=self._pool_shardings())()
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
     self.scheduler = Scheduler(
@@ -246,7 +261,8 @@ class Engine:
     rows = kv_pages * self.page_size
     if not segmented:  # the one-token steps of further drafts, one row per sequence
       return self.model.step_plan(1, None, capacity=rows, kv_rows=rows)
-    return self.model.flat_step_plan(fresh_tokens, kv_rows=rows, key_chunk=self._key_chunk)
+    return self.model.flat_step_plan(fresh_tokens, kv_rows=rows, key_chunk=self._key_chunk,
+                                     context_topk=self.context_topk)
 
   def step_plan(self, shape: StepShape) -> StepPlan:
     """The plan of the step program compiled for ``shape``, from the shape alone."""
@@ -255,6 +271,14 @@ class Engine:
   def _empty_pools(self):
     return engine_pools(self.model, self.num_pages * self.page_size, self.cache_dtype,
                         mtp=bool(self.max_speculative_tokens))
+
+  def _pool_shardings(self):
+    """Where the pools live on the model's mesh: the layers' rows split over ``context``
+    (``sharding.POOL_SPEC``), the token ids whole on every device."""
+    main, mtp, _ = jax.eval_shape(self._empty_pools)
+    placed = lambda spec: jax.sharding.NamedSharding(self.model.mesh, spec)
+    rows = lambda tree: jax.tree.map(lambda _: placed(sharding.POOL_SPEC), tree)
+    return rows(main), rows(mtp), placed(sharding.REPLICATED)
 
   # ---- requests -------------------------------------------------------------------------
 
@@ -526,25 +550,26 @@ class Engine:
   def _program(self, shape: StepShape):
     if shape in self._programs:
       return self._programs[shape][0]
-    key = (shape, self.page_size, self._logit_rows, self._graphdef, self._state_def,
-           signature((self._state_leaves, self._pools)))
-    # Engines over the same model and pool shapes share programs.
+    key = (shape, self.page_size, self._logit_rows, self.context_topk, self._graphdef,
+           self._state_def, signature((self._state_leaves, self._pools)))
+    # Engines over the same model, pool shapes and selection share programs.
     self._programs[shape], seconds = _COMPILED.lookup(key, lambda: self._compile(shape))
     self.stats.compile_s += seconds
     return self._programs[shape][0]
 
   def _compile(self, shape: StepShape):
     t0 = time.perf_counter()
+    mesh = self.model.mesh
     plan = self.step_plan(shape)
     drafts = self._logit_rows > 1 and shape.decode_steps == 1
     program = StepProgram(plan, self._flat_plan(None, shape.kv_pages, segmented=False)
                           if drafts else None, mtp=bool(self.max_speculative_tokens),
                           page_size=self.page_size, logit_rows=self._logit_rows,
                           decode_steps=shape.decode_steps, greedy=shape.greedy,
-                          scores=shape.scores)
-    step = program.build(self._graphdef, self._state_def, self.model.layer_groups)
+                          scores=shape.scores, context=self.context)
+    step = program.build(self._graphdef, self._state_def, self.model.layer_groups,
+                         None if mesh is None else self._pool_shardings())
     jitted = jax.jit(functionalize(step, False), donate_argnums=1)
-    mesh = self.model.mesh
     arrays = StepInputs.zeros(shape, self._logit_rows, step_inputs.STOP_IDS).arrays()
     n = StepInputs.NUM_TOKEN_ARRAYS
     placed = lambda spec: None if mesh is None else jax.sharding.NamedSharding(mesh, spec)

@@ -65,8 +65,9 @@ class StepProgram:
   decode_steps: int = 1
   greedy: bool = False
   scores: bool = False
+  context: int = 1
 
-  def build(self, graphdef, state_def, layout):
+  def build(self, graphdef, state_def, layout, pool_shardings=None):
     """``step(state_leaves, pools, *StepInputs arrays) -> (outputs, pools)``.
 
     One step's outputs: new tokens [S, J] (the first ``accepted + 1`` of a sequence are its),
@@ -75,8 +76,14 @@ class StepProgram:
     (``drafts_wanted``); a scoring step's then also, per row t, the log-probability of the
     token after it (``next_ids_T``), its rank, and the most likely ones' ids and
     log-probabilities [T, K]. A multi-step dispatch's: new tokens [N, S] (-1 once a sequence
-    stopped)."""
-    page_size = self.page_size
+    stopped).
+
+    ``context``: the ranks of a mesh's ``context`` axis the pools' rows are split over
+    (``PagedLayerCache.context``); ``pool_shardings``: where the pools live on the mesh, kept
+    for the pools the step returns (None: no mesh)."""
+    page_size, context = self.page_size, self.context
+    keep = lambda pools: (pools if pool_shardings is None
+                          else jax.lax.with_sharding_constraint(pools, pool_shardings))
 
     def forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN):
       """The main model on the flat rows: hidden states [T, D] and the pools (the rows' token
@@ -87,7 +94,7 @@ class StepProgram:
       caches = ModelCache(tuple(
           tuple(PagedLayerCache(latent, keys, table_TN,
                                 jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)), page_size,
-                                seq_T, reps=group.reps)
+                                seq_T, reps=group.reps, context=context)
                 for latent, keys in unit)
           for group, unit in zip(layout, main_pools)), layout)
       hidden_T1D, caches = model.forward_hidden(ids_T[:, None], caches, new_lens_B=real_T,
@@ -119,7 +126,7 @@ class StepProgram:
         sampled_T = tokens_SJ[seq_T, jnp.maximum(logit_row_T, 0)]
         pairs_T = jnp.where(next_ids_T < 0, sampled_T, next_ids_T)
         valid_T = real_T * ((logit_row_T < 0) | (logit_row_T <= accepted_S[seq_T]))
-        views = _mtp_views(mtp_pools, table_SN[seq_T], pos_T, page_size, seq_T)
+        views = _mtp_views(mtp_pools, table_SN[seq_T], pos_T, page_size, context, seq_T)
         _, mtp_hidden_T1D, views = model.mtp_forward(
             0, hidden_TD[:, None], pairs_T[:, None], views, new_lens_B=valid_T,
             plan=self.plan, logits=False)
@@ -131,14 +138,14 @@ class StepProgram:
           last_hidden_SD = mtp_hidden_T1D[last_S, 0]
           drafts_SD, mtp_pools = draft(
               model, model.mtp_logits(0, last_hidden_SD), last_hidden_SD, mtp_pools,
-              lambda pools, rows_S: _mtp_views(pools, table_SN, rows_S, page_size),
+              lambda pools, rows_S: _mtp_views(pools, table_SN, rows_S, page_size, context),
               lambda views: tuple(v.buffers.pools for v in views), pos_T[last_S] + 1,
               wanted_S, self.logit_rows - 1, self.draft_plan)
         pools = (main_pools, mtp_pools, token_ids)
       outputs = (tokens_SJ, accepted_S, *_logprobs(logits_SJV, tokens_SJ), drafts_SD, wanted_S)
       if self.scores:
         outputs += _row_scores(model.logits(hidden_TD), next_ids_T)
-      return outputs, pools
+      return outputs, keep(pools)
 
     def decode_steps(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T,
                      logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S,
@@ -174,7 +181,7 @@ class StepProgram:
                jnp.full((n, s), -1, jnp.int32))
       carry = jax.lax.while_loop(lambda c: (c[0] < n) & (c[3].sum() > 0), one_step, carry)
       _, pools, _, _, tokens_NS = carry
-      return (tokens_NS,), pools
+      return (tokens_NS,), keep(pools)
 
     return step if self.decode_steps == 1 else decode_steps
 
@@ -219,8 +226,8 @@ def _row_scores(logits_TV, next_ids_T):
   return chosen_T[:, 0], rank_T, top_ids_TK, top_TK
 
 
-def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, segment_ids_B=None):
+def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, context, segment_ids_B=None):
   """The MTP layers' paged caches (one layer each) at ``num_cached_B``."""
   return tuple(PagedLayerCache(latent, keys, table_BN, num_cached_B[None], page_size,
-                               segment_ids_B).layer_view(0)
+                               segment_ids_B, context=context).layer_view(0)
                for latent, keys in mtp_pools)
