@@ -4,6 +4,9 @@ forward, HF config edits and a free port for multi-process tests."""
 import dataclasses
 import functools
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -104,3 +107,18 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def two_process_engine(tmp_path, mesh_spec: str):
+  """Runs ``multiprocess_worker.py``'s engine job in two processes (gloo) over ``mesh_spec``:
+  the worker's output (``tokens``, ``devices``) and its prompts as lists."""
+  port, out = free_port(), tmp_path / "out.npz"
+  worker = Path(__file__).with_name("multiprocess_worker.py")
+  procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i), mesh_spec,
+                             str(out), "engine"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+  logs = [p.communicate(timeout=400)[0].decode() for p in procs]
+  assert all(p.returncode == 0 for p in procs), logs
+  got = np.load(out)
+  prompts = [p.tolist() for p in np.split(got["prompt_ids"], np.cumsum(got["prompt_lens"])[:-1])]
+  return got, prompts

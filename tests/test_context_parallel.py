@@ -9,9 +9,6 @@ every program; named errors for what is not supported.
 
 import dataclasses
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +27,7 @@ from mla_jax.paged_cache import PagedLayerCache
 from mla_jax.serving import Engine, SamplingParams
 from mla_jax.step_plan import StepPlan
 from mla_jax.routing import PrefillRoute
-from tests.helpers import free_port
+from tests.helpers import two_process_engine
 from tests.test_engine import _mqa_only_contract
 
 TOPK = tiny_lm("mqa-only").mla.indexer.topk  # 16
@@ -276,15 +273,7 @@ def test_speculative_decoding_over_the_context_axis():
 @pytest.mark.slow  # over 30 s on 2 cores
 def test_two_process_engine_over_the_context_axis_equals_one_process(tmp_path):
   """Two processes (gloo), one context rank each, equal one process's tokens."""
-  port, out = free_port(), tmp_path / "out.npz"
-  worker = Path(__file__).with_name("multiprocess_worker.py")
-  procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i),
-                             "context=2,tensor=2", str(out), "engine"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
-  logs = [p.communicate(timeout=400)[0].decode() for p in procs]
-  assert all(p.returncode == 0 for p in procs), logs
-  got = np.load(out)
-  prompts = [p.tolist() for p in np.split(got["prompt_ids"], np.cumsum(got["prompt_lens"])[:-1])]
+  got, prompts = two_process_engine(tmp_path, "context=2,tensor=2")
   one = Engine(_model(config=tiny_moe_lm()), num_pages=16, page_size=8, max_num_seqs=4,
                max_step_tokens=16, log_interval=None)
   assert got["tokens"].tolist() == [list(o.tokens) for o in one.generate(prompts, max_tokens=5)]

@@ -1,9 +1,6 @@
 """The engine on a mesh and over two processes gives the tokens of ``generate`` unsharded."""
 
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +11,7 @@ from mla_jax.generation.loop import generate
 from mla_jax.models.config import tiny_moe_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.serving import Engine, SamplingParams
-from tests.helpers import free_port
+from tests.helpers import two_process_engine
 
 PROMPTS = [np.random.default_rng(1).integers(0, 256, n).tolist() for n in (5, 30, 12)]
 SETTINGS = dict(num_pages=16, page_size=8, max_num_seqs=4, max_step_tokens=16,
@@ -52,14 +49,6 @@ def test_speculative_engine_on_a_mesh_equals_generate_unsharded():
 @pytest.mark.slow  # over 30 s on 2 cores
 def test_two_process_engine_equals_one_process(tmp_path):
   """Process 0 schedules and broadcasts each step's inputs; process 1 follows (gloo)."""
-  port, out = free_port(), tmp_path / "out.npz"
-  worker = Path(__file__).with_name("multiprocess_worker.py")
-  procs = [subprocess.Popen([sys.executable, str(worker), str(port), "2", str(i),
-                             "data=1,tensor=2,expert=2", str(out), "engine"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
-  logs = [p.communicate(timeout=400)[0].decode() for p in procs]
-  assert all(p.returncode == 0 for p in procs), logs
-  got = np.load(out)
+  got, prompts = two_process_engine(tmp_path, "data=1,tensor=2,expert=2")
   assert int(got["devices"]) == 4
-  prompts = [p.tolist() for p in np.split(got["prompt_ids"], np.cumsum(got["prompt_lens"])[:-1])]
   assert got["tokens"].tolist() == _reference(prompts)
