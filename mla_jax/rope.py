@@ -77,7 +77,8 @@ def _cos_sin(positions, rope: RopeConfig, rope_dim: int, max_position: int):
   return cos, sin
 
 
-def apply_rope(x, positions, rope: RopeConfig, *, interleaved: bool, max_position: int):
+def apply_rope(x, positions, rope: RopeConfig, *, interleaved: bool, max_position: int,
+               inverse: bool = False):
   """Rotates the last axis of ``x`` (R wide) by position.
 
   Args:
@@ -90,12 +91,16 @@ def apply_rope(x, positions, rope: RopeConfig, *, interleaved: bool, max_positio
     rope: frequency configuration.
     interleaved: pairs (2i, 2i+1) if True, else (i, i + R/2).
     max_position: exclusive bound on positions (the config's max_position_embeddings).
+    inverse: rotate by minus the angle (DeepSeek-V4 takes a value's rotation back out of an
+      attention output this way).
 
   Returns:
     The rotated array in x's dtype, computed in float32.
   """
   rope_dim = x.shape[-1]
   cos, sin = _cos_sin(positions, rope, rope_dim, max_position)  # [..., T, R/2]
+  if inverse:
+    sin = -sin
   if x.ndim == positions.ndim + 2:  # a heads axis sits between T and R
     cos, sin = cos[..., None, :], sin[..., None, :]
   xf = x.astype(jnp.float32)

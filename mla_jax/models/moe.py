@@ -21,7 +21,7 @@ from flax import nnx
 
 from mla_jax import quant, sharding
 from mla_jax.models.config import MoEConfig
-from mla_jax.models.mlp import MLP
+from mla_jax.models.mlp import MLP, swiglu
 from mla_jax.sharding import EXPERT, TENSOR
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
@@ -173,7 +173,7 @@ def _tiled_grouped_matmul(lhs_MX, rhs_GYX, group_sizes_G):
 
 
 def routed_experts(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF, *, first_expert=0,
-                   impl: str = "ragged_dot"):
+                   impl: str = "ragged_dot", swiglu_limit: float | None = None):
   """``sum_k weights[t, k] * expert_{idx[t, k]}(x[t])`` over the experts held here: [T, D] f32.
 
   ``gate/up/down`` hold experts ``first_expert .. first_expert + E_local - 1`` (arrays or
@@ -194,7 +194,7 @@ def routed_experts(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF, *, firs
   x_PD = x_TD[token_P]
   gate_PF = _contract_last(x_PD, gate_EFD, group_sizes_G, impl)
   up_PF = _contract_last(x_PD, up_EFD, group_sizes_G, impl)
-  h_PF = (jax.nn.silu(gate_PF) * up_PF).astype(dtype)
+  h_PF = swiglu(gate_PF, up_PF, swiglu_limit).astype(dtype)
   out_PD = _contract_last(h_PF, down_EDF, group_sizes_G, impl)
   weight_P = jnp.where(held_P, weights_TK.reshape(-1), 0.0)[order_P]
   # where, not a multiply: a pair held elsewhere must add exactly nothing here.
@@ -214,18 +214,20 @@ class MoE(nnx.Module):
             param_dtype=param_dtype) if config.n_shared_experts else None)
     self.grouped_matmul = resolve_grouped_matmul(grouped_matmul)
     self.mesh = mesh
+    self.swiglu_limit = None  # DeepSeek-V4's clipped SwiGLU sets it (mla_jax.v4.moe)
 
   def _routed(self, x_TD, idx_TK, weights_TK):
-    experts, impl, mesh = self.experts, self.grouped_matmul, self.mesh
+    experts, impl, mesh, limit = (self.experts, self.grouped_matmul, self.mesh,
+                                  self.swiglu_limit)
     weights = tuple(quant.weight_operand(w)
                     for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
     if mesh is None:
-      return routed_experts(x_TD, idx_TK, weights_TK, *weights, impl=impl)
+      return routed_experts(x_TD, idx_TK, weights_TK, *weights, impl=impl, swiglu_limit=limit)
 
     def local(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF):
       first = jax.lax.axis_index(EXPERT) * gate_EFD.shape[0]
       out_TD = routed_experts(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF,
-                              first_expert=first, impl=impl)
+                              first_expert=first, impl=impl, swiglu_limit=limit)
       return jax.lax.psum(out_TD, (EXPERT, TENSOR))
 
     tokens = sharding.MOE_TOKENS_SPEC
