@@ -213,6 +213,10 @@ def cmd_generate(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
+  from mla_jax.v4.cli import cmd_generate_v4, is_v4_checkpoint
+
+  if is_v4_checkpoint(args.checkpoint):
+    return cmd_generate_v4(args)
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   if mesh_sizes and mesh_sizes[sharding.CONTEXT] > 1:
     raise SystemExit(f"--mesh {args.mesh}: a 'context' axis splits the page pools of "
