@@ -1,0 +1,213 @@
+"""DeepSeek-V4 against its float64 NumPy reference (tests/v4_reference.py): the compressor,
+mHC, the MoE and whole models; the cached step against the whole-sequence forward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax.config import RopeConfig, YarnConfig
+from mla_jax.v4 import hyper
+from mla_jax.v4.attention import merge_with_sink, window_indices
+from mla_jax.v4.compressor import Compressor
+from mla_jax.v4.config import CSA, HCA, HASH_MOE, MOE, SLIDING, tiny_v4_config
+from mla_jax.v4.model import V4CausalLM
+from mla_jax.v4.moe import V4Router
+from tests import v4_reference as ref
+
+
+def randomize(model, seed: int, scale: float = 0.5):
+  """Every float parameter random (sinks, pooling biases, mHC biases and scales included,
+  which a fresh model holds at 0 or 1), so no term of the formulas is left out of a test."""
+  rng = np.random.default_rng(seed)
+  graphdef, state = nnx.split(model)
+  filled = []
+  for path, var in state.flat_state():
+    value = np.asarray(var[...])
+    if jnp.issubdtype(value.dtype, jnp.floating):
+      std = float(np.std(value.astype(np.float32)))
+      spread = std if value.size > 1 and std > 0 else scale
+      value = (rng.standard_normal(value.shape) * spread).astype(value.dtype)
+    filled.append((path, var.replace(jnp.asarray(value))))
+  return nnx.merge(graphdef, nnx.State.from_flat_path(filled))
+
+
+def build(seed: int = 0, dtype=jnp.float32, **overrides):
+  config = tiny_v4_config(**overrides)
+  model = V4CausalLM(config, rngs=nnx.Rngs(seed), backend="xla", param_dtype=dtype)
+  return randomize(model, seed + 1)
+
+
+@nnx.jit
+def _step(model, ids_BT, caches, start_B):
+  return model(ids_BT, caches, start_B)
+
+
+def run(model, ids_BT, capacity: int = 64, chunks=None):
+  """Logits of ``ids_BT`` from 0, in one step or in steps of ``chunks`` tokens."""
+  b, t = ids_BT.shape
+  caches = model.init_cache(b, capacity)
+  chunks = chunks or [t]
+  out, start = [], 0
+  for size in chunks:
+    logits, caches = _step(model, ids_BT[:, start:start + size], caches,
+                           jnp.full((b,), start, jnp.int32))
+    out.append(logits)
+    start += size
+  return np.asarray(jnp.concatenate(out, axis=1))
+
+
+def rel_err(got, want):
+  return np.max(np.abs(got - want)) / np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("length", [5, 8, 37])
+def test_model_matches_float64_reference(length):
+  """Every layer type and both MoE kinds; prompts shorter and longer than the window (8),
+  and past the top-k (4) of compressed entries."""
+  model = build(seed=length)
+  ids = np.random.default_rng(length).integers(0, model.config.vocab_size, (2, length))
+  got = run(model, jnp.asarray(ids, jnp.int32))
+  params = ref.params_of(model)
+  for row in range(2):
+    want = ref.forward(params, model.config, ids[row])
+    assert rel_err(got[row], want) < 1e-5
+
+
+def test_bfloat16_model_matches_float64_reference():
+  model = build(seed=3, dtype=jnp.bfloat16)
+  ids = np.random.default_rng(3).integers(0, model.config.vocab_size, (1, 21))
+  got = run(model, jnp.asarray(ids, jnp.int32))
+  want = ref.forward(ref.params_of(model), model.config, ids[0])
+  assert rel_err(got[0], want) < 2e-2
+
+
+def test_yarn_and_other_scoring_match_reference():
+  """The compress RoPE with YaRN, sigmoid scoring, tied embeddings, HCA and CSA only."""
+  model = build(seed=5, layer_types=(HCA, CSA), mlp_layer_types=(MOE, HASH_MOE),
+                scoring_func="sigmoid", tie_word_embeddings=True,
+                compress_rope=RopeConfig(theta=160000.0, yarn=YarnConfig(
+                    factor=16.0, original_max_position_embeddings=64)))
+  ids = np.random.default_rng(5).integers(0, model.config.vocab_size, (1, 30))
+  got = run(model, jnp.asarray(ids, jnp.int32))
+  want = ref.forward(ref.params_of(model), model.config, ids[0])
+  assert rel_err(got[0], want) < 1e-5
+
+
+@pytest.mark.parametrize("chunks", [[1] * 29, [3, 5, 1, 9, 11], [13, 16]])
+def test_cached_steps_equal_one_step(chunks):
+  """Prefill in pieces that cut windows and entries anywhere, then decode: the same logits
+  as one step over the whole sequence (the compressor's state carries the cut windows)."""
+  model = build(seed=7)
+  ids = jnp.asarray(np.random.default_rng(7).integers(0, 256, (2, 29)), jnp.int32)
+  assert rel_err(run(model, ids, chunks=chunks), run(model, ids)) < 1e-5
+
+
+def test_compressor_matches_reference_and_streams():
+  """Entries of one pass over 24 tokens equal the reference's; fed 5 + 1 + 18 tokens, the
+  same entries come out, each window once, complete ones only."""
+  d, width, m = 16, 8, 4
+  for overlap in (False, True):
+    comp = Compressor(d, width, m, overlap=overlap, rope_dim=4, rope=RopeConfig(), norm_eps=1e-6,
+                      max_position=1024, rngs=nnx.Rngs(0))
+    comp.position_bias.value = jax.random.normal(jax.random.key(1), comp.position_bias.shape)
+    x = jax.random.normal(jax.random.key(2), (1, 24, d))
+    params = {f"c.{k}": v for k, v in ref.params_of(comp).items()}
+    want = ref.compress(np.asarray(x[0], np.float64), params, "c", width=width, m=m,
+                        overlap=overlap, rope=RopeConfig(), r=4, eps=1e-6)
+    kv, gate = comp.init_state(1, jnp.float32)
+    got = np.zeros_like(want)
+    start = 0
+    for size in (24,) if overlap else (5, 1, 18):
+      entries, window, kv, gate = comp(x[:, start:start + size], kv, gate,
+                                       jnp.array([start], jnp.int32))
+      for j, w in enumerate(np.asarray(window[0])):
+        if w >= 0:
+          got[w] = np.asarray(entries[0, j])
+      start += size
+    assert rel_err(got, want) < 1e-5
+
+
+def test_hyper_connection_matches_reference():
+  hc = hyper.HyperConnection(16, 3, sinkhorn_iters=7, hc_eps=1e-6, norm_eps=1e-6,
+                             rngs=nnx.Rngs(0))
+  hc.base.value = jax.random.normal(jax.random.key(1), hc.base.shape)
+  hc.scale.value = jax.random.normal(jax.random.key(2), hc.scale.shape)
+  streams = jax.random.normal(jax.random.key(3), (1, 5, 3, 16))
+  post, comb, collapsed = hc(streams)
+  params = {f"h.{k}": v for k, v in ref.params_of(hc).items()}
+  config = tiny_v4_config(hc_mult=3, hc_sinkhorn_iters=7)
+  want = ref.hyper(np.asarray(streams[0], np.float64), params, "h", config)
+  for got, expected in zip((post[0], comb[0], collapsed[0]), want):
+    assert rel_err(np.asarray(got), expected) < 1e-5
+  # Sinkhorn: close to doubly stochastic after a few rounds.
+  np.testing.assert_allclose(np.asarray(comb).sum(-2), 1.0, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(comb).sum(-1), 1.0, atol=1e-2)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax", "sigmoid"])
+def test_routers_match_reference(scoring):
+  config = tiny_v4_config(scoring_func=scoring)
+  x = jax.random.normal(jax.random.key(0), (6, config.hidden_size))
+  ids = jnp.arange(6, dtype=jnp.int32) * 7
+  for hashed in (False, True):
+    router = V4Router(config, hashed=hashed, rngs=nnx.Rngs(1))
+    if not hashed:
+      router.e_score_correction_bias.value = jax.random.normal(jax.random.key(2), (8,)) * 0.3
+    idx, weights = router(x, ids)
+    logits = np.asarray(x, np.float64) @ np.asarray(router.weight[...], np.float64).T
+    scores = {"sqrtsoftplus": np.sqrt(np.logaddexp(0, logits)),
+              "sigmoid": 1 / (1 + np.exp(-logits)), "softmax": ref.softmax(logits, -1)}[scoring]
+    if hashed:
+      want_idx = np.asarray(router.tid2eid[...])[np.asarray(ids)]
+    else:
+      biased = scores + np.asarray(router.e_score_correction_bias[...])
+      want_idx = np.argsort(-biased, -1, kind="stable")[:, :config.num_experts_per_tok]
+    np.testing.assert_array_equal(np.sort(np.asarray(idx), -1), np.sort(want_idx, -1))
+    want = np.take_along_axis(scores, np.asarray(idx), -1)
+    want = want / want.sum(-1, keepdims=True) * config.routed_scaling_factor
+    assert rel_err(np.asarray(weights), want) < 1e-5
+
+
+def test_merge_with_sink_is_one_softmax():
+  """Two parts' partial softmaxes and the sink merge into one softmax over all their rows;
+  a part without rows (LSE +inf) adds nothing."""
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((3, 2, 7))
+  values = rng.standard_normal((7, 5))
+  sink = rng.standard_normal(2)
+
+  def part(cols):
+    lse = np.log(np.exp(logits[..., cols]).sum(-1))
+    out = np.einsum("thk,kv->thv", np.exp(logits[..., cols] - lse[..., None]), values[cols])
+    return jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32)
+
+  empty = (jnp.zeros((3, 2, 5)), jnp.full((3, 2), jnp.inf))
+  got = merge_with_sink([part([0, 1, 2]), part([3, 4, 5, 6]), empty], jnp.asarray(sink))
+  full = np.concatenate([logits, np.broadcast_to(sink[None, :, None], (3, 2, 1))], -1)
+  want = np.einsum("thk,kv->thv", ref.softmax(full, -1)[..., :-1], values)
+  assert rel_err(np.asarray(got), want) < 1e-5
+
+
+def test_window_indices():
+  """Query at p sees positions p-W+1..p: the ring (slot p % W) for those before the step,
+  this step's rows after the ring for the rest; none before position 0."""
+  w = 4
+  idx = np.asarray(window_indices(jnp.array([6, 0], jnp.int32), 3, w))
+  assert idx[0, 0].tolist() == [w + 0, 5 % w, 4 % w, 3 % w]  # position 6
+  assert idx[0, 2].tolist() == [w + 2, w + 1, w + 0, 5 % w]  # position 8
+  assert idx[1, 1].tolist() == [w + 1, w + 0, -1, -1]  # position 1 of a fresh sequence
+
+
+def test_sliding_only_layer_reads_window_alone():
+  """A sliding layer's logits at a position do not depend on tokens past its window."""
+  model = build(seed=9, layer_types=(SLIDING,), mlp_layer_types=(MOE,))
+  ids = np.random.default_rng(9).integers(0, 256, (1, 20))
+  changed = ids.copy()
+  changed[0, :5] = (changed[0, :5] + 1) % 256  # outside the window of positions >= 13
+  a, b = (run(model, jnp.asarray(x, jnp.int32)) for x in (ids, changed))
+  np.testing.assert_array_equal(a[0, 13:], b[0, 13:])
+  assert not np.allclose(a[0, 5:12], b[0, 5:12])
