@@ -1,0 +1,148 @@
+"""DeepSeek-V4 checkpoints without torch: config rules, save -> load, errors, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mla_jax import cli
+from mla_jax.checkpoints.errors import CheckpointError
+from mla_jax.checkpoints.reading import open_checkpoint
+from mla_jax.checkpoints.writing import write_safetensors
+from mla_jax.config import RopeConfig, YarnConfig
+from mla_jax.v4.checkpoint import load_pretrained, model_tensors, save_pretrained
+from mla_jax.v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, tiny_v4_config
+from mla_jax.v4.hf_config import v4_config_from_hf, v4_config_to_hf
+from mla_jax.v4.model import V4CausalLM
+from tests.test_v4_model import randomize, run
+
+
+def hf_config(**fields):
+  return {"model_type": "deepseek_v4", "num_hidden_layers": 4, **fields}
+
+
+def test_defaults_follow_hf():
+  """V4-Pro's schedule (2 HCA, then CSA / HCA alternating), 3 hash layers, rope 64 of 512."""
+  config = v4_config_from_hf(hf_config())
+  assert config.layer_types == (HCA, HCA, HCA, CSA)
+  assert config.mlp_layer_types == (HASH_MOE, HASH_MOE, HASH_MOE, MOE)
+  assert (config.rope_dim, config.csa_ratio, config.hca_ratio) == (64, 4, 128)
+  assert config.compress_rope == RopeConfig(theta=160000.0)
+  assert config.main_rope == RopeConfig(theta=10000.0)
+
+
+def test_legacy_fields():
+  config = v4_config_from_hf(hf_config(
+      compress_ratios=[0, 4, 128, 4], compress_rate_csa=8, num_hash_layers=1,
+      qk_rope_head_dim=32,
+      rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536}))
+  assert config.layer_types == (SLIDING, CSA, HCA, CSA)
+  assert config.csa_ratio == 8 and config.hca_ratio == 128
+  assert config.mlp_layer_types == (HASH_MOE, MOE, MOE, MOE)
+  assert config.rope_dim == 32
+  assert config.compress_rope.yarn == YarnConfig(factor=16.0,
+                                                 original_max_position_embeddings=65536)
+  assert config.main_rope.yarn is None  # YaRN is the compressed branches' only
+
+
+def test_explicit_lists_win_over_legacy():
+  config = v4_config_from_hf(hf_config(
+      layer_types=[SLIDING] * 4, compress_ratios=[4] * 4, mlp_layer_types=[MOE] * 4,
+      num_hash_layers=3, partial_rotary_factor=0.25, qk_rope_head_dim=8))
+  assert config.layer_types == (SLIDING,) * 4 and config.mlp_layer_types == (MOE,) * 4
+  assert config.rope_dim == 128
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"layer_types": ["full_attention"] * 4}, "layer_types"),
+    ({"compress_ratios": [0, 3, 4, 4]}, "compress_ratios"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"hidden_size": 4096.0}, "hidden_size must be an int"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+    ({"scoring_func": "relu"}, "scoring_func"),
+    ({"o_groups": 7}, "o_groups"),
+    ({"rope_parameters": {"rope_type": "longrope"}}, "longrope"),
+])
+def test_bad_configs_are_named(fields, message):
+  with pytest.raises(CheckpointError, match=message):
+    v4_config_from_hf(hf_config(**fields))
+
+
+def test_config_round_trip():
+  config = tiny_v4_config(compress_rope=RopeConfig(theta=160000.0, yarn=YarnConfig(
+      factor=16.0, original_max_position_embeddings=64)))
+  assert v4_config_from_hf(json.loads(json.dumps(v4_config_to_hf(config)))) == config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  model = randomize(V4CausalLM(tiny_v4_config(), rngs=nnx.Rngs(0), backend="xla"), 1)
+  path = tmp_path_factory.mktemp("v4")
+  save_pretrained(model, path)
+  return model, path
+
+
+def test_save_load_is_bitwise(saved):
+  model, path = saved
+  loaded = load_pretrained(path, dtype=jnp.float32, backend="xla")
+  for (p1, v1), (p2, v2) in zip(nnx.state(model).flat_state(), nnx.state(loaded).flat_state()):
+    assert p1 == p2
+    np.testing.assert_array_equal(np.asarray(v1[...]), np.asarray(v2[...]))
+  ids = jnp.asarray(np.arange(20)[None] % 256, jnp.int32)
+  np.testing.assert_array_equal(run(model, ids), run(loaded, ids))
+
+
+def test_deepseek_names_load_too(saved, tmp_path):
+  """DeepSeek's release names the top tensors embed / head / norm / hc_head_* and puts no
+  ``model.`` in front; those load into the same model."""
+  model, path = saved
+  tensors = {name.removeprefix("model."): value for name, value in model_tensors(model).items()}
+  renames = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn",
+             "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+  tensors = {renames.get(name, name): value for name, value in tensors.items()}
+  write_safetensors(tensors, tmp_path / "model.safetensors")
+  (tmp_path / "config.json").write_text((path / "config.json").read_text())
+  loaded = load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
+  np.testing.assert_array_equal(np.asarray(loaded.model.hc_head.hc_fn[...]),
+                                np.asarray(model.model.hc_head.hc_fn[...]))
+
+
+def test_missing_and_misshapen_tensors_are_listed(saved, tmp_path):
+  model, path = saved
+  tensors = {name: np.asarray(open_checkpoint(path)[name].read())
+             for name in open_checkpoint(path)}
+  del tensors["model.layers.1.attn.indexer.wq_b.weight"]
+  tensors["model.layers.2.ffn.experts.3.w2.weight"] = np.zeros((3, 3), np.float32)
+  write_safetensors(tensors, tmp_path / "model.safetensors")
+  (tmp_path / "config.json").write_text((path / "config.json").read_text())
+  with pytest.raises(CheckpointError) as err:
+    load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
+  assert "missing tensor layers.1.attn.indexer.wq_b.weight" in str(err.value)
+  assert "model.layers.2.ffn.experts.3.w2.weight: shape [3, 3], expected [64, 32]" in str(
+      err.value)
+
+
+def test_cli_generates_from_a_v4_checkpoint(saved, capsys):
+  model, path = saved
+  assert cli.main(["generate", "--checkpoint", str(path), "--prompt-len", "19",
+                   "--max-new-tokens", "6", "--dtype", "float32", "--backend", "xla",
+                   "--quiet"]) == 0
+  out = capsys.readouterr().out
+  assert "DeepSeek-V4 x 4 layers" in out
+  assert "layer 1: compressed_sparse_attention: compressed scored" in out
+  assert "layer 2: heavily_compressed_attention: compressed all" in out
+  ids = [int(t) for t in out.split("generated ids: [")[1].split("]")[0].split(",")]
+  prompt = np.random.default_rng(0).integers(0, 256, size=19)
+  # The same greedy tokens as the cached steps of the model it was saved from.
+  from mla_jax.v4.generate import generate
+  assert generate(model, [prompt.tolist()], 6).tokens[0] == ids
+
+
+def test_cli_refuses_what_v4_lacks(saved):
+  _, path = saved
+  with pytest.raises(SystemExit, match="--mesh.*not supported for DeepSeek-V4"):
+    cli.main(["generate", "--checkpoint", str(path), "--mesh", "tensor=1"])
