@@ -37,6 +37,14 @@ KERNELS = {
         sparse_case(4, 128, 576, 512, 65536, 2048), SparseMQAKernelConfig.default_for(128, 2048, 512)),
     "sparse_mqa_dsv32_fp8_rows_h128_k2048": (
         sparse_fp8_case(4, 128, 512, 64, 65536, 2048), SparseMQAKernelConfig.default_for(128, 2048, 512)),
+    # DeepSeek-V4-Flash (docs/models.md): H 64 over 512-wide K=V rows, CSA's top-512 entries
+    # and the 128-row window; the indexer over 16K compressed keys (64K tokens at m = 4).
+    "sparse_mqa_v4flash_h64_512_512_k512": (
+        sparse_case(4, 64, 512, 512, 16384, 512), SparseMQAKernelConfig.default_for(64, 512, 512)),
+    "sparse_mqa_v4flash_h64_512_512_k128": (
+        sparse_case(4, 64, 512, 512, 132, 128), SparseMQAKernelConfig.default_for(64, 128, 512)),
+    "indexer_v4flash_g64_i128_bf16": (
+        indexer_case(512, 64, 128, 16384), IndexerLogitsKernelConfig.default_for(512, 16384)),
     "indexer_dsv32_g64_i128_bf16": (
         indexer_case(512, 64, 128, 8192), IndexerLogitsKernelConfig.default_for(512, 8192)),
     "indexer_dsv32_g64_i128_fp8": (

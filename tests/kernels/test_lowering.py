@@ -27,6 +27,11 @@ CASES = {
     "sparse_mqa_tiny_fp8": (sparse_fp8_case(3, 5, 64, 16, 100, 7, F32), "sparse_mqa_attention"),
     "sparse_mqa_dsv32_fp8": (sparse_fp8_case(4, 128, 512, 64, 8192, 2048),
                              "sparse_mqa_attention"),
+    # DeepSeek-V4-Flash: 512-wide K=V rows (rope inside, so L = d_v), the window's 128 rows and
+    # CSA's top-512 compressed entries; its indexer scores 128-wide compressed keys.
+    "sparse_mqa_v4flash_window": (sparse_case(4, 64, 512, 512, 132, 128), "sparse_mqa_attention"),
+    "sparse_mqa_v4flash_csa": (sparse_case(4, 64, 512, 512, 16384, 512), "sparse_mqa_attention"),
+    "indexer_v4flash_bf16": (indexer_case(128, 64, 128, 16384), "indexer_logits"),
     "indexer_tiny_fp32": (indexer_case(37, 4, 32, 150, F32), "indexer_logits"),
     "indexer_dsv32_bf16": (indexer_case(128, 64, 128, 4096), "indexer_logits"),
     "indexer_dsv32_fp8": (indexer_case(128, 64, 128, 4096, FP8, k_scale=True), "indexer_logits"),
