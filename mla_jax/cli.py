@@ -25,6 +25,7 @@ from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, Generation
                                                    read_generation_config)
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
+from mla_jax.v4.plan import V4_SIZES
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
 TRAINED_PRESETS = {"recall": presets.RECALL_CHECKPOINT}  # shipped checkpoints
@@ -401,9 +402,22 @@ def cmd_routes(args) -> int:
 DEFAULT_PLAN_MESH = "tensor=8"
 
 
+def _plan_v4(args) -> int:
+  """DeepSeek-V4's plan: whole-model bytes, split evenly (it has no partition rules yet)."""
+  from mla_jax.v4.plan import format_plan, make_plan
+
+  if args.mesh or args.dtype != "bf16" or args.cache_dtype != "bf16" or args.lower:
+    raise SystemExit(f"error: --mesh, --dtype fp8, --cache-dtype fp8 and --lower are not "
+                     f"supported for {args.model} yet (docs/models.md)")
+  print(format_plan(make_plan(args.model)))
+  return 0
+
+
 def cmd_plan(args) -> int:
   from mla_jax import plan
 
+  if args.model in V4_SIZES:
+    return _plan_v4(args)
   args.mesh = args.mesh or [DEFAULT_PLAN_MESH]
   plans = [plan.make_plan(args.model, mesh, args.dtype, args.batch, args.context,
                           args.cache_dtype, args.mtp_layers) for mesh in args.mesh]
@@ -590,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
   plan = sub.add_parser("plan", parents=[common],
                        help="per-device bytes of a full-size model on a mesh "
                             "(nothing is allocated)")
-  plan.add_argument("--model", choices=sorted(FULL_SIZE), default="deepseek_v32")
+  plan.add_argument("--model", choices=sorted(FULL_SIZE) + sorted(V4_SIZES),
+                    default="deepseek_v32")
   plan.add_argument("--mesh", action="append", metavar="SPEC",
                     help="e.g. data=1,tensor=2,expert=4 (repeat for several meshes; default "
                          f"{DEFAULT_PLAN_MESH}: one host of 8 GPUs)")
