@@ -146,3 +146,10 @@ def test_cli_refuses_what_v4_lacks(saved):
   _, path = saved
   with pytest.raises(SystemExit, match="--mesh.*not supported for DeepSeek-V4"):
     cli.main(["generate", "--checkpoint", str(path), "--mesh", "tensor=1"])
+
+
+def test_v3_loader_points_v4_checkpoints_to_their_loader(saved):
+  from mla_jax.checkpoints import load_pretrained as load_v3
+
+  with pytest.raises(CheckpointError, match="mla_jax.v4.load_pretrained"):
+    load_v3(saved[1])

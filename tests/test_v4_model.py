@@ -222,3 +222,19 @@ def test_sliding_only_layer_reads_window_alone():
   a, b = (run(model, jnp.asarray(x, jnp.int32)) for x in (ids, changed))
   np.testing.assert_array_equal(a[0, 13:], b[0, 13:])
   assert not np.allclose(a[0, 5:12], b[0, 5:12])
+
+
+@pytest.mark.parametrize("num_new", [1, 7])
+def test_steps_update_every_cache_in_place(num_new):
+  """The compiled step (decode and prefill) aliases every cache buffer to an output."""
+  from mla_jax.decoding.sampling import SamplingConfig
+  from mla_jax.v4.generate import step_program
+
+  model = build(seed=2)
+  graphdef, state = nnx.split(model)
+  caches = model.init_cache(2, 64)
+  compiled = step_program.lower(graphdef, state, jnp.zeros((2, num_new), jnp.int32), caches,
+                                jnp.zeros((2,), jnp.int32), jax.random.key(0),
+                                SamplingConfig()).compile()
+  assert compiled.memory_analysis().alias_size_in_bytes == sum(
+      x.nbytes for x in jax.tree.leaves(caches))

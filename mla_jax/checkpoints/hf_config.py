@@ -444,6 +444,9 @@ def config_from_hf(hf: dict, *, attention: str = "mqa-only") -> ModelConfig:
   if not isinstance(hf, dict):
     raise CheckpointError(f"the config must be a JSON object, got {type(hf).__name__}")
   model_type = hf.get("model_type")
+  if model_type == "deepseek_v4":
+    raise CheckpointError("model_type 'deepseek_v4' is DeepSeek-V4, a model of its own: load it "
+                          "with mla_jax.v4.load_pretrained (docs/models.md)")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise CheckpointError(f"model_type {model_type!r} is not supported; supported: "
                           f"{', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -18,6 +18,9 @@ Axis letters as in the package docstring, plus W (window slots), C (compressed e
 M (tokens a compressed entry pools), N (mHC streams).
 """
 
+from mla_jax.v4.checkpoint import load_pretrained, save_pretrained
 from mla_jax.v4.config import V4Config
+from mla_jax.v4.generate import generate
+from mla_jax.v4.model import V4CausalLM
 
-__all__ = ["V4Config"]
+__all__ = ["V4CausalLM", "V4Config", "generate", "load_pretrained", "save_pretrained"]

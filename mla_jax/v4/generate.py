@@ -54,6 +54,10 @@ def _step(graphdef, state, ids_BT, caches, start_B, key, sampling: SamplingConfi
   return sample(logits[:, -1], key, sampling), caches
 
 
+# The caches are donated: a step writes its window slots, entries and compressor state in place.
+step_program = jax.jit(_step, static_argnums=(0, 6), donate_argnums=(3,))
+
+
 def generate(model: V4CausalLM, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_id=None,
              progress: bool = False) -> V4GenerationResult:
@@ -82,7 +86,7 @@ def generate(model: V4CausalLM, prompt_ids, max_new_tokens: int, *, temperature:
   capacity = cache_capacity(config, num_prompt + max_new_tokens)
   caches = model.init_cache(batch, capacity)
   graphdef, state = nnx.split(model)
-  step = jax.jit(_step, static_argnums=(0, 6), donate_argnums=(3,))
+  step = step_program
   key = jax.random.key(seed)
 
   ids_BT = jnp.asarray(prompts, jnp.int32)
