@@ -209,6 +209,20 @@ def _request_defaults(args) -> None:
     args.max_new_tokens = 1 if recall else DEFAULT_NEW_TOKENS
 
 
+def print_generated(args, tok: tokenizer.Tokenizer, result) -> None:
+  """The first sequence's ids (and text, for a text prompt), compile time and throughput."""
+  ids = result.tokens[0]
+  print(f"generated ids: {ids}")
+  if args.prompt is not None:
+    print(f"generated text: {tok.decode(ids)!r}")
+  print(f"compile time: {result.compile_s:.2f}s")
+  print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s")
+  if result.decode_tokens:
+    print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
+  else:  # the only token came from the prefill: there was no decode step to time
+    print("decode: no decode step (the first token comes from the prefill)")
+
+
 def cmd_generate(args) -> int:
   _request_defaults(args)
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
@@ -259,16 +273,7 @@ def cmd_generate(args) -> int:
                     progress=not args.quiet and jax.process_index() == 0)
   for i, route in enumerate(result.prefill_routes):
     print(f"prefill route, layer {i}: {route.value}")
-  ids = result.tokens[0]
-  print(f"generated ids: {ids}")
-  if args.prompt is not None:
-    print(f"generated text: {tok.decode(ids)!r}")
-  print(f"compile time: {result.compile_s:.2f}s")
-  print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s")
-  if result.decode_tokens:
-    print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
-  else:  # the only token came from the prefill: there was no decode step to time
-    print("decode: no decode step (the first token comes from the prefill)")
+  print_generated(args, tok, result)
   if result.acceptance_rate is not None:
     print(f"speculative: {args.speculative_tokens} draft tokens per step, "
           f"{result.accepted} of {result.drafted} accepted ({result.acceptance_rate:.2f})")

@@ -32,8 +32,21 @@ from mla_jax.routing import PrefillRoute
 DEFAULT_STEPS_PER_DISPATCH = DECODE_STEPS_PER_DISPATCH
 
 
+class TokenRates:
+  """Throughput of a generation result with ``prefill_tokens`` / ``prefill_s`` and
+  ``decode_tokens`` / ``decode_s``."""
+
+  @property
+  def prefill_tokens_per_s(self) -> float:
+    return self.prefill_tokens / max(self.prefill_s, 1e-9)
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.decode_tokens / max(self.decode_s, 1e-9)
+
+
 @dataclasses.dataclass
-class GenerationResult:
+class GenerationResult(TokenRates):
   """Generated ids per sequence (ending at eos when it was produced) and measurements."""
 
   tokens: list[list[int]]
@@ -55,13 +68,6 @@ class GenerationResult:
     a single new token, which the prefill samples)."""
     return self.accepted / self.drafted if self.drafted else None
 
-  @property
-  def prefill_tokens_per_s(self) -> float:
-    return self.prefill_tokens / max(self.prefill_s, 1e-9)
-
-  @property
-  def decode_tokens_per_s(self) -> float:
-    return self.decode_tokens / max(self.decode_s, 1e-9)
 
 
 def _place(array, mesh, spec=sharding.BATCH_SPEC):

@@ -12,10 +12,7 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 
-from mla_jax import tokenizer
-from mla_jax.checkpoints.generation_config import read_generation_config
 from mla_jax.checkpoints.loading import read_config
 from mla_jax.v4.hf_config import MODEL_TYPE
 
@@ -42,6 +39,7 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
 def cmd_generate_v4(args: argparse.Namespace) -> int:
   """``mla_jax.cli.cmd_generate`` on a V4 checkpoint (its prompt defaults already applied)."""
   _refuse_unsupported(args)
+  from mla_jax.cli import _prompt_ids, _sampling, _tokenizer, print_generated
   from mla_jax.v4.checkpoint import load_pretrained
   from mla_jax.v4.generate import generate
 
@@ -50,19 +48,9 @@ def cmd_generate_v4(args: argparse.Namespace) -> int:
                           backend=args.backend)
   build_s = time.perf_counter() - t0
   config = model.config
-  tok = tokenizer.checkpoint_tokenizer(args.checkpoint)
-  if args.prompt is not None or args.stop_at_eos or isinstance(tok, tokenizer.HFTokenizer):
-    tok.check_fits(config.vocab_size)
-  if args.stop_at_eos and not tok.eos_ids:
-    raise ValueError(f"--stop-at-eos: {tok.describe()} names no EOS token")
-  if args.prompt is not None:
-    prompt = tok.encode(args.prompt)
-  else:
-    rng = np.random.default_rng(args.seed)
-    prompt = rng.integers(0, min(config.vocab_size, 256), size=args.prompt_len).tolist()
-  defaults = read_generation_config(args.checkpoint)
-  temperature = defaults.temperature if args.temperature is None else args.temperature
-  top_p = defaults.top_p if args.top_p is None else args.top_p
+  tok = _tokenizer(args, config.vocab_size)
+  prompt = _prompt_ids(args, tok, config.vocab_size)
+  temperature, top_p = _sampling(args)
   print(f"model: DeepSeek-V4 x {config.num_layers} layers, backend {model.backend.name}, "
         f"window {config.sliding_window}, index_topk {config.index_topk}, "
         f"built in {build_s:.2f}s")
@@ -74,14 +62,5 @@ def cmd_generate_v4(args: argparse.Namespace) -> int:
                     eos_id=tok.eos_ids if args.stop_at_eos else None, progress=not args.quiet)
   for i, selection in enumerate(result.selections):
     print(f"layer {i}: {selection}")
-  ids = result.tokens[0]
-  print(f"generated ids: {ids}")
-  if args.prompt is not None:
-    print(f"generated text: {tok.decode(ids)!r}")
-  print(f"compile time: {result.compile_s:.2f}s")
-  print(f"prefill: {result.prefill_tokens} tokens, {result.prefill_tokens_per_s:.1f} tokens/s")
-  if result.decode_tokens:
-    print(f"decode: {result.decode_tokens} tokens, {result.decode_tokens_per_s:.1f} tokens/s")
-  else:
-    print("decode: no decode step (the first token comes from the prefill)")
+  print_generated(args, tok, result)
   return 0

@@ -18,13 +18,14 @@ from flax import nnx
 
 from mla_jax.decoding.requests import check_fits, checked_prompt
 from mla_jax.decoding.sampling import SamplingConfig, sample
+from mla_jax.generation.loop import TokenRates
 from mla_jax.progress import progress_bar
 from mla_jax.v4.attention import compressed_selection
 from mla_jax.v4.model import V4CausalLM
 
 
 @dataclasses.dataclass
-class V4GenerationResult:
+class V4GenerationResult(TokenRates):
   tokens: list[list[int]]
   selections: list[str]  # per layer: its type and what it selects among compressed entries
   compile_s: float
@@ -32,14 +33,6 @@ class V4GenerationResult:
   decode_s: float
   prefill_tokens: int
   decode_tokens: int
-
-  @property
-  def prefill_tokens_per_s(self) -> float:
-    return self.prefill_tokens / max(self.prefill_s, 1e-9)
-
-  @property
-  def decode_tokens_per_s(self) -> float:
-    return self.decode_tokens / max(self.decode_s, 1e-9)
 
 
 def cache_capacity(config, num_tokens: int) -> int:

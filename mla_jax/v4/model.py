@@ -18,20 +18,12 @@ from flax import nnx
 
 from mla_jax import checks
 from mla_jax.backends import Backend, get_backend
-from mla_jax.layers import RMSNorm
+from mla_jax.layers import Linear, RMSNorm
+from mla_jax.models.lm import Embed
 from mla_jax.v4.attention import ATTENTION_CLASSES
 from mla_jax.v4.config import V4Config
 from mla_jax.v4.hyper import HyperConnection, HyperHead, merge_block_output
 from mla_jax.v4.moe import V4MoE
-
-
-class Embedding(nnx.Module):
-  def __init__(self, vocab_size: int, hidden_size: int, *, rngs: nnx.Rngs, param_dtype):
-    init = jax.random.normal(rngs.params(), (vocab_size, hidden_size), jnp.float32)
-    self.weight = nnx.Param(init.astype(param_dtype))
-
-  def __call__(self, ids_BT):
-    return self.weight[...][ids_BT]
 
 
 class V4DecoderLayer(nnx.Module):
@@ -62,8 +54,8 @@ class V4DecoderLayer(nnx.Module):
 class V4Model(nnx.Module):
   def __init__(self, config: V4Config, *, rngs: nnx.Rngs, backend: Backend, param_dtype,
                grouped_matmul: str):
-    self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, rngs=rngs,
-                                  param_dtype=param_dtype)
+    self.embed_tokens = Embed(config.vocab_size, config.hidden_size, rngs=rngs,
+                              param_dtype=param_dtype)
     self.layers = nnx.List([
         V4DecoderLayer(config, i, rngs=rngs, backend=backend, param_dtype=param_dtype,
                        grouped_matmul=grouped_matmul) for i in range(config.num_layers)])
@@ -85,8 +77,8 @@ class V4CausalLM(nnx.Module):
     self.model = V4Model(config, rngs=rngs, backend=backend, param_dtype=param_dtype,
                          grouped_matmul=grouped_matmul)
     self.lm_head = (None if config.tie_word_embeddings else
-                    Embedding(config.vocab_size, config.hidden_size, rngs=rngs,
-                              param_dtype=param_dtype))
+                    Linear(config.hidden_size, config.vocab_size, rngs=rngs,
+                           param_dtype=param_dtype))
 
   @property
   def dtype(self):
