@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ from flax import nnx
 
 from mla_jax import cli
 from mla_jax.checkpoints.errors import CheckpointError
+from mla_jax.checkpoints.loading import dequantize_fp8_blocks
 from mla_jax.checkpoints.reading import open_checkpoint
 from mla_jax.checkpoints.writing import write_safetensors
 from mla_jax.config import RopeConfig, YarnConfig
@@ -18,6 +20,7 @@ from mla_jax.v4.checkpoint import load_pretrained, model_tensors, save_pretraine
 from mla_jax.v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, tiny_v4_config
 from mla_jax.v4.hf_config import v4_config_from_hf, v4_config_to_hf
 from mla_jax.v4.model import V4CausalLM
+from tests.checkpoint_models import quantize_fp8
 from tests.test_v4_model import randomize, run
 
 
@@ -62,7 +65,7 @@ def test_explicit_lists_win_over_legacy():
     ({"compress_ratios": [0, 3, 4, 4]}, "compress_ratios"),
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ({"hidden_size": 4096.0}, "hidden_size must be an int"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
     ({"scoring_func": "relu"}, "scoring_func"),
     ({"o_groups": 7}, "o_groups"),
     ({"rope_parameters": {"rope_type": "longrope"}}, "longrope"),
@@ -153,3 +156,57 @@ def test_v3_loader_points_v4_checkpoints_to_their_loader(saved):
 
   with pytest.raises(CheckpointError, match="mla_jax.v4.load_pretrained"):
     load_v3(saved[1])
+
+
+# What DeepSeek's V4 releases store in fp8: the attention's and the experts' projections (the
+# compressors, the indexer's compressor and its head weights stay bf16, as HF notes).
+_V4_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|experts\.\d+\.w[123]|"
+                     r"shared_experts\.w[123])\.weight$")
+
+
+@pytest.mark.parametrize("scale_suffix", ["weight_scale_inv", "scale"])
+def test_fp8_weights_are_dequantized_by_their_blocks(saved, tmp_path, scale_suffix):
+  """fp8 projections with 16 x 16 block scales (HF's or DeepSeek's name for them) load as the
+  model whose weights are their dequantized values: within float32 rounding of it, and
+  within fp8's error of the model they were quantized from."""
+  model, path = saved
+  tensors = {name: h.read() for name, h in open_checkpoint(path).items()}
+  quantized = [n for n in tensors if _V4_FP8.search(n)]
+  assert len(quantized) > 50
+  exact = dict(tensors)
+  for name in quantized:
+    values, scale = quantize_fp8(tensors[name], (16, 16))
+    tensors[name] = values
+    tensors[name.removesuffix("weight") + scale_suffix] = scale
+    exact[name] = dequantize_fp8_blocks(values, scale, (16, 16))
+  hf = json.loads((path / "config.json").read_text())
+  for directory, weights, quantization in ((tmp_path / "fp8", tensors, True),
+                                           (tmp_path / "exact", exact, False)):
+    directory.mkdir()
+    write_safetensors(weights, directory / "model.safetensors")
+    config = dict(hf, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                           "weight_block_size": [16, 16]}) if quantization else hf
+    (directory / "config.json").write_text(json.dumps(config))
+  fp8, exact = (load_pretrained(tmp_path / d, dtype=jnp.float32, backend="xla")
+                for d in ("fp8", "exact"))
+  ids = jnp.asarray(np.arange(33)[None] * 7 % 256, jnp.int32)
+  got, want, original = run(fp8, ids), run(exact, ids), run(model, ids)
+  assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5
+  assert np.max(np.abs(got - original)) / np.max(np.abs(original)) < 6e-2
+
+
+def test_fp8_weight_without_scales_is_named(saved, tmp_path):
+  model, path = saved
+  tensors = {name: h.read() for name, h in open_checkpoint(path).items()}
+  name = "model.layers.0.attn.wq_a.weight"
+  tensors[name] = quantize_fp8(tensors[name], (16, 16))[0]
+  write_safetensors(tensors, tmp_path / "model.safetensors")
+  (tmp_path / "config.json").write_text((path / "config.json").read_text())
+  with pytest.raises(CheckpointError, match=f"{name}: float8 without a block scale"):
+    load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
+
+
+def test_fp4_experts_are_refused_by_name():
+  with pytest.raises(CheckpointError, match="fp4 experts are not supported"):
+    v4_config_from_hf(hf_config(quantization_config={"quant_method": "fp8"},
+                                expert_dtype="fp4"))

@@ -101,7 +101,7 @@ def _check_shared_copies(path: Path, available: dict[str, TensorHandle],
                             "and cannot hold another; load with mtp=False to skip them")
 
 
-def _is_float8(handle: TensorHandle) -> bool:
+def is_float8(handle: TensorHandle) -> bool:
   return handle.st_dtype.startswith("F8_")
 
 
@@ -115,7 +115,7 @@ def _keep_fp8(path: Path, model: CausalLM, available: dict[str, TensorHandle],
   kept = 0
   for p, layout in param_layouts(params).items():
     name = layout.rule_name
-    if (name in available and _is_float8(available[name]) and name + "_scale_inv" in available
+    if (name in available and is_float8(available[name]) and name + "_scale_inv" in available
         and quant.is_block_scalable(model, p)):
       quant.block_scale_abstract(model, p, available[name].dtype, block,
                                  available[name + "_scale_inv"].dtype)
@@ -145,7 +145,7 @@ def _check_tensors(path: Path, expected: dict, available: dict[str, TensorHandle
     elif keeps_fp8 and handle.dtype != target.dtype:
       wrong.append(f"{name}: dtype {handle.st_dtype}, but the model keeps this stacked "
                    f"parameter as {jnp.dtype(target.dtype).name} (its first layer's dtype)")
-    if _is_float8(handle) and not keeps_fp8:
+    if is_float8(handle) and not keeps_fp8:
       scale = name + "_scale_inv"
       want = tuple(-(-d // b) for d, b in zip(target.shape, block))
       if len(target.shape) != 2:

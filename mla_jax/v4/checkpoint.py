@@ -21,7 +21,8 @@ from flax import nnx
 
 from mla_jax.backends import Backend, get_backend
 from mla_jax.checkpoints.errors import CheckpointError
-from mla_jax.checkpoints.loading import read_config
+from mla_jax.checkpoints.hf_config import fp8_block_size
+from mla_jax.checkpoints.loading import dequantize_fp8_blocks, is_float8, read_config
 from mla_jax.checkpoints.reading import open_checkpoint
 from mla_jax.checkpoints.writing import write_safetensors
 from mla_jax.v4.hf_config import v4_config_from_hf, v4_config_to_hf
@@ -89,14 +90,28 @@ def _lookup(tensors, spellings: tuple[str, ...]):
   return next((name for name in spellings if name in tensors), None)
 
 
+def _scale_name(tensors, name: str) -> str | None:
+  """The block scales of an fp8 weight: HF's ``weight_scale_inv`` or DeepSeek's ``scale``."""
+  return _lookup(tensors, (name + "_scale_inv", name.removesuffix("weight") + "scale"))
+
+
+def _read(tensors, name: str, block: tuple[int, int]) -> np.ndarray:
+  """A tensor as stored, fp8 weights dequantized by their block scales."""
+  if not is_float8(tensors[name]):
+    return tensors[name].read()
+  return dequantize_fp8_blocks(tensors[name].read(), tensors[_scale_name(tensors, name)].read(),
+                               block)
+
+
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16,
                     backend: str | Backend = "auto",
                     grouped_matmul: str = "auto") -> V4CausalLM:
   """A ``V4CausalLM`` from a ``deepseek_v4`` directory (``config.json`` + safetensors).
 
   ``dtype`` is the weights' dtype; the mHC weights, sinks, pooling biases, norms and routers
-  stay float32, as in HF. Every missing or misshapen tensor is listed in one
-  ``CheckpointError`` before anything is read.
+  stay float32, as in HF. fp8 weights (e4m3 with block scales, ``quantization_config``'s
+  ``weight_block_size``) are dequantized as they are read. Every missing or misshapen tensor
+  is listed in one ``CheckpointError`` before anything is read.
   """
   path = Path(path)
   if not path.is_dir():
@@ -105,6 +120,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16,
     config = v4_config_from_hf(read_config(path))
   except CheckpointError as e:
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+  block = fp8_block_size(read_config(path))
   backend = get_backend(backend)
   abstract = nnx.eval_shape(lambda: V4CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                                 param_dtype=dtype,
@@ -121,12 +137,14 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16,
         problems.append(f"missing tensor {' or '.join(dict.fromkeys(name))}")
       elif tuple(tensors[found].shape) != shape:
         problems.append(f"{found}: shape {list(tensors[found].shape)}, expected {list(shape)}")
+      elif is_float8(tensors[found]) and _scale_name(tensors, found) is None:
+        problems.append(f"{found}: float8 without a block scale ({found}_scale_inv)")
     plan.append((var_path, var, stored))
   if problems:
     raise CheckpointError(f"{path}: " + "; ".join(problems))
   filled = []
   for var_path, var, stored in plan:
-    arrays = [tensors[name].read().astype(var.dtype) for name in stored]
+    arrays = [_read(tensors, name, block).astype(var.dtype) for name in stored]
     value = arrays[0] if len(arrays) == 1 and var.shape == arrays[0].shape else np.stack(arrays)
     filled.append((var_path, var.replace(jnp.asarray(value))))
   return nnx.merge(graphdef, nnx.State.from_flat_path(filled))

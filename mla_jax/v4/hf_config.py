@@ -16,7 +16,8 @@ The rules are those of transformers 5.25's ``DeepseekV4Config.__post_init__``:
   ``attention_factor`` 1.0 for V4).
 
 What mla_jax cannot run is refused with a ``CheckpointError`` naming the field: biases, a
-non-SiLU activation, more than one KV head, quantized weights (not yet supported for V4).
+non-SiLU activation, more than one KV head, a quantization other than fp8 blocks (the
+releases' fp4 experts among them).
 """
 
 from __future__ import annotations
@@ -141,9 +142,16 @@ def _refuse_unsupported(hf: dict) -> None:
       raise CheckpointError(f"{name}: biases are not supported")
   if _field(hf, "hidden_act") != "silu":
     raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
-  if hf.get("quantization_config") is not None:
-    raise CheckpointError("quantized DeepSeek-V4 weights (quantization_config) are not "
-                          "supported yet; convert the checkpoint to bf16 first")
+  quant = hf.get("quantization_config")
+  if quant is not None:
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method != "fp8":
+      raise CheckpointError(f"quantization_config: quant_method {method!r} is not supported "
+                            "(fp8 block-scaled weights are)")
+    expert_dtype = quant.get("expert_dtype", hf.get("expert_dtype"))
+    if expert_dtype not in (None, "fp8", "bf16"):
+      raise CheckpointError(f"expert_dtype {expert_dtype!r}: {expert_dtype} experts are not "
+                            "supported yet (fp8 and bf16 are)")
 
 
 def v4_config_from_hf(hf: dict) -> V4Config:
