@@ -238,3 +238,20 @@ def test_steps_update_every_cache_in_place(num_new):
                                 SamplingConfig()).compile()
   assert compiled.memory_analysis().alias_size_in_bytes == sum(
       x.nbytes for x in jax.tree.leaves(caches))
+
+
+def test_generate_checks_its_arguments_and_stops_at_eos():
+  from mla_jax.v4.generate import generate
+
+  model = build(seed=4)
+  with pytest.raises(ValueError, match="prompts of one length, got lengths \\[3, 5\\]"):
+    generate(model, [[1, 2, 3], [1, 2, 3, 4, 5]], 4)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    generate(model, [[1, 2, 3]], 0)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    generate(model, [[1, 999]], 2)
+  free = generate(model, [[5, 6, 7], [8, 9, 10]], 6).tokens
+  eos = free[0][2]
+  stopped = generate(model, [[5, 6, 7], [8, 9, 10]], 6, eos_id=eos).tokens
+  assert stopped[0] == free[0][:free[0].index(eos) + 1]
+  assert stopped[1] == (free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1])
