@@ -45,6 +45,14 @@ CASES = {
         num_hidden_layers=3, compress_ratios=[4, 128, 0], num_hash_layers=1,
         rope_parameters={"rope_type": "yarn", "factor": 16.0,
                          "original_max_position_embeddings": 32}),
+    "nested-yarn": dict(  # no attention_factor: HF's magnitude 0.1 ln(16) + 1, not V4's 1
+        num_hidden_layers=2, layer_types=[HCA, CSA], mlp_layer_types=["moe", "hash_moe"],
+        compress_rates={CSA: 4, HCA: 8}, n_shared_experts=2,
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.25},
+                         "compress": {"rope_type": "yarn", "rope_theta": 160000.0,
+                                      "partial_rotary_factor": 0.25, "factor": 16.0,
+                                      "original_max_position_embeddings": 32}}),
 }
 
 
@@ -91,7 +99,8 @@ def test_logits_match_hf(pair, length):
 
 def test_greedy_trajectory_matches_hf(pair):
   hf, ours = pair
-  prompt = np.random.default_rng(7).integers(0, COMMON["vocab_size"], 21).tolist()
+  # 130 tokens: the greedy steps complete entries of every ratio (128 included).
+  prompt = np.random.default_rng(7).integers(0, COMMON["vocab_size"], 130).tolist()
   got = generate(ours, [prompt], 32).tokens[0]
   seq, want = torch.as_tensor([prompt]), []
   with torch.no_grad():

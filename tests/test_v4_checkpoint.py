@@ -52,6 +52,30 @@ def test_legacy_fields():
   assert config.main_rope.yarn is None  # YaRN is the compressed branches' only
 
 
+def test_yarn_magnitude_follows_hf():
+  """Flat: 1 (HF forces it for V4). Nested without attention_factor: HF's
+  0.1 ln(factor) + 1; with both mscales, their ratio."""
+  from mla_jax.rope import rope_attention_factor
+
+  yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64}
+  nested = lambda compress: hf_config(rope_parameters={"main": {"rope_type": "default"},
+                                                      "compress": compress})
+  magnitude = lambda hf: rope_attention_factor(v4_config_from_hf(hf).compress_rope)
+  assert magnitude(hf_config(rope_parameters=yarn)) == 1.0
+  assert magnitude(nested(yarn)) == pytest.approx(0.1 * np.log(16.0) + 1)
+  assert magnitude(nested({**yarn, "attention_factor": 1.0})) == 1.0
+  assert magnitude(nested({**yarn, "mscale": 2.0, "mscale_all_dim": 1.0})) == pytest.approx(
+      (0.2 * np.log(16.0) + 1) / (0.1 * np.log(16.0) + 1))
+  with pytest.raises(CheckpointError, match="attention_factor 1.5"):
+    v4_config_from_hf(nested({**yarn, "attention_factor": 1.5}))
+
+
+def test_n_shared_experts_is_ignored_as_hf_ignores_it():
+  """HF's V4 MoE builds one shared expert of moe_intermediate_size whatever it says."""
+  assert v4_config_from_hf(hf_config(n_shared_experts=2)) == v4_config_from_hf(hf_config(
+      n_shared_experts=0))
+
+
 def test_explicit_lists_win_over_legacy():
   config = v4_config_from_hf(hf_config(
       layer_types=[SLIDING] * 4, compress_ratios=[4] * 4, mlp_layer_types=[MOE] * 4,
@@ -75,9 +99,11 @@ def test_bad_configs_are_named(fields, message):
     v4_config_from_hf(hf_config(**fields))
 
 
-def test_config_round_trip():
+@pytest.mark.parametrize("mscales", [(1.0, 1.0), (1.0, 0.0)])
+def test_config_round_trip(mscales):
   config = tiny_v4_config(compress_rope=RopeConfig(theta=160000.0, yarn=YarnConfig(
-      factor=16.0, original_max_position_embeddings=64)))
+      factor=16.0, original_max_position_embeddings=64, mscale=mscales[0],
+      mscale_all_dim=mscales[1])))
   assert v4_config_from_hf(json.loads(json.dumps(v4_config_to_hf(config)))) == config
 
 

@@ -132,7 +132,7 @@ def test_compressor_matches_reference_and_streams():
     kv, gate = comp.init_state(1, jnp.float32)
     got = np.zeros_like(want)
     start = 0
-    for size in (24,) if overlap else (5, 1, 18):
+    for size in (5, 1, 18):
       entries, window, kv, gate = comp(x[:, start:start + size], kv, gate,
                                        jnp.array([start], jnp.int32))
       for j, w in enumerate(np.asarray(window[0])):
@@ -255,3 +255,48 @@ def test_generate_checks_its_arguments_and_stops_at_eos():
   stopped = generate(model, [[5, 6, 7], [8, 9, 10]], 6, eos_id=eos).tokens
   assert stopped[0] == free[0][:free[0].index(eos) + 1]
   assert stopped[1] == (free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1])
+
+
+def test_rows_at_different_positions_equal_each_row_alone():
+  """A batch whose rows sit at different positions (and a capacity of 45, no multiple of
+  m = 4 or 8) gives each row the logits it gets alone."""
+  model = build(seed=6)
+  rng = np.random.default_rng(6)
+  ids = jnp.asarray(rng.integers(0, 256, (2, 30)), jnp.int32)
+  starts = (10, 13)
+  caches = model.init_cache(2, 45)
+  # Prefill each row's own prefix in a step of its own, then one step of 5 at (10, 13).
+  alone = []
+  for row, start in enumerate(starts):
+    c = model.init_cache(1, 45)
+    _, c = _step(model, ids[row:row + 1, :start], c, jnp.zeros((1,), jnp.int32))
+    logits, _ = _step(model, ids[row:row + 1, start:start + 5], c,
+                      jnp.full((1,), start, jnp.int32))
+    alone.append(np.asarray(logits[0]))
+    caches = jax.tree.map(lambda big, one, r=row: big.at[r].set(one[0]), caches, c)
+  step_ids = jnp.stack([ids[r, s:s + 5] for r, s in enumerate(starts)])
+  together, _ = _step(model, step_ids, caches, jnp.asarray(starts, jnp.int32))
+  for row in range(2):
+    assert rel_err(np.asarray(together[row]), alone[row]) < 1e-5
+
+
+def test_a_position_past_the_caches_is_refused():
+  """init_cache(1, 16): entries for positions up to (16 // m + 1) m - 2; a step past them
+  would drop entries, and is refused."""
+  from mla_jax.checks import CheckError
+
+  model = build(seed=8)
+  caches = model.init_cache(1, 16)
+  assert model.positions_held(caches) == 19  # HCA: (16 // 8 + 1) x 8 - 1; CSA allows 19 too
+  ids = jnp.zeros((1, 20), jnp.int32)
+  with pytest.raises(CheckError, match="more than the cache capacity 19"):
+    model(ids, caches, jnp.zeros((1,), jnp.int32))
+  model(ids[:, :19], caches, jnp.zeros((1,), jnp.int32))  # every entry fits
+
+
+def test_cache_dtype_is_kept_by_a_step():
+  """A bf16 cache under a float32 model stays bf16, so a compiled step runs again."""
+  model = build(seed=9)
+  caches = model.init_cache(1, 32, jnp.bfloat16)
+  _, after = _step(model, jnp.zeros((1, 5), jnp.int32), caches, jnp.zeros((1,), jnp.int32))
+  assert jax.tree.map(lambda a: a.dtype, after) == jax.tree.map(lambda a: a.dtype, caches)

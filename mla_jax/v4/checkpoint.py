@@ -108,8 +108,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16,
                     grouped_matmul: str = "auto") -> V4CausalLM:
   """A ``V4CausalLM`` from a ``deepseek_v4`` directory (``config.json`` + safetensors).
 
-  ``dtype`` is the weights' dtype; the mHC weights, sinks, pooling biases, norms and routers
-  stay float32, as in HF. fp8 weights (e4m3 with block scales, ``quantization_config``'s
+  ``dtype`` is the weights' dtype; the mHC weights, sinks, pooling biases and norms stay
+  float32, as in HF, and so do the routers' weights (HF holds those in ``dtype``). fp8 weights (e4m3 with block scales, ``quantization_config``'s
   ``weight_block_size``) are dequantized as they are read. Every missing or misshapen tensor
   is listed in one ``CheckpointError`` before anything is read.
   """

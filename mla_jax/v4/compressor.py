@@ -61,7 +61,9 @@ class Compressor(nnx.Module):
     end of the step (its row of ``entries`` is then garbage that no write keeps), and the
     state after the step.
     """
-    kv_BTX, gate_BTX = self.kv_proj(x_BTD), self.gate_proj(x_BTD)
+    # In the state's dtype (the cache's), so the state keeps its dtype from step to step.
+    kv_BTX = self.kv_proj(x_BTD).astype(pool_kv_BRX.dtype)
+    gate_BTX = self.gate_proj(x_BTD).astype(pool_gate_BRX.dtype)
     src_kv = jnp.concatenate([pool_kv_BRX, kv_BTX], axis=1)
     src_gate = jnp.concatenate([pool_gate_BRX, gate_BTX], axis=1)
     pool = functools.partial(self._pool, num_new=x_BTD.shape[1])

@@ -40,7 +40,6 @@ class V4Config:
   layer_types: tuple[str, ...] = (HCA, HCA, SLIDING, CSA)
   mlp_layer_types: tuple[str, ...] = (HASH_MOE, HASH_MOE, HASH_MOE, MOE)
   n_routed_experts: int = 256
-  n_shared_experts: int = 1
   num_experts_per_tok: int = 6
   scoring_func: str = "sqrtsoftplus"
   routed_scaling_factor: float = 1.5
@@ -71,8 +70,6 @@ class V4Config:
              f"a divisor of num_attention_heads ({self.num_attention_heads})")
     _require(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
              self.num_experts_per_tok, f"<= n_routed_experts ({self.n_routed_experts})")
-    _require(isinstance(self.n_shared_experts, int) and self.n_shared_experts >= 0,
-             "n_shared_experts", self.n_shared_experts, "an int >= 0")
     _require(self.scoring_func in SCORING_FUNCS, "scoring_func", self.scoring_func,
              f"one of {SCORING_FUNCS}")
     _require(isinstance(self.layer_types, tuple) and len(self.layer_types) > 0

@@ -3,7 +3,7 @@
 The prompts (equal lengths: each row's positions are the same) run as one step from 0; each
 new token is then a step of one with the caches donated, so a decode step writes its window
 slot, compressed entries and compressor state in place. The caches hold
-``prompt + max_new_tokens`` tokens (a multiple of every compression ratio).
+``prompt + max_new_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -33,12 +33,6 @@ class V4GenerationResult(TokenRates):
   decode_s: float
   prefill_tokens: int
   decode_tokens: int
-
-
-def cache_capacity(config, num_tokens: int) -> int:
-  """``num_tokens`` rounded up to a multiple of both compression ratios."""
-  step = int(np.lcm(config.csa_ratio, config.hca_ratio))
-  return -(-num_tokens // step) * step
 
 
 def _step(graphdef, state, ids_BT, caches, start_B, key, sampling: SamplingConfig):
@@ -76,7 +70,7 @@ def generate(model: V4CausalLM, prompt_ids, max_new_tokens: int, *, temperature:
   check_fits(num_prompt, max_new_tokens, config.max_position_embeddings)
   eos = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
   batch = len(prompts)
-  capacity = cache_capacity(config, num_prompt + max_new_tokens)
+  capacity = num_prompt + max_new_tokens
   caches = model.init_cache(batch, capacity)
   graphdef, state = nnx.split(model)
   step = step_program

@@ -32,7 +32,7 @@ MODEL_TYPE = "deepseek_v4"
 HF_V4_DEFAULTS = dict(
     vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
     num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
-    num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=6, n_routed_experts=256,
     scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, max_position_embeddings=1048576,
     rope_theta=10000.0, compress_rope_theta=160000.0, hc_mult=4, hc_sinkhorn_iters=20,
     hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024,
@@ -43,7 +43,7 @@ _DEFAULT_HASH_LAYERS = 3
 _DEFAULT_ROPE_FACTOR = 64 / 512
 _INT_FIELDS = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
-               "num_experts_per_tok", "n_routed_experts", "n_shared_experts",
+               "num_experts_per_tok", "n_routed_experts",
                "max_position_embeddings", "hc_mult", "hc_sinkhorn_iters", "sliding_window",
                "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
 _FLOAT_FIELDS = ("routed_scaling_factor", "rope_theta", "compress_rope_theta", "hc_eps",
@@ -94,6 +94,20 @@ def _mlp_layer_types(hf: dict, n: int) -> tuple[str, ...]:
   return tuple(types)
 
 
+def _yarn_magnitude(params: dict, where: str) -> tuple[float, float]:
+  """(mscale, mscale_all_dim) giving HF's YaRN magnitude for ``params``: ``attention_factor``
+  when set (only 1.0 is supported), else the ratio of the two mscales when both are set, else
+  ``0.1 ln(factor) + 1`` (HF's ``get_mscale``)."""
+  if "attention_factor" in params:
+    if params["attention_factor"] != 1.0:
+      raise CheckpointError(f"{where}: attention_factor {params['attention_factor']!r} is not "
+                            "supported (V4 uses 1.0)")
+    return 1.0, 1.0
+  if params.get("mscale") and params.get("mscale_all_dim"):
+    return float(params["mscale"]), float(params["mscale_all_dim"])
+  return 1.0, 0.0
+
+
 def _rope(params: dict, theta: float, where: str) -> RopeConfig:
   kind = params.get("rope_type", params.get("type", "default"))
   theta = params.get("rope_theta", theta)
@@ -101,14 +115,13 @@ def _rope(params: dict, theta: float, where: str) -> RopeConfig:
     return RopeConfig(theta=float(theta))
   if kind != "yarn":
     raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (default or yarn)")
-  if params.get("attention_factor", 1.0) != 1.0:
-    raise CheckpointError(f"{where}: attention_factor {params['attention_factor']!r} is not "
-                          "supported (V4 uses 1.0)")
+  mscale, mscale_all_dim = _yarn_magnitude(params, where)
   try:
     yarn = YarnConfig(factor=float(params["factor"]),
                       original_max_position_embeddings=params["original_max_position_embeddings"],
                       beta_fast=float(params.get("beta_fast", 32.0)),
-                      beta_slow=float(params.get("beta_slow", 1.0)))
+                      beta_slow=float(params.get("beta_slow", 1.0)), mscale=mscale,
+                      mscale_all_dim=mscale_all_dim)
   except (KeyError, ValueError, TypeError) as e:
     raise CheckpointError(f"{where}: a bad yarn entry ({e})") from None
   return RopeConfig(theta=float(theta), yarn=yarn)
@@ -122,7 +135,10 @@ def _ropes(hf: dict) -> tuple[RopeConfig, RopeConfig]:
   if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
     return (_rope(params["main"], main_theta, "rope_parameters.main"),
             _rope(params["compress"], compress_theta, "rope_parameters.compress"))
+  # A flat form is the compress RoPE's, with the magnitude HF forces for V4's: 1.
   flat = {k: v for k, v in params.items() if k not in ("main", "compress", "rope_theta")}
+  if flat.get("rope_type", flat.get("type")) == "yarn":
+    flat.setdefault("attention_factor", 1.0)
   return RopeConfig(theta=float(main_theta)), _rope(flat, compress_theta, "rope_parameters")
 
 
@@ -169,8 +185,8 @@ def v4_config_from_hf(hf: dict) -> V4Config:
   fields = {name: _field(hf, name) for name in (
       "vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads",
       "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads",
-      "index_head_dim", "index_topk", "n_routed_experts", "n_shared_experts",
-      "num_experts_per_tok", "scoring_func", "routed_scaling_factor", "swiglu_limit",
+      "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok", "scoring_func",
+      "routed_scaling_factor", "swiglu_limit",
       "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps", "max_position_embeddings",
       "tie_word_embeddings")}
   try:
@@ -187,7 +203,8 @@ def _rope_to_hf(rope: RopeConfig, rope_dim: int, head_dim: int) -> dict:
   out = {"rope_type": "default", "rope_theta": rope.theta,
          "partial_rotary_factor": rope_dim / head_dim}
   if rope.yarn is not None:
-    out.update(rope_type="yarn", factor=rope.yarn.factor, attention_factor=1.0,
+    out.update(rope_type="yarn", factor=rope.yarn.factor, mscale=rope.yarn.mscale,
+               mscale_all_dim=rope.yarn.mscale_all_dim,
                original_max_position_embeddings=rope.yarn.original_max_position_embeddings,
                beta_fast=rope.yarn.beta_fast, beta_slow=rope.yarn.beta_slow)
   return out
@@ -198,7 +215,7 @@ def v4_config_to_hf(config: V4Config) -> dict:
   fields = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads",
             "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
             "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
-            "n_shared_experts", "num_experts_per_tok", "scoring_func",
+            "num_experts_per_tok", "scoring_func",
             "routed_scaling_factor", "swiglu_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
             "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
   hf = {name: getattr(config, name) for name in fields}

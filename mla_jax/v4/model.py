@@ -97,14 +97,31 @@ class V4CausalLM(nnx.Module):
     dtype = self.dtype if dtype is None else checks.float_dtype(dtype, "dtype")
     return [layer.self_attn.init_cache(batch, capacity, dtype) for layer in self.model.layers]
 
+  def positions_held(self, caches: list[dict]) -> int:
+    """Positions the caches can take: each compressed layer's entries must hold every entry a
+    position sees, ``(pos + 1) // m`` of them (the window is a ring: any length)."""
+    held = self.config.max_position_embeddings
+    for layer, cache in zip(self.model.layers, caches):
+      if "entries" in cache:
+        held = min(held, (cache["entries"].shape[1] + 1) * layer.self_attn.ratio - 1)
+    return held
+
   def __call__(self, ids_BT, caches: list[dict], start_B):
     """Logits [B, T, V] (float32) of T new tokens at ``start_B + t``, and the caches after.
 
-    Every position must stay below the caches' capacity; ``mla_jax.v4.generate`` checks it
-    before it runs a step (a position past it would drop its compressed entries silently).
+    Every position must stay below ``positions_held(caches)`` (at least the capacity given to
+    ``init_cache``): past it a compressed entry would be dropped. An eager call refuses it
+    with a ``CheckError``; under ``jit`` the caller checks (``mla_jax.v4.generate`` does).
     """
     config = self.config
     start_B = jnp.asarray(start_B, jnp.int32)
+    if len(caches) != config.num_layers:
+      raise ValueError(f"caches must hold one cache per layer ({config.num_layers}), got "
+                       f"{len(caches)}")
+    num_new = ids_BT.shape[1]
+    checks.new_tokens(jnp.full(start_B.shape, num_new, jnp.int32), start_B, num_tokens=num_new,
+                      capacity=self.positions_held(caches),
+                      max_positions=config.max_position_embeddings)
     x_BTD = self.model.embed_tokens(ids_BT)
     streams_BTND = jnp.broadcast_to(x_BTD[:, :, None, :], (*x_BTD.shape[:2], config.hc_mult,
                                                           x_BTD.shape[-1]))

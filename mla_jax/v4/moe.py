@@ -68,26 +68,23 @@ class V4MoE(MoE):
 
   def __init__(self, config: V4Config, layer: int, *, rngs: nnx.Rngs,
                grouped_matmul: str = "auto", mesh=None, param_dtype=jnp.float32):
+    # One shared expert of moe_intermediate_size whatever n_shared_experts says, as HF's
+    # DeepseekV4SparseMoeBlock builds it.
     moe = MoEConfig(num_experts=config.n_routed_experts,
                     num_experts_per_tok=config.num_experts_per_tok, n_group=1, topk_group=1,
-                    n_shared_experts=config.n_shared_experts,
-                    moe_intermediate_size=config.moe_intermediate_size,
+                    n_shared_experts=1, moe_intermediate_size=config.moe_intermediate_size,
                     routed_scaling_factor=config.routed_scaling_factor)
     super().__init__(config.hidden_size, moe, rngs=rngs, grouped_matmul=grouped_matmul,
                      mesh=mesh, param_dtype=param_dtype)
     self.gate = V4Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE, rngs=rngs)
     self.swiglu_limit = config.swiglu_limit
-    if self.shared_experts is not None:
-      self.shared_experts = MLP(config.hidden_size,
-                                config.moe_intermediate_size * config.n_shared_experts,
-                                rngs=rngs, param_dtype=param_dtype,
-                                swiglu_limit=config.swiglu_limit)
+    self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size, rngs=rngs,
+                              param_dtype=param_dtype, swiglu_limit=config.swiglu_limit)
 
   def __call__(self, x_BTD, ids_BT):
     dtype = x_BTD.dtype
     x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
     idx_TK, weights_TK = self.gate(x_TD, ids_BT.reshape(-1))
-    out_TD = self._routed(x_TD, idx_TK, weights_TK)
-    if self.shared_experts is not None:
-      out_TD = out_TD + self.shared_experts(x_TD).astype(jnp.float32)
+    out_TD = self._routed(x_TD, idx_TK, weights_TK) + self.shared_experts(x_TD).astype(
+        jnp.float32)
     return out_TD.astype(dtype).reshape(x_BTD.shape)

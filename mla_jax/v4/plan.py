@@ -47,7 +47,7 @@ CONTEXTS = (131072, 1048576)
 @dataclasses.dataclass(frozen=True)
 class V4Plan:
   model: str
-  param_bytes: int  # all of them, bf16 weights (float32 norms, mHC, routers, biases)
+  param_bytes: int  # all of them: bf16 weights; float32 norms, mHC, routers, biases
   token_bytes: int  # one more cached token, all layers
   sequence_bytes: int  # per sequence whatever its length: window rings, compressor state
   gpus: int
