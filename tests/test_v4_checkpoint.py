@@ -236,3 +236,14 @@ def test_fp4_experts_are_refused_by_name():
   with pytest.raises(CheckpointError, match="fp4 experts are not supported"):
     v4_config_from_hf(hf_config(quantization_config={"quant_method": "fp8"},
                                 expert_dtype="fp4"))
+
+
+def test_one_routed_expert_round_trips(tmp_path):
+  """A stacked experts' matrix is known by its path, not by its count: one expert too."""
+  model = randomize(V4CausalLM(tiny_v4_config(n_routed_experts=1, num_experts_per_tok=1),
+                               rngs=nnx.Rngs(0), backend="xla"), 2)
+  save_pretrained(model, tmp_path)
+  assert open_checkpoint(tmp_path)["model.layers.0.ffn.experts.0.w1.weight"].shape == (32, 64)
+  loaded = load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
+  np.testing.assert_array_equal(np.asarray(loaded.model.layers[0].mlp.experts.gate_proj[...]),
+                                np.asarray(model.model.layers[0].mlp.experts.gate_proj[...]))

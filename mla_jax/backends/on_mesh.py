@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -81,14 +80,19 @@ class MeshOps:
         q, k, w, s, e, k_scale_BS=ks, key_rows_BS=rows)
     if key_rows_BS is not None and self.context > 1:
       # Each rank scores the keys it holds; every column is one rank's (-inf elsewhere).
-      def scored(q, k, w, s, e, ks, rows):
-        rows = context_parallel.local_rows(rows, context_parallel.num_rows(k))
-        return jax.lax.pmax(fn(q, k, w, s, e, ks, rows), sharding.CONTEXT)
+      scored = lambda *args: jax.lax.pmax(self._local_logits(*args), sharding.CONTEXT)
       return self._on_pool(scored)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS,
                                    key_rows_BS)
     op = "indexer_logits" if key_rows_BS is None else "indexer_logits_pool"
     return self._placed(op, fn, 7)(q_BTGI, k_BSI, w_BTG, starts_BT, ends_BT, k_scale_BS,
                                    key_rows_BS)
+
+  def _local_logits(self, q, keys, w, starts, ends, k_scale, key_rows):
+    """Inside ``shard_map`` over ``context``: the logits of the pool keys this rank holds
+    (-inf in the columns of another rank's keys)."""
+    rows = context_parallel.local_rows(key_rows, context_parallel.num_rows(keys))
+    return self.backend.indexer_logits(q, keys, w, starts, ends, k_scale_BS=k_scale,
+                                       key_rows_BS=rows)
 
   def _on_pool(self, fn, carry_spec=()):
     """``fn(*carry, q, keys, w, starts, ends, key scales, key rows)`` under ``shard_map``:
@@ -104,16 +108,13 @@ class MeshOps:
     c`` of a pool (``indexer.merge_topk``). On a context axis each rank keeps its own top-k of
     its own keys: N is ``context x k``, each rank's k columns on that rank (``finish_topk``
     merges them)."""
-    fn = lambda q, k, w, s, e, ks, rows: self.backend.indexer_logits(
-        q, k, w, s, e, k_scale_BS=ks, key_rows_BS=rows)
     if self.context == 1:
       logits_BTC = self.indexer_logits(q_BTGI, keys, w_BTG, starts_BT, ends_BT,
                                        k_scale_BS=k_scale, key_rows_BS=key_rows_BC)
       return merge_topk(values_BTN, idx_BTN, logits_BTC, start)
 
-    def chunk(values, idx, q, k, w, s, e, ks, rows):
-      rows = context_parallel.local_rows(rows, context_parallel.num_rows(k))
-      return merge_topk(values, idx, fn(q, k, w, s, e, ks, rows), start)
+    def chunk(values, idx, *args):
+      return merge_topk(values, idx, self._local_logits(*args), start)
 
     carry = (_SPLIT_TOPK_SPEC, _SPLIT_TOPK_SPEC)
     return self._on_pool(chunk, carry)(values_BTN, idx_BTN, q_BTGI, keys, w_BTG, starts_BT,

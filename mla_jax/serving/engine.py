@@ -225,8 +225,10 @@ class Engine:
     if self.num_pages % self.context:
       raise ValueError(f"num_pages {self.num_pages} cannot be split over mesh axis 'context' "
                        f"of size {self.context}: give a multiple of {self.context}")
+    # Where the pools live on the mesh, which every compiled step keeps (None: no mesh).
+    self._pool_placement = None if mesh is None else self._pool_shardings()
     self._pools = self._empty_pools() if mesh is None else jax.jit(
-        self._empty_pools, out_shardings=self._pool_shardings())()
+        self._empty_pools, out_shardings=self._pool_placement)()
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
     self.scheduler = Scheduler(
@@ -568,7 +570,7 @@ class Engine:
                           decode_steps=shape.decode_steps, greedy=shape.greedy,
                           scores=shape.scores, context=self.context)
     step = program.build(self._graphdef, self._state_def, self.model.layer_groups,
-                         None if mesh is None else self._pool_shardings())
+                         self._pool_placement)
     jitted = jax.jit(functionalize(step, False), donate_argnums=1)
     arrays = StepInputs.zeros(shape, self._logit_rows, step_inputs.STOP_IDS).arrays()
     n = StepInputs.NUM_TOKEN_ARRAYS

@@ -123,15 +123,14 @@ class V4Attention(nnx.Module):
     self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
     self.rope = config.main_rope if self.layer_type == SLIDING else config.compress_rope
     self.config, self.backend = config, backend
-    ratio = config.compress_ratio(self.layer_type)
     if self.compressed:
       self.compressor = Compressor(
-          d, dh, ratio, overlap=self.scored, rope_dim=config.rope_dim,
+          d, dh, self.ratio, overlap=self.scored, rope_dim=config.rope_dim,
           rope=config.compress_rope, max_position=config.max_position_embeddings,
           norm_eps=eps, rngs=rngs, param_dtype=param_dtype)
     if self.scored:
       self.indexer = Compressor(
-          d, config.index_head_dim, ratio, overlap=True, rope_dim=config.rope_dim,
+          d, config.index_head_dim, self.ratio, overlap=True, rope_dim=config.rope_dim,
           rope=config.compress_rope, max_position=config.max_position_embeddings,
           norm_eps=eps, rngs=rngs, param_dtype=param_dtype)
       self.indexer.q_b_proj = lin(config.q_lora_rank,
@@ -176,12 +175,12 @@ class V4Attention(nnx.Module):
     cache = dict(cache)
 
     with jax.named_scope("v4_window"):
-      rows_BSL = jnp.concatenate([cache["window"], kv_BTL.astype(cache["window"].dtype)], 1)
+      kv_BTL = kv_BTL.astype(cache["window"].dtype)  # as the ring holds it
+      rows_BSL = jnp.concatenate([cache["window"], kv_BTL], 1)
       idx_BTW = window_indices(start_B, t, config.sliding_window)
       parts = [self.backend.sparse_mqa(q_BTHL, rows_BSL.astype(q_BTHL.dtype), idx_BTW,
                                        sm_scale=sm_scale, d_v=dh)]
-      cache["window"] = write_window(cache["window"], kv_BTL.astype(cache["window"].dtype),
-                                     start_B)
+      cache["window"] = write_window(cache["window"], kv_BTL, start_B)
     if self.compressed:
       entries, window_BJ, cache["pool_kv"], cache["pool_gate"] = self.compressor(
           x_BTD, cache["pool_kv"], cache["pool_gate"], start_B)

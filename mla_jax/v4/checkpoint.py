@@ -77,13 +77,18 @@ def checkpoint_names(path: tuple, num_experts: int) -> list[tuple[str, ...]]:
   if path[:2] != ("model", "layers"):
     raise KeyError(path)
   layer, rest = path[2], ".".join(path[3:])
-  if rest.startswith("mlp.experts."):
+  if _stacked(path):
     proj = rest.split(".")[2]
     names = [f"layers.{layer}.ffn.experts.{e}.{_SWIGLU[proj]}.weight"
              for e in range(num_experts)]
   else:
     names = [f"layers.{layer}.{_IN_LAYER[rest]}"]
   return [(name, "model." + name) for name in names]
+
+
+def _stacked(path: tuple) -> bool:
+  """A routed experts' matrix: one stored tensor per expert, stacked on a leading axis."""
+  return "experts" in map(str, path)
 
 
 def _lookup(tensors, spellings: tuple[str, ...]):
@@ -109,18 +114,20 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16,
   """A ``V4CausalLM`` from a ``deepseek_v4`` directory (``config.json`` + safetensors).
 
   ``dtype`` is the weights' dtype; the mHC weights, sinks, pooling biases and norms stay
-  float32, as in HF, and so do the routers' weights (HF holds those in ``dtype``). fp8 weights (e4m3 with block scales, ``quantization_config``'s
-  ``weight_block_size``) are dequantized as they are read. Every missing or misshapen tensor
+  float32, as in HF, and so do the routers' weights (HF holds those in ``dtype``). fp8
+  weights (e4m3 with block scales, ``quantization_config``'s ``weight_block_size``) are
+  dequantized as they are read. Every missing or misshapen tensor
   is listed in one ``CheckpointError`` before anything is read.
   """
   path = Path(path)
   if not path.is_dir():
     raise CheckpointError(f"{path} is not a directory")
+  hf = read_config(path)
   try:
-    config = v4_config_from_hf(read_config(path))
+    config = v4_config_from_hf(hf)
   except CheckpointError as e:
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-  block = fp8_block_size(read_config(path))
+  block = fp8_block_size(hf)
   backend = get_backend(backend)
   abstract = nnx.eval_shape(lambda: V4CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                                 param_dtype=dtype,
@@ -131,7 +138,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16,
   for var_path, var in state.flat_state():
     names = checkpoint_names(var_path, config.n_routed_experts)
     stored = [_lookup(tensors, n) for n in names]
-    shape = tuple(var.shape[1:]) if len(names) > 1 else tuple(var.shape)
+    shape = tuple(var.shape[1:]) if _stacked(var_path) else tuple(var.shape)
     for name, found in zip(names, stored):
       if found is None:
         problems.append(f"missing tensor {' or '.join(dict.fromkeys(name))}")
@@ -145,7 +152,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16,
   filled = []
   for var_path, var, stored in plan:
     arrays = [_read(tensors, name, block).astype(var.dtype) for name in stored]
-    value = arrays[0] if len(arrays) == 1 and var.shape == arrays[0].shape else np.stack(arrays)
+    value = np.stack(arrays) if _stacked(var_path) else arrays[0]
     filled.append((var_path, var.replace(jnp.asarray(value))))
   return nnx.merge(graphdef, nnx.State.from_flat_path(filled))
 
@@ -157,7 +164,7 @@ def model_tensors(model: V4CausalLM) -> dict[str, np.ndarray]:
     names = checkpoint_names(var_path, model.config.n_routed_experts)
     value = np.asarray(var[...])
     for i, spellings in enumerate(names):
-      out[spellings[-1]] = value[i] if len(names) > 1 else value
+      out[spellings[-1]] = value[i] if _stacked(var_path) else value
   return out
 
 

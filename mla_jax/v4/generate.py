@@ -20,7 +20,6 @@ from mla_jax.decoding.requests import check_fits, checked_prompt
 from mla_jax.decoding.sampling import SamplingConfig, sample
 from mla_jax.generation.loop import TokenRates
 from mla_jax.progress import progress_bar
-from mla_jax.v4.attention import compressed_selection
 from mla_jax.v4.model import V4CausalLM
 
 
@@ -72,16 +71,17 @@ def generate(model: V4CausalLM, prompt_ids, max_new_tokens: int, *, temperature:
   batch = len(prompts)
   capacity = num_prompt + max_new_tokens
   caches = model.init_cache(batch, capacity)
+  selections = [f"{layer.self_attn.layer_type}: compressed {selection.value}"
+                for layer, selection in zip(model.model.layers, model.selections(caches))]
   graphdef, state = nnx.split(model)
-  step = step_program
   key = jax.random.key(seed)
 
   ids_BT = jnp.asarray(prompts, jnp.int32)
   start_B = jnp.zeros((batch,), jnp.int32)
   t0 = time.perf_counter()
-  prefill = step.lower(graphdef, state, ids_BT, caches, start_B, key, sampling).compile()
+  prefill = step_program.lower(graphdef, state, ids_BT, caches, start_B, key, sampling).compile()
   one_B = jnp.zeros((batch, 1), jnp.int32)
-  decode = step.lower(graphdef, state, one_B, caches, start_B, key, sampling).compile()
+  decode = step_program.lower(graphdef, state, one_B, caches, start_B, key, sampling).compile()
   compile_s = time.perf_counter() - t0
 
   t0 = time.perf_counter()
@@ -108,10 +108,6 @@ def generate(model: V4CausalLM, prompt_ids, max_new_tokens: int, *, temperature:
     bar.update(1)
   bar.close()
   decode_s = time.perf_counter() - t0
-  selections = [
-      f"{layer.self_attn.layer_type}: compressed "
-      f"{compressed_selection(layer.self_attn, capacity // max(layer.self_attn.ratio, 1)).value}"
-      for layer in model.model.layers]
   return V4GenerationResult(tokens=tokens, selections=selections, compile_s=compile_s,
                             prefill_s=prefill_s, decode_s=decode_s,
                             prefill_tokens=batch * num_prompt, decode_tokens=batch * decoded)

@@ -20,7 +20,7 @@ from mla_jax import checks
 from mla_jax.backends import Backend, get_backend
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.lm import Embed
-from mla_jax.v4.attention import ATTENTION_CLASSES
+from mla_jax.v4.attention import ATTENTION_CLASSES, CompressedSelection, compressed_selection
 from mla_jax.v4.config import V4Config
 from mla_jax.v4.hyper import HyperConnection, HyperHead, merge_block_output
 from mla_jax.v4.moe import V4MoE
@@ -105,6 +105,12 @@ class V4CausalLM(nnx.Module):
       if "entries" in cache:
         held = min(held, (cache["entries"].shape[1] + 1) * layer.self_attn.ratio - 1)
     return held
+
+  def selections(self, caches: list[dict]) -> list[CompressedSelection]:
+    """What each layer selects among the compressed entries these caches hold."""
+    return [compressed_selection(layer.self_attn, cache["entries"].shape[1] if "entries" in
+                                 cache else 0)
+            for layer, cache in zip(self.model.layers, caches)]
 
   def __call__(self, ids_BT, caches: list[dict], start_B):
     """Logits [B, T, V] (float32) of T new tokens at ``start_B + t``, and the caches after.
