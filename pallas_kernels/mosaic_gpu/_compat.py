@@ -7,6 +7,8 @@ CUDA lowering rule on jax 0.12) and the GPU interpreter ``plgpu.InterpretGPUPara
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError as e:  # pragma: no cover - depends on the installed jax
@@ -26,6 +28,13 @@ def unsupported_reason() -> str | None:
     if not hasattr(plgpu, name):
       return f"jax {__import__('jax').__version__}: plgpu.{name} is missing"
   return None
+
+
+def swizzled(dtype):
+  """The transforms of a 128-byte-swizzled SMEM tile (what wgmma reads): tiles of 8 rows of
+  128 bytes."""
+  cols = 128 // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
 
 
 def interpret_params():

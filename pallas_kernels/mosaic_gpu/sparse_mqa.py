@@ -39,19 +39,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _checks
 from pallas_kernels._compat import MASK_VALUE
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from pallas_kernels.mosaic_gpu._compat import plgpu, unsupported_reason
+from pallas_kernels.mosaic_gpu._compat import plgpu, swizzled, unsupported_reason
 from pallas_kernels.sparse_mqa import _nothing_to_attend, validate_sparse_mqa
 
 BLOCK_H = 64    # heads per CTA: wgmma's M for one warpgroup
 BLOCK_K = 64    # top-k slots per tile
 V_SPLIT = 2     # value halves, one CTA each: a 64 x 256 fp32 accumulator per warpgroup
 _COL = 64       # columns per swizzled tile: 128 bytes of bf16
-_SWIZZLE = 128
-
-
-def _tiled(dtype):
-  cols = _SWIZZLE // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
 def _refuse_fp8_rows(rows) -> None:
@@ -108,7 +102,7 @@ def sparse_mqa_mosaic_batched(q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v:
       out_type=(jax.ShapeDtypeStruct((B * T, H, d_v), dtype),
                 jax.ShapeDtypeStruct((B * T, H), jnp.float32)),
       scratch_types=(
-          plgpu.SMEM((BLOCK_H, L), dtype, transforms=_tiled(dtype)),
+          plgpu.SMEM((BLOCK_H, L), dtype, transforms=swizzled(dtype)),
           plgpu.SMEM((BLOCK_K,), jnp.int32),
           plgpu.SMEM((BLOCK_H,), jnp.float32),
           plgpu.Barrier(num_arrivals=1),
@@ -200,8 +194,8 @@ def _kernel(q_ref, kv_ref, topk_ref, out_ref, lse_ref, q_smem, idx_smem, lse_sme
   acc, m_i, l_i = pl.run_scoped(
       walk,
       plgpu.RefUnion(plgpu.SMEM((BLOCK_K, L), dtype),
-                     plgpu.SMEM((BLOCK_H, BLOCK_K), dtype, transforms=_tiled(dtype))),
-      plgpu.SMEM((BLOCK_K, L), dtype, transforms=_tiled(dtype)))
+                     plgpu.SMEM((BLOCK_H, BLOCK_K), dtype, transforms=swizzled(dtype))),
+      plgpu.SMEM((BLOCK_K, L), dtype, transforms=swizzled(dtype)))
 
   empty = l_i == 0.0   # no valid slot: out 0, LSE +inf
   safe_l = jnp.where(empty, 1.0, l_i)
@@ -217,4 +211,4 @@ def _kernel(q_ref, kv_ref, topk_ref, out_ref, lse_ref, q_smem, idx_smem, lse_sme
     def _():
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bt, pl.ds(h0, BLOCK_H)])
     plgpu.wait_smem_to_gmem(0)
-  pl.run_scoped(write, plgpu.SMEM((BLOCK_H, dv_half), dtype, transforms=_tiled(dtype)))
+  pl.run_scoped(write, plgpu.SMEM((BLOCK_H, dv_half), dtype, transforms=swizzled(dtype)))
