@@ -48,7 +48,15 @@ class ProgramSummary(collections.namedtuple(
   """
 
 
+# Pallas-Triton kernels trace as ``pallas_call``; Mosaic GPU's ``plgpu.kernel`` as ``mpmd_map``
+# (``core_map`` before it) over a mesh that carries the kernel's name.
+KERNEL_PRIMITIVES = frozenset({"pallas_call", "mpmd_map", "core_map"})
+
+
 def _kernel_name(eqn) -> str:
+  meshes = eqn.params.get("meshes") or (eqn.params.get("mesh"),)
+  if getattr(meshes[0], "kernel_name", None):
+    return str(meshes[0].kernel_name)
   name = eqn.params.get("name")
   if name:
     return str(name)
@@ -65,7 +73,7 @@ def walk_equations(jaxpr) -> Iterator[tuple[object, bool]]:
   def walk(jx, in_kernel):
     for eqn in jx.eqns:
       yield eqn, in_kernel
-      is_kernel = in_kernel or eqn.primitive.name == "pallas_call"
+      is_kernel = in_kernel or eqn.primitive.name in KERNEL_PRIMITIVES
       for value in eqn.params.values():
         for sub in _sub_jaxprs(value):
           yield from walk(sub, is_kernel)
@@ -82,7 +90,7 @@ def summarize_jaxpr(jaxpr) -> ProgramSummary:
     stack = str(eqn.source_info.name_stack)
     if stack:
       scopes.update(stack.split("/"))
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name in KERNEL_PRIMITIVES and not in_kernel:
       kernels.append(_kernel_name(eqn))
   return ProgramSummary(frozenset(scopes), prims, tuple(kernels), kernel_prims)
 

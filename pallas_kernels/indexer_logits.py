@@ -213,8 +213,9 @@ def indexer_logits(
     return empty
   if config is None:
     config = IndexerLogitsKernelConfig.default_for(q_TGI.shape[0], _num_scored(k_SI, key_rows_S))
-  return _differentiable_logits(config, interpret, q_TGI, k_SI, w_TG, starts_T, ends_T,
-                                k_scale_S, key_rows_S)
+  forward = functools.partial(_forward_kernel, config, interpret)
+  return with_triton_backward(forward, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S,
+                              key_rows_S, interpret=interpret)
 
 
 def _forward_kernel(config, interpret, q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S,
@@ -265,15 +266,25 @@ def _forward_kernel(config, interpret, q_TGI, k_SI, w_TG, starts_T, ends_T, k_sc
   )(*args)
 
 
-_differentiable_logits = jax.custom_vjp(_forward_kernel, nondiff_argnums=(0, 1))
+def with_triton_backward(forward, *args, interpret: bool = False):
+  """``forward(q_TGI, k_SI, w_TG, starts_T, ends_T, k_scale_S, key_rows_S) -> logits_TS`` made
+  differentiable by the Pallas-Triton backward kernels (any forward kernel with this contract:
+  the Triton one, or the Mosaic GPU one). Arguments already validated, nothing empty."""
+  return _differentiable_logits(forward, interpret, *args)
 
 
-def _forward_with_residuals(config, interpret, *args):
-  return _forward_kernel(config, interpret, *args), args
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _differentiable_logits(forward, interpret, *args):
+  del interpret
+  return forward(*args)
 
 
-def _backward(config, interpret, args, dlogits_TS):
-  del config  # the backward kernels pick their own blocks
+def _forward_with_residuals(forward, interpret, *args):
+  return forward(*args), args
+
+
+def _backward(forward, interpret, args, dlogits_TS):
+  del forward  # the backward kernels pick their own blocks
   return indexer_logits_vjp(dlogits_TS, *args, interpret=interpret)
 
 

@@ -296,29 +296,41 @@ def sparse_mqa(
     return empty
   H, K = q_THL.shape[1], topk_TK.shape[1]
   config = config or SparseMQAKernelConfig.default_for(H, K, d_v)
+  forward = functools.partial(_forward, sm_scale=sm_scale, d_v=d_v, config=config,
+                              interpret=interpret)
+  return with_triton_backward(forward, q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v,
+                              backward_config=backward_config,
+                              drows_max_bytes=drows_max_bytes, interpret=interpret)
+
+
+def with_triton_backward(forward, q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int,
+                         backward_config: SparseMQABackwardConfig | None = None,
+                         drows_max_bytes: int = DROWS_MAX_BYTES, interpret: bool = False):
+  """``forward(q_THL, kv_SL, topk_TK) -> (out_THV, lse_TH)`` made differentiable by the
+  Pallas-Triton backward kernels (any forward kernel with this contract: the Triton one, or
+  the Mosaic GPU one). Arguments already validated; T, H, S and K nonzero."""
+  H, K = q_THL.shape[1], topk_TK.shape[1]
   backward_config = backward_config or SparseMQABackwardConfig.default_for(H, K, d_v)
-  return _differentiable(q_THL, kv_SL, topk_TK, sm_scale, d_v, config, backward_config,
+  return _differentiable(q_THL, kv_SL, topk_TK, forward, sm_scale, d_v, backward_config,
                          drows_max_bytes, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _differentiable(q_THL, kv_SL, topk_TK, sm_scale, d_v, config, backward_config,
+def _differentiable(q_THL, kv_SL, topk_TK, forward, sm_scale, d_v, backward_config,
                     drows_max_bytes, interpret):
-  del backward_config, drows_max_bytes
-  return _forward(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v, config=config,
-                  interpret=interpret)
+  del sm_scale, d_v, backward_config, drows_max_bytes, interpret
+  return forward(q_THL, kv_SL, topk_TK)
 
 
-def _differentiable_fwd(q_THL, kv_SL, topk_TK, sm_scale, d_v, config, backward_config,
+def _differentiable_fwd(q_THL, kv_SL, topk_TK, forward, sm_scale, d_v, backward_config,
                         drows_max_bytes, interpret):
-  out_THV, lse_TH = _forward(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v, config=config,
-                             interpret=interpret)
+  out_THV, lse_TH = forward(q_THL, kv_SL, topk_TK)
   return (out_THV, lse_TH), (q_THL, kv_SL, topk_TK, out_THV, lse_TH)
 
 
-def _differentiable_bwd(sm_scale, d_v, config, backward_config, drows_max_bytes, interpret,
+def _differentiable_bwd(forward, sm_scale, d_v, backward_config, drows_max_bytes, interpret,
                         residuals, cotangents):
-  del config
+  del forward
   dq_THL, dkv_SL = sparse_mqa_backward(
       *residuals, *cotangents, sm_scale=sm_scale, d_v=d_v, config=backward_config,
       drows_max_bytes=drows_max_bytes, interpret=interpret)

@@ -252,7 +252,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
       ``dtype=jnp.float32`` (dequantized at load) only by rounding order. Without fp8 it may
       only repeat ``dtype``.
     attention: ``"mqa-only"`` or ``"dense-capable"`` (``ModelConfig.attention``).
-    backend: ``"auto" | "xla" | "pallas"`` or a ``Backend``.
+    backend: ``"auto" | "xla" | "pallas" | "mosaic-gpu"`` or a ``Backend``.
     mesh: a ``jax.sharding.Mesh`` (``mla_jax.sharding.make_mesh``): parameters are placed by
       the partition rules, each process reading only its own devices' pieces, and the model
       computes sharded. None: the first local device.

@@ -559,8 +559,11 @@ class Engine:
     self.stats.compile_s += seconds
     return self._programs[shape][0]
 
-  def _compile(self, shape: StepShape):
-    t0 = time.perf_counter()
+  def trace_step(self, shape: StepShape):
+    """``(plan, traced)``: the step program of ``shape`` traced (``jax.stages.Traced``), not
+    compiled; ``summarize_jaxpr(traced.jaxpr)`` says what it contains (the routing contract
+    is asserted on it without compiling, e.g. for a backend whose kernels only run on a
+    GPU)."""
     mesh = self.model.mesh
     plan = self.step_plan(shape)
     drafts = self._logit_rows > 1 and shape.decode_steps == 1
@@ -577,7 +580,11 @@ class Engine:
     placed = lambda spec: None if mesh is None else jax.sharding.NamedSharding(mesh, spec)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed(
         sharding.BATCH_SPEC if i < n else sharding.REPLICATED)) for i, a in enumerate(arrays)]
-    traced = jitted.trace(self._state_leaves, self._pools, *args)
+    return plan, jitted.trace(self._state_leaves, self._pools, *args)
+
+  def _compile(self, shape: StepShape):
+    t0 = time.perf_counter()
+    plan, traced = self.trace_step(shape)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - t0
     logger.debug("compiled step program %s (route %s) in %.1f s", shape, plan.route.name,

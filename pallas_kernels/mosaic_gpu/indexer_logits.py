@@ -90,6 +90,7 @@ def indexer_logits_mosaic(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None
       scratch_types=scratch,
       grid=(s_pad // BLOCK_S, t_pad // BLOCK_T),
       grid_names=("s", "t"),
+      kernel_name="indexer_logits_mosaic",
       interpret=interpret,
   )(q_TGI, k_SI, w_TG.astype(jnp.float32), windows, scale_S, *extra)
   return logits if s_pad == S else logits[:, :S]

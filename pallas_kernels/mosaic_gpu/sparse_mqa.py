@@ -1,11 +1,11 @@
-"""Sparse MQA forward as a Mosaic GPU kernel (Hopper, sm_90a): issue 36, its first kernel.
+"""Sparse MQA forward as a Mosaic GPU kernel (Hopper, sm_90a): issue 36.
 
 Semantics are exactly :func:`pallas_kernels.sparse_mqa.sparse_mqa`'s forward for bf16 / f16
-array rows (fp8 ``Fp8LatentRows`` are not done here yet): returns ``(out_THV, lse_TH)``;
+array rows and for ``Fp8LatentRows`` under bf16 queries: returns ``(out_THV, lse_TH)``;
 indices -1 or >= S are invalid slots; a token with no valid slot gives out 0 and LSE +inf;
 NaN in rows that no valid slot selects cannot reach the output.
 
-Design (docs/kernels.md, "Mosaic GPU sparse MQA"):
+Design (docs/kernels.md, "Mosaic GPU kernels"):
 - One CTA (one warpgroup) per (token, block of ``BLOCK_H`` = 64 heads, half of the value
   columns). Heads are wgmma's M dimension, so every gathered row serves 64 heads at once.
   The value half keeps the fp32 output accumulator at 64 x 256 (128 registers a thread); a
@@ -18,6 +18,10 @@ Design (docs/kernels.md, "Mosaic GPU sparse MQA"):
   to 0 there, so NaN in row 0 (which invalid slots read) never reaches a dot. The result is
   stored into a 128-byte-swizzled tile: a one-row TMA copy straight into a swizzled tile
   does not lower ("divisible by the tile size (8)").
+- fp8 rows come as two raw tiles (e4m3 latent, bf16 RoPE), two TMA copies a slot, and are
+  dequantized in that same pass: each 64-column chunk times its scale tile's per-slot scale.
+  The slots' scales are gathered before the kernel ([T, Z, K] float32, 16 bytes a slot: under
+  TMA's 16-byte minimum a row would be one copy each).
 - QK^T is wgmma(q tile [64, L], rows^T). The online softmax runs in fp32, with invalid
   slots' logits replaced by a finite negative. P goes to SMEM in the query dtype, and PV is
   wgmma(P, rows[:, value half]).
@@ -48,78 +52,80 @@ V_SPLIT = 2     # value halves, one CTA each: a 64 x 256 fp32 accumulator per wa
 _COL = 64       # columns per swizzled tile: 128 bytes of bf16
 
 
-def _refuse_fp8_rows(rows) -> None:
-  if isinstance(rows, Fp8LatentRows):
-    raise NotImplementedError("sparse_mqa_mosaic: fp8 rows are not done yet (issue 36)")
-
-
 def sparse_mqa_mosaic(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, interpret=None):
   """Mosaic GPU sparse MQA forward of one sequence; the contract of ``sparse_mqa``.
 
+  ``kv_SL``: bf16 / f16 rows [S, L] in the queries' dtype, or ``Fp8LatentRows`` with bf16
+  queries. Batch it with ``jax.vmap`` (one kernel launch, the batch an extra grid axis); a
+  page pool shared by the batch is an unbatched ``kv_SL`` (``in_axes=None``).
   ``interpret``: ``None`` for the GPU, or ``plgpu.InterpretGPUParams()`` (GPU interpreter).
-  """
-  _refuse_fp8_rows(kv_SL)
-  sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
-  if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
-    return empty
-  out, lse = sparse_mqa_mosaic_batched(q_THL[None], kv_SL[None], topk_TK[None],
-                                       sm_scale=sm_scale, d_v=d_v, interpret=interpret)
-  return out[0], lse[0]
-
-
-def sparse_mqa_mosaic_batched(q_BTHL, kv_BSL, topk_BTK, *, sm_scale: float, d_v: int,
-                              interpret=None):
-  """``sparse_mqa_mosaic`` of B sequences at once (a decode batch is T = 1): each sequence's
-  indices are local to its own rows ``kv_BSL[b]``. One kernel launch, grid (B * T, H / 64, 2).
+  Not differentiable by itself (``MosaicGpuBackend`` pairs it with the Triton backward).
   """
   if (reason := unsupported_reason()) is not None:
     raise NotImplementedError(f"sparse_mqa_mosaic: {reason}")
-  _refuse_fp8_rows(kv_BSL)
-  if q_BTHL.ndim != 4 or kv_BSL.ndim != 3 or topk_BTK.ndim != 3:
-    raise ValueError("sparse_mqa_mosaic_batched: expects q [B,T,H,L], kv [B,S,L], topk [B,T,K]")
-  sm_scale, d_v = validate_sparse_mqa(q_BTHL[0], kv_BSL[0], topk_BTK[0], sm_scale, d_v)
-  B, T, H, L = q_BTHL.shape
-  S, K = kv_BSL.shape[1], topk_BTK.shape[2]
-  if 0 in (B, T, H, S, K):
-    out, lse = _checks.no_attention(B * T, H, d_v, q_BTHL.dtype)
-    return out.reshape(B, T, H, d_v), lse.reshape(B, T, H)
-  dtype = q_BTHL.dtype
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise NotImplementedError(f"sparse_mqa_mosaic: bf16/f16 rows only so far, got {dtype}")
-  if H % BLOCK_H or L % _COL or d_v % (V_SPLIT * _COL):
-    raise NotImplementedError(
-        f"sparse_mqa_mosaic: needs H % {BLOCK_H} == 0, L % {_COL} == 0 and "
-        f"d_v % {V_SPLIT * _COL} == 0; got H={H}, L={L}, d_v={d_v}")
+  sm_scale, d_v = validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
+  if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
+    return empty
+  fp8 = isinstance(kv_SL, Fp8LatentRows)
+  check_supported(q_THL.dtype, q_THL.shape[1], q_THL.shape[2], d_v,
+                  kv_SL.tile if fp8 else None)
+  (T, H, L), K = q_THL.shape, topk_TK.shape[1]
+  S = kv_SL.num_rows if fp8 else kv_SL.shape[0]
+  dtype = q_THL.dtype
   # Invalid slots pad the top-k to whole tiles; the kernel masks them like -1.
   k_pad = pl.cdiv(K, BLOCK_K) * BLOCK_K
-  topk = topk_BTK.reshape(B * T, K)
-  if k_pad != K:
-    topk = jnp.pad(topk, ((0, 0), (0, k_pad - K)), constant_values=-1)
-  kernel = functools.partial(_kernel, T=T, S=S, d_v=d_v, sm_scale=sm_scale,
+  topk = jnp.pad(topk_TK, ((0, 0), (0, k_pad - K)), constant_values=-1)
+  if fp8:
+    # The slots' scales, gathered here ([T, Z, K]: 16 bytes a slot beside a 656-byte row), so
+    # that a tile's scales of one latent tile come in as one vector; 0 for invalid slots.
+    valid = (topk >= 0) & (topk < S)
+    scales = jnp.where(valid[..., None], kv_SL.scales[jnp.where(valid, topk, 0)], 0.0)
+    rows = (kv_SL.values, kv_SL.rope.astype(dtype), jnp.swapaxes(scales, 1, 2))
+    raw = (plgpu.SMEM((BLOCK_K, kv_SL.latent_width), kv_SL.values.dtype),
+           plgpu.SMEM((BLOCK_K, L - kv_SL.latent_width), dtype))
+  else:
+    rows = (kv_SL,)
+    raw = (plgpu.SMEM((BLOCK_K, L), dtype),)
+  kernel = functools.partial(_kernel, S=S, d_v=d_v, sm_scale=sm_scale, fp8=fp8,
+                             tile=kv_SL.tile if fp8 else None, raw_types=raw,
                              num_tiles=k_pad // BLOCK_K)
-  out, lse = plgpu.kernel(
+  return plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((B * T, H, d_v), dtype),
-                jax.ShapeDtypeStruct((B * T, H), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((T, H, d_v), dtype), jax.ShapeDtypeStruct((T, H), jnp.float32)),
       scratch_types=(
           plgpu.SMEM((BLOCK_H, L), dtype, transforms=swizzled(dtype)),
           plgpu.SMEM((BLOCK_K,), jnp.int32),
+          plgpu.SMEM((kv_SL.scales.shape[1], BLOCK_K) if fp8 else (1, BLOCK_K), jnp.float32),
           plgpu.SMEM((BLOCK_H,), jnp.float32),
           plgpu.Barrier(num_arrivals=1),
-          plgpu.Barrier(num_arrivals=1),
-          plgpu.Barrier(num_arrivals=BLOCK_K),
+          plgpu.Barrier(num_arrivals=2 if fp8 else 1),
+          plgpu.Barrier(num_arrivals=len(raw) * BLOCK_K),
       ),
-      grid=(B * T, H // BLOCK_H, V_SPLIT),
+      grid=(T, H // BLOCK_H, V_SPLIT),
       grid_names=("t", "h", "v"),
+      kernel_name="sparse_mqa_mosaic",
       interpret=interpret,
-  )(q_BTHL.reshape(B * T, H, L), kv_BSL, topk)
-  return out.reshape(B, T, H, d_v), lse.reshape(B, T, H)
+  )(q_THL, topk, *rows)
 
 
-def _kernel(q_ref, kv_ref, topk_ref, out_ref, lse_ref, q_smem, idx_smem, lse_smem, q_bar,
-            idx_bar, rows_bar, *, T, S, d_v, sm_scale, num_tiles):
-  bt, hb, vh = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("v")
-  b = bt // T
+def check_supported(dtype, H: int, L: int, d_v: int, fp8_tile: int | None = None) -> None:
+  """What this kernel does not take, named (``MosaicGpuBackend`` sends it to Triton)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise NotImplementedError(f"sparse_mqa_mosaic: bf16 or f16 queries only, got "
+                              f"{jnp.dtype(dtype)}")
+  if fp8_tile is not None and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+    raise NotImplementedError("sparse_mqa_mosaic: fp8 rows need bf16 queries")
+  if H % BLOCK_H or L % _COL or d_v % (V_SPLIT * _COL) or (fp8_tile or _COL) % _COL:
+    raise NotImplementedError(
+        f"sparse_mqa_mosaic: needs H % {BLOCK_H} == 0, L % {_COL} == 0, "
+        f"d_v % {V_SPLIT * _COL} == 0 and fp8 scale tiles a multiple of {_COL}; got H={H}, "
+        f"L={L}, d_v={d_v}, tile={fp8_tile}")
+
+
+def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_tiles):
+  *row_refs, out_ref, lse_ref, q_smem, idx_smem, scale_smem, lse_smem, q_bar, idx_bar, \
+      rows_bar = refs
+  t, hb, vh = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("v")
   h0 = hb * BLOCK_H
   dv_half = d_v // V_SPLIT
   v0 = vh * dv_half
@@ -128,21 +134,26 @@ def _kernel(q_ref, kv_ref, topk_ref, out_ref, lse_ref, q_smem, idx_smem, lse_sme
   row_layout = plgpu.Layout.WGMMA.reduce(1)   # one value per head
   col_layout = plgpu.Layout.WGMMA.reduce(0)   # one value per slot
 
-  plgpu.copy_gmem_to_smem(q_ref.at[bt, pl.ds(h0, BLOCK_H)], q_smem, q_bar)
+  plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h0, BLOCK_H)], q_smem, q_bar)
   plgpu.barrier_wait(q_bar)
 
   def walk(raw_or_p, rows):
     raw, p_smem = raw_or_p
 
-    def tile(j, carry):
+    def tile_body(j, carry):
       acc, m_i, l_i = carry
-      plgpu.copy_gmem_to_smem(topk_ref.at[bt, pl.ds(j * BLOCK_K, BLOCK_K)], idx_smem, idx_bar)
+      plgpu.copy_gmem_to_smem(topk_ref.at[t, pl.ds(j * BLOCK_K, BLOCK_K)], idx_smem, idx_bar)
+      if fp8:
+        plgpu.copy_gmem_to_smem(row_refs[2].at[t, :, pl.ds(j * BLOCK_K, BLOCK_K)], scale_smem,
+                                idx_bar)
       plgpu.barrier_wait(idx_bar)
 
-      def fetch(r, carry):  # one TMA copy a selected row; invalid slots read row 0
+      def fetch(r, carry):  # one TMA copy a selected row (each part); invalid slots read row 0
         idx = idx_smem[r]
         safe = jnp.where((idx >= 0) & (idx < S), idx, 0)
-        plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(safe, 1)], raw.at[pl.ds(r, 1)], rows_bar)
+        for part_ref, raw_part in zip(row_refs[:len(raw)], raw):
+          plgpu.copy_gmem_to_smem(part_ref.at[pl.ds(safe, 1)], raw_part.at[pl.ds(r, 1)],
+                                  rows_bar)
         return carry
       lax.fori_loop(0, BLOCK_K, fetch, None)
       idx_col = plgpu.load(idx_smem, layout=col_layout, optimized=False)
@@ -152,12 +163,7 @@ def _kernel(q_ref, kv_ref, topk_ref, out_ref, lse_ref, q_smem, idx_smem, lse_sme
       plgpu.barrier_wait(rows_bar)
       idx_row = plgpu.load(idx_smem, layout=row_layout, optimized=False)
       valid_row = (idx_row >= 0) & (idx_row < S)
-      # Raw rows -> swizzled rows, invalid slots' rows zeroed (NaN in row 0 stays out).
-      keep = lax.broadcast_in_dim(valid_row, (BLOCK_K, _COL), [0])
-      for c in range(L // _COL):
-        chunk = plgpu.load(raw.at[:, pl.ds(c * _COL, _COL)], layout=plgpu.Layout.WGMMA,
-                           optimized=False)
-        rows[:, pl.ds(c * _COL, _COL)] = jnp.where(keep, chunk, jnp.zeros_like(chunk))
+      _swizzle_rows(raw, rows, scale_smem, valid_row, fp8=fp8, tile=tile, dtype=dtype)
       plgpu.commit_smem()
 
       def qk(acc_ref):
@@ -185,15 +191,15 @@ def _kernel(q_ref, kv_ref, topk_ref, out_ref, lse_ref, q_smem, idx_smem, lse_sme
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, dv_half), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), MASK_VALUE, jnp.float32), row_layout)
     l_i = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
-    return lax.fori_loop(0, num_tiles, tile, (acc, m_i, l_i))
+    return lax.fori_loop(0, num_tiles, tile_body, (acc, m_i, l_i))
 
   # The row tiles live only while the loop runs; the output tile reuses their SMEM. P shares
-  # the raw tile's bytes (576-wide rows: 233 KB otherwise, over Hopper's 227 KB): a tile's raw
+  # the raw tiles' bytes (576-wide rows: 233 KB otherwise, over Hopper's 227 KB): a tile's raw
   # rows are copied into the swizzled ones before P is written, and P's last reader (the PV
   # wgmma, awaited when its accumulator is read) is done before the next tile's row copies.
   acc, m_i, l_i = pl.run_scoped(
       walk,
-      plgpu.RefUnion(plgpu.SMEM((BLOCK_K, L), dtype),
+      plgpu.RefUnion(raw_types,
                      plgpu.SMEM((BLOCK_H, BLOCK_K), dtype, transforms=swizzled(dtype))),
       plgpu.SMEM((BLOCK_K, L), dtype, transforms=swizzled(dtype)))
 
@@ -205,10 +211,36 @@ def _kernel(q_ref, kv_ref, topk_ref, out_ref, lse_ref, q_smem, idx_smem, lse_sme
     o_smem[...] = out
     lse_smem[...] = jnp.where(empty, jnp.inf, m_i + jnp.log(safe_l))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bt, pl.ds(h0, BLOCK_H), pl.ds(v0, dv_half)])
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[t, pl.ds(h0, BLOCK_H), pl.ds(v0, dv_half)])
 
     @pl.when(vh == 0)
     def _():
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bt, pl.ds(h0, BLOCK_H)])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, pl.ds(h0, BLOCK_H)])
     plgpu.wait_smem_to_gmem(0)
   pl.run_scoped(write, plgpu.SMEM((BLOCK_H, dv_half), dtype, transforms=swizzled(dtype)))
+
+
+def _swizzle_rows(raw, rows, scale_smem, valid_row, *, fp8, tile, dtype):
+  """The gathered raw rows -> the swizzled tile wgmma reads, 64 columns at a time through
+  registers: invalid slots' rows zeroed (NaN in row 0, which they read, stays out of the
+  dots), fp8 latent values times their tile's scale."""
+  keep = lax.broadcast_in_dim(valid_row, (BLOCK_K, _COL), [0])
+  load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+  zero = jnp.zeros((BLOCK_K, _COL), dtype)
+  if not fp8:
+    for c in range(rows.shape[1] // _COL):
+      chunk = load(raw[0].at[:, pl.ds(c * _COL, _COL)])
+      rows[:, pl.ds(c * _COL, _COL)] = jnp.where(keep, chunk, zero)
+    return
+  values, rope = raw
+  A = values.shape[1]
+  for z in range(A // tile):
+    scale = lax.broadcast_in_dim(
+        plgpu.load(scale_smem.at[z], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False),
+        (BLOCK_K, _COL), [0])
+    for c in range(z * tile // _COL, (z + 1) * tile // _COL):
+      chunk = load(values.at[:, pl.ds(c * _COL, _COL)]).astype(jnp.float32) * scale
+      rows[:, pl.ds(c * _COL, _COL)] = jnp.where(keep, chunk.astype(dtype), zero)
+  for c in range(rope.shape[1] // _COL):
+    rows[:, pl.ds(A + c * _COL, _COL)] = jnp.where(keep, load(rope.at[:, pl.ds(c * _COL, _COL)]),
+                                                   zero)

@@ -1,5 +1,5 @@
-"""The Mosaic GPU sparse MQA kernel (issue 36): the GPU interpreter against float64 NumPy, and
-CUDA lowering at DeepSeek-V3.2 and GLM-5 shapes on a CPU host.
+"""The Mosaic GPU kernels (issue 36), sparse MQA and the indexer logits: the GPU interpreter
+against float64 NumPy, and CUDA lowering at DeepSeek-V3.2 and GLM-5 shapes on a CPU host.
 
 Needs a jax whose Pallas Mosaic GPU has ``plgpu.kernel`` and the GPU interpreter (0.11 and
 later); skipped with the reason on older ones (CI runs it in the newest-jax leg). Interpret
@@ -17,16 +17,29 @@ from pallas_kernels import _compat
 from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.mosaic_gpu._compat import (MOSAIC_CUSTOM_CALLS, interpret_params,
                                                unsupported_reason)
-from tests.kernels.numpy_reference import assert_attention_matches, numpy_sparse_mqa
+from tests.kernels.numpy_reference import (assert_attention_matches, numpy_dequantize_rows,
+                                           numpy_indexer_logits, numpy_pooled_indexer_logits,
+                                           numpy_sparse_mqa)
 
 if (_reason := unsupported_reason()) is not None:
   pytest.skip(_reason, allow_module_level=True)
 
-from pallas_kernels.mosaic_gpu.sparse_mqa import (sparse_mqa_mosaic,  # noqa: E402
-                                                  sparse_mqa_mosaic_batched)
+from pallas_kernels.mosaic_gpu.indexer_logits import indexer_logits_mosaic  # noqa: E402
+from pallas_kernels.mosaic_gpu.sparse_mqa import sparse_mqa_mosaic  # noqa: E402
 
 sds = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
+FP8 = jnp.float8_e4m3fn
+
+
+def _as_bf16(x):
+  return np.asarray(jnp.asarray(x, BF16), np.float64)
+
+
+def _is_mosaic_program(text):
+  """One Mosaic GPU custom call and no Triton."""
+  return (any(f"@{name}" in text or f'"{name}"' in text for name in MOSAIC_CUSTOM_CALLS)
+          and "__gpu$xla.gpu.triton" not in text)
 
 
 def _case(seed, T, H, L, S, K):
@@ -52,48 +65,88 @@ def test_interpreter_matches_float64(T, H, L, d_v, S, K):
   q, kv, idx = _case(T * H + K, T, H, L, S, K)
   out, lse = sparse_mqa_mosaic(jnp.asarray(q, BF16), jnp.asarray(kv, BF16), jnp.asarray(idx),
                                sm_scale=L**-0.5, d_v=d_v, interpret=interpret_params())
-  as_bf16 = lambda x: np.asarray(jnp.asarray(x, BF16), np.float64)
-  ref_out, ref_lse = numpy_sparse_mqa(as_bf16(q), as_bf16(kv), idx, L**-0.5, d_v)
+  ref_out, ref_lse = numpy_sparse_mqa(_as_bf16(q), _as_bf16(kv), idx, L**-0.5, d_v)
   assert_attention_matches(out, lse, ref_out, ref_lse, rtol=2e-2, lse_rtol=2e-2, lse_atol=2e-2)
 
 
-def test_interpreter_batches_sequences_over_their_own_rows():
-  """A decode batch (T = 1): each sequence's indices name rows of its own ``kv[b]``."""
+@pytest.mark.parametrize("pool", [False, True])
+def test_interpreter_vmaps_over_sequences_and_reads_a_shared_pool(pool):
+  """A decode batch (T = 1) as ``jax.vmap``: each sequence over its own rows ``kv[b]``, or all
+  over one page pool (unbatched, read in place)."""
   B, H, L, S, K = 3, 64, 128, 50, 64
   rng = np.random.default_rng(7)
   q = rng.standard_normal((B, 1, H, L)).astype(np.float32)
-  kv = rng.standard_normal((B, S, L)).astype(np.float32)
-  idx = rng.integers(-1, S, (B, 1, K)).astype(np.int32)
-  out, lse = sparse_mqa_mosaic_batched(jnp.asarray(q, BF16), jnp.asarray(kv, BF16),
-                                       jnp.asarray(idx), sm_scale=0.1, d_v=128,
-                                       interpret=interpret_params())
-  as_bf16 = lambda x: np.asarray(jnp.asarray(x, BF16), np.float64)
+  kv = rng.standard_normal((S,) if pool else (B, S), dtype=np.float32)[..., None] * np.ones(L)
+  kv = kv + rng.standard_normal(kv.shape)
+  kv[..., 0, :] = np.nan  # row 0: read by the invalid slots only
+  idx = rng.integers(1, S, (B, 1, K)).astype(np.int32)
+  idx[:, :, ::5] = -1
+  run = jax.vmap(lambda q, kv, i: sparse_mqa_mosaic(q, kv, i, sm_scale=0.1, d_v=128,
+                                                    interpret=interpret_params()),
+                 in_axes=(0, None if pool else 0, 0))
+  out, lse = run(jnp.asarray(q, BF16), jnp.asarray(kv, BF16), jnp.asarray(idx))
   for b in range(B):
-    ref_out, ref_lse = numpy_sparse_mqa(as_bf16(q[b]), as_bf16(kv[b]), idx[b], 0.1, 128)
+    ref_out, ref_lse = numpy_sparse_mqa(_as_bf16(q[b]), _as_bf16(kv if pool else kv[b]), idx[b],
+                                        0.1, 128)
     assert_attention_matches(out[b], lse[b], ref_out, ref_lse, rtol=2e-2, lse_rtol=2e-2,
                              lse_atol=2e-2)
 
 
+def _fp8_rows(rng, S, A, R, Z):
+  """fp8 rows with power-of-two scales (as mla_jax.fp8_cache writes them) and NaN in row 0's
+  scales and RoPE, which only invalid slots read."""
+  values = jnp.asarray(rng.standard_normal((S, A)) * 4, FP8)
+  scales = (2.0 ** rng.integers(-3, 3, (S, Z))).astype(np.float32)
+  scales[0] = np.nan
+  rope = rng.standard_normal((S, R)).astype(np.float32)
+  rope[0] = np.nan
+  return Fp8LatentRows(values, jnp.asarray(scales), jnp.asarray(rope, BF16))
+
+
+@pytest.mark.parametrize("T, H, A, R, Z, S, K", [
+    (3, 64, 128, 64, 2, 90, 100),    # two scale tiles of 64; top-k padded to two tiles
+    (2, 128, 256, 64, 2, 70, 64),    # tiles of 128 (DeepSeek-V3.2's), two head blocks
+])
+def test_interpreter_dequantizes_fp8_rows(T, H, A, R, Z, S, K):
+  rng = np.random.default_rng(T * H + A)
+  rows = _fp8_rows(rng, S, A, R, Z)
+  q = rng.standard_normal((T, H, A + R)).astype(np.float32)
+  idx = rng.integers(1, S, (T, K)).astype(np.int32)
+  idx[0, ::3] = -1
+  idx[1, :] = -1
+  idx[-1, 4] = S + 2
+  out, lse = sparse_mqa_mosaic(jnp.asarray(q, BF16), rows, jnp.asarray(idx), sm_scale=0.05,
+                               d_v=A, interpret=interpret_params())
+  ref_out, ref_lse = numpy_sparse_mqa(_as_bf16(q), numpy_dequantize_rows(rows), idx, 0.05, A)
+  assert_attention_matches(out, lse, ref_out, ref_lse, rtol=6e-2, lse_rtol=6e-2, lse_atol=6e-2)
+
+
 @pytest.mark.parametrize("H", [128, 64])  # DeepSeek-V3.2, GLM-5: 576-wide rows, 512 values
-def test_lowers_at_full_shape(H):
-  """One Mosaic GPU custom call, no Triton; in seconds (an operand order once sent layout
-  inference into a search of minutes that failed)."""
-  fn = lambda q, kv, idx: sparse_mqa_mosaic(q, kv, idx, sm_scale=576**-0.5, d_v=512)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mqa_lowers_at_full_shape(H, fp8):
+  """In seconds (an operand order once sent layout inference into a search of minutes that
+  failed); fp8 rows in the 656-byte cache layout."""
+  S, idx = 65536, sds((4, 2048), jnp.int32)
+  if fp8:
+    fn = lambda q, v, s, r, i: sparse_mqa_mosaic(q, Fp8LatentRows(v, s, r), i,
+                                                 sm_scale=576**-0.5, d_v=512)
+    rows = (sds((S, 512), FP8), sds((S, 4), jnp.float32), sds((S, 64), BF16))
+  else:
+    fn = lambda q, kv, i: sparse_mqa_mosaic(q, kv, i, sm_scale=576**-0.5, d_v=512)
+    rows = (sds((S, 576), BF16),)
   t0 = time.perf_counter()
-  text = _compat.lower_for_cuda(fn, sds((4, H, 576), BF16), sds((65536, 576), BF16),
-                                sds((4, 2048), jnp.int32))
+  text = _compat.lower_for_cuda(fn, sds((4, H, 576), BF16), *rows, idx)
   assert time.perf_counter() - t0 < 60
-  assert any(f"@{name}" in text or f'"{name}"' in text for name in MOSAIC_CUSTOM_CALLS)
-  assert "__gpu$xla.gpu.triton" not in text
+  assert _is_mosaic_program(text)
 
 
 @pytest.mark.parametrize("rows, message", [
-    (Fp8LatentRows(jnp.zeros((8, 512), jnp.float8_e4m3fn), jnp.ones((8, 4)),
-                   jnp.zeros((8, 64), BF16)), "fp8 rows"),
-    (jnp.zeros((8, 576), jnp.float32), "bf16/f16 rows only"),
+    (Fp8LatentRows(jnp.zeros((8, 512), FP8), jnp.ones((8, 16)), jnp.zeros((8, 64), BF16)),
+     "scale tiles a multiple of 64"),
+    (jnp.zeros((8, 576), jnp.float32), "bf16 or f16 queries only"),
 ])
-def test_what_it_does_not_do_yet_is_named(rows, message):
-  q = jnp.zeros((2, 64, 576), rows.dtype if hasattr(rows, "dtype") else BF16)
+def test_what_it_does_not_take_is_named(rows, message):
+  q = jnp.zeros((2, 64, 576), BF16 if isinstance(rows, Fp8LatentRows) else rows.dtype)
   with pytest.raises(NotImplementedError, match=message):
     sparse_mqa_mosaic(q, rows, jnp.zeros((2, 64), jnp.int32), sm_scale=0.1, d_v=512)
 
@@ -102,3 +155,85 @@ def test_heads_not_a_multiple_of_64_are_named():
   with pytest.raises(NotImplementedError, match="H % 64"):
     sparse_mqa_mosaic(jnp.zeros((2, 32, 576), BF16), jnp.zeros((8, 576), BF16),
                       jnp.zeros((2, 64), jnp.int32), sm_scale=0.1, d_v=512)
+
+
+# ---- the indexer logits ------------------------------------------------------------------
+
+
+def _indexer_case(rng, T, G, I, S, dtype, *, pool_rows=None, scales=False):
+  """Queries, keys (or a pool) with NaN in a key no window reaches (or a pool row no column
+  names), windows including an empty one and a causal one, fp8 scales."""
+  P = pool_rows or S
+  q = jnp.asarray(rng.standard_normal((T, G, I)), dtype)
+  keys = rng.standard_normal((P, I)).astype(np.float32)
+  keys[P - 1] = np.nan
+  w = jnp.asarray(rng.standard_normal((T, G)), jnp.float32)
+  starts = rng.integers(0, S // 2, T).astype(np.int32)
+  ends = rng.integers(S // 2, S - 1, T).astype(np.int32)  # column S - 1 unscored
+  starts[0], ends[0] = 5, 5                               # an empty window
+  starts[-1], ends[-1] = 0, min(T, S - 1)                 # a short causal one
+  k_scale = jnp.asarray(2.0 ** rng.integers(-2, 3, P), jnp.float32) if scales else None
+  key_rows = None
+  if pool_rows:
+    key_rows = rng.permutation(P - 1)[:S].astype(np.int32)  # never the NaN row
+    key_rows[::7] = -1
+    key_rows[3] = P + 5
+    key_rows = jnp.asarray(key_rows)
+  k = jnp.asarray(keys, dtype if dtype == FP8 or not pool_rows else jnp.float32)
+  return q, k, w, jnp.asarray(starts), jnp.asarray(ends), k_scale, key_rows
+
+
+@pytest.mark.parametrize("T, G, I, S, dtype, pool_rows, scales", [
+    (18, 64, 128, 128, BF16, None, False),   # two token blocks, two whole key tiles
+    (5, 32, 64, 150, BF16, None, False),     # ragged keys: read as a pool of arange(S)
+    (4, 8, 64, 100, BF16, 160, False),       # a float32 pool, cast to bf16 once gathered
+    (6, 64, 128, 192, FP8, None, True),      # fp8 queries and keys, per-key scales
+    (3, 16, 128, 70, FP8, 90, True),         # an fp8 pool and its scales
+])
+def test_indexer_interpreter_matches_float64(T, G, I, S, dtype, pool_rows, scales):
+  rng = np.random.default_rng(T + G + S)
+  q, k, w, starts, ends, k_scale, key_rows = _indexer_case(rng, T, G, I, S, dtype,
+                                                           pool_rows=pool_rows, scales=scales)
+  got = np.asarray(indexer_logits_mosaic(q, k, w, starts, ends, k_scale_S=k_scale,
+                                         key_rows_S=key_rows, interpret=interpret_params()))
+  as64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  if key_rows is None:
+    want = numpy_indexer_logits(as64(q), as64(k), w, starts, ends, k_scale)
+  else:
+    # A float pool is cast to the queries' dtype once gathered.
+    pool = as64(k) if dtype == FP8 else _as_bf16(k)
+    want = numpy_pooled_indexer_logits(as64(q), pool, w, starts, ends, k_scale, key_rows)
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+  finite = np.isfinite(want)
+  assert np.isfinite(got[finite]).all()
+  scale = np.abs(want[finite]).max()
+  np.testing.assert_allclose(got[finite], want[finite], atol=2e-2 * scale, rtol=0)
+  assert 0 < finite.sum() < finite.size
+
+
+@pytest.mark.parametrize("G", [64, 32])  # DeepSeek-V3.2, GLM-5
+@pytest.mark.parametrize("dtype, pool", [(BF16, False), (FP8, False), (BF16, True), (FP8, True)])
+def test_indexer_lowers_at_full_shape(G, dtype, pool):
+  fp8 = dtype == FP8
+  fn = lambda q, k, w, s, e, ks, rows: indexer_logits_mosaic(q, k, w, s, e, k_scale_S=ks,
+                                                             key_rows_S=rows)
+  P, S, T = 65536, 8192, 512
+  keys = sds((P if pool else S, 128), dtype)
+  scale = sds((P if pool else S,), jnp.float32) if fp8 else None
+  rows = sds((S,), jnp.int32) if pool else None
+  t0 = time.perf_counter()
+  text = _compat.lower_for_cuda(fn, sds((T, G, 128), dtype), keys, sds((T, G), jnp.float32),
+                                sds((T,), jnp.int32), sds((T,), jnp.int32), scale, rows)
+  assert time.perf_counter() - t0 < 60
+  assert _is_mosaic_program(text)
+
+
+@pytest.mark.parametrize("q_dtype, k_dtype, G, I, message", [
+    (jnp.float32, jnp.float32, 64, 128, "bf16 or fp8 queries only"),
+    (BF16, BF16, 4, 128, "G a multiple of 8"),
+    (FP8, FP8, 64, 64, "I % 128"),
+])
+def test_indexer_refusals_are_named(q_dtype, k_dtype, G, I, message):
+  with pytest.raises(NotImplementedError, match=message):
+    indexer_logits_mosaic(jnp.zeros((2, G, I), q_dtype), jnp.zeros((8, I), k_dtype),
+                          jnp.zeros((2, G)), jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32))
