@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# On an NVIDIA GPU, in about 8 minutes (benchmarks/RESULTS.md holds what it printed on an H200):
+# On an NVIDIA GPU, in about 10 minutes (benchmarks/RESULTS.md holds what it printed on an H200):
 #   1. kernels: every forward and backward kernel against its XLA reference at the full
 #      DeepSeek-V3.2 / GLM-5 shapes (bf16; fp8 indexer and fp8 cache rows), each checked and
 #      then timed (median of 20 warm calls) in one pass: benchmarks/kernels.py --check;
 #   2. generation: `mla-jax generate` with --backend pallas against --backend xla on the small
 #      preset (tokens/s) and on the trained recall preset (whether the greedy tokens agree);
 #   3. speculative decoding at batch 1 (the recall preset's trained MTP layer) against plain;
-#   4. the engine against static `generate` (benchmarks/serving.py's short workload).
+#   4. the engine against static `generate` (benchmarks/serving.py's short workload);
+#   5. the Mosaic GPU kernels against the Pallas-Triton ones (sparse MQA and the indexer, bf16
+#      and fp8, DeepSeek-V3.2 / GLM-5 shapes): each checked, then both timed side by side
+#      (benchmarks/mosaic_gpu.py; exits with the reason on a jax without Mosaic GPU).
 # Every stage runs under its own time limit, with its log in $LOGS/<stage>.log; a failing stage
 # does not stop the later ones, and the script exits nonzero if any failed (a kernel mismatch
 # fails stage 1).
@@ -48,6 +51,7 @@ stage speculative_on 40 "${GENERATE[@]}" --backend xla "${RECALL[@]}" --speculat
 stage engine 150 env JAX_PLATFORMS=cuda "$PYTHON" benchmarks/serving.py --quick --requests 32 --sections throughput,static
 stage speculative_pallas 40 "${GENERATE[@]}" --backend pallas "${RECALL[@]}" \
   --speculative-tokens 2
+stage mosaic_vs_triton 150 "$PYTHON" benchmarks/mosaic_gpu.py --iters 20
 
 # Greedy tokens of the two backends: the recall preset is trained (clear margins between its
 # logits); the small preset's random weights give near-ties that bf16 rounding may flip.

@@ -237,3 +237,28 @@ def test_indexer_refusals_are_named(q_dtype, k_dtype, G, I, message):
   with pytest.raises(NotImplementedError, match=message):
     indexer_logits_mosaic(jnp.zeros((2, G, I), q_dtype), jnp.zeros((8, I), k_dtype),
                           jnp.zeros((2, G)), jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32))
+
+
+# ---- benchmarks/mosaic_gpu.py, the side-by-side table gpu_check.sh prints ---------------
+
+
+def test_benchmark_checks_mosaic_against_float32(capsys):
+  from benchmarks import mosaic_gpu
+
+  with pytest.raises(SystemExit) as done:
+    mosaic_gpu.main(["--only", "small_indexer_fp8", "--iters", "1"])
+  assert done.value.code == 0
+  row = [line for line in capsys.readouterr().out.splitlines() if "small_indexer_fp8" in line]
+  assert row and "| ok " in row[0] and row[0].count("|") == 8
+
+
+def test_benchmark_fails_a_wrong_mosaic_kernel(monkeypatch, capsys):
+  from benchmarks import mosaic_gpu
+
+  right = mosaic_gpu.mosaic_kernel
+  monkeypatch.setattr(mosaic_gpu, "mosaic_kernel",
+                      lambda *a: (lambda *args: right(*a)(*args) * 1.1))
+  with pytest.raises(SystemExit) as done:
+    mosaic_gpu.main(["--only", "small_indexer", "--iters", "1"])
+  assert done.value.code == 1
+  assert "MISMATCH" in capsys.readouterr().out
