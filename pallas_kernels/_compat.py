@@ -15,8 +15,21 @@ from jax.experimental import pallas as pl
 
 with warnings.catch_warnings():
   # jax >= 0.11 warns that the Triton backend is deprecated; it still works through 0.12.
+  # mla_jax.backends.gpu_support states the deprecation and the plan for its removal.
   warnings.simplefilter("ignore", DeprecationWarning)
-  from jax.experimental.pallas import triton as pltriton
+  try:
+    from jax.experimental.pallas import triton as pltriton
+  except ImportError as e:  # a jax after its removal: the Triton kernels refuse to build
+    pltriton, _NO_TRITON = None, str(e)
+  else:
+    _NO_TRITON = None
+
+
+def _triton():
+  if pltriton is None:
+    raise NotImplementedError(f"the Pallas-Triton kernels need jax's Pallas Triton backend, "
+                              f"which jax {jax.__version__} lacks ({_NO_TRITON})")
+  return pltriton
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
@@ -26,7 +39,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 def compiler_params(num_warps: int, num_stages: int):
   """Triton compiler params; their type is what selects the Triton backend (jax >= 0.9.1)."""
-  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  return _triton().CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def load(ref, *, mask=None, other=None):
@@ -36,12 +49,12 @@ def load(ref, *, mask=None, other=None):
   """
   if other is not None:
     other = jnp.asarray(other, ref.dtype)
-  return pltriton.load(ref, mask=mask, other=other)
+  return _triton().load(ref, mask=mask, other=other)
 
 
 def store(ref, val, *, mask=None):
   """Masked store; masked-off lanes of ``ref`` keep their previous contents."""
-  pltriton.store(ref, val, mask=mask)
+  _triton().store(ref, val, mask=mask)
 
 
 def dot_precision(dtype):

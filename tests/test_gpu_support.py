@@ -79,3 +79,72 @@ def test_mosaic_gpu_before_hopper_is_refused(fresh_support, monkeypatch):
 @pytest.mark.parametrize("value, expected", [("9.0", (9, 0)), ("10.0", (10, 0)), (None, None)])
 def test_compute_capability(value, expected):
   assert gpu_support.compute_capability(FakeGpu(value)) == expected
+
+
+_WITHOUT_TRITON = r"""
+import importlib.abc, json, sys
+
+class NoTriton(importlib.abc.MetaPathFinder):  # jax as it will be once Pallas Triton is gone
+  def find_spec(self, name, path, target=None):
+    if name == "jax.experimental.pallas.triton":
+      raise ImportError("No module named 'jax.experimental.pallas.triton'")
+
+sys.meta_path.insert(0, NoTriton())
+from mla_jax.backends import get_backend, gpu_support
+result = {}
+try:
+  get_backend("pallas")
+except NotImplementedError as e:
+  result["pallas"] = str(e)
+if gpu_support.mosaic_gpu().available:
+  import jax, jax.numpy as jnp
+  from tests.test_mosaic_gpu_backend import _step_summaries
+  backend = get_backend("mosaic-gpu")
+  result["dense"] = backend.supports_dense_mha_prefill or backend.supports_masked_mha_prefill
+  result["triton_ops"] = sorted(backend.TRITON_OPS)
+  for attention in ("mqa-only", "dense-capable"):
+    steps = _step_summaries(attention, backend).values()
+    result[attention] = [sorted({route for route, _ in steps}),
+                         sorted(set().union(*(s.kernels for _, s in steps)))]
+  try:
+    backend.kernel_for("sparse_mqa", jax.ShapeDtypeStruct((1, 64, 576), jnp.float32),
+                       jax.ShapeDtypeStruct((8, 576), jnp.float32), 512)
+  except NotImplementedError as e:
+    result["float32"] = str(e)
+print(json.dumps(result))
+"""
+
+
+def test_without_pallas_triton_mosaic_gpu_serves_with_no_dense_path():
+  """A fresh process whose jax lacks Pallas Triton: 'pallas' is refused with the reason; the
+  Mosaic backend declares no dense or masked MHA, so both model kinds compile every engine
+  step on the two Mosaic kernels alone (routing never builds a path it cannot run), and an
+  input only Triton could take is refused naming both reasons."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True,
+                        cwd=root, env={**os.environ, "PYTHONPATH": root}, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert "no Pallas Triton backend" in result["pallas"]
+  if not gpu_support.mosaic_gpu().available:
+    return
+  mosaic_kernels = ["indexer_logits_mosaic", "sparse_mqa_mosaic"]
+  assert result["dense"] is False and result["triton_ops"] == []
+  assert result["mqa-only"] == result["dense-capable"] == [["SPARSE_MQA"], mosaic_kernels]
+  assert "bf16 or f16 queries only" in result["float32"]
+  assert "no Pallas Triton to run it instead" in result["float32"]
+
+
+def test_the_deprecation_is_said_once_where_it_applies(fresh_support, caplog):
+  backends._say_once.cache_clear()
+  with caplog.at_level("INFO", logger="mla_jax.backends"):
+    backends.get_backend("pallas")
+    backends.get_backend("pallas")
+  said = [r.getMessage() for r in caplog.records if "deprecated by JAX" in r.getMessage()]
+  deprecated = gpu_support.jax_version()[:2] >= gpu_support.TRITON_DEPRECATED_SINCE
+  assert len(said) == (1 if deprecated else 0)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 
 from mla_jax.backends import gpu_support
@@ -10,6 +13,12 @@ from mla_jax.backends.base import Backend
 from mla_jax.backends.xla import XlaBackend
 
 BACKEND_NAMES = ("auto", "xla", "pallas", "mosaic-gpu")
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _say_once(note: str) -> None:
+  logger.info(note)
 
 
 def _nvidia_gpu():
@@ -43,6 +52,8 @@ def get_backend(name: str | Backend = "auto") -> Backend:
   support = gpu_support.pallas_triton() if name == "pallas" else gpu_support.mosaic_gpu()
   if not support.available:
     raise NotImplementedError(f"backend {name!r}: {support.reason}")
+  if support.note:
+    _say_once(f"backend {name!r}: {support.note}")
   if name == "pallas":
     from mla_jax.backends.pallas import PallasTritonBackend  # imports Pallas only when asked for
 

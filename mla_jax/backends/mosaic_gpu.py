@@ -7,8 +7,10 @@ the Pallas-Triton ones (``MOSAIC_OPS`` / ``TRITON_OPS``). Inputs the Mosaic kern
 go to the Triton kernel of the same op, decided at trace time from static shapes and dtypes:
 :meth:`MosaicGpuBackend.kernel_for` says which for given inputs.
 
-The routing capabilities are the Triton backend's: the Triton dense and masked MHA kernels are
-part of this backend, so it declares them.
+The routing capabilities are the Triton backend's while this jax has Pallas Triton (its dense
+and masked MHA kernels are then part of this backend). On a jax without it (JAX deprecated it
+in 0.11; ``gpu_support``) the class declares no dense or masked MHA, so routing never builds a
+path that cannot run, and the Mosaic forwards are all it has: no backward passes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import functools
 from typing import ClassVar
 
+from mla_jax.backends import gpu_support
 from mla_jax.backends.pallas import PallasTritonBackend
 from pallas_kernels import indexer_logits as triton_indexer
 from pallas_kernels import sparse_mqa as triton_sparse
@@ -27,6 +30,7 @@ from pallas_kernels.mosaic_gpu._compat import interpret_params
 
 MOSAIC = "mosaic_gpu"
 TRITON = "pallas_triton"
+_HAS_TRITON = gpu_support.pallas_triton().available  # fixed for the process, as the jax is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +42,12 @@ class MosaicGpuBackend(PallasTritonBackend):
   """
 
   name: ClassVar[str] = "mosaic_gpu"
+  supports_dense_mha_prefill: ClassVar[bool] = _HAS_TRITON  # masked MHA follows (routing)
   # Which kernels each op runs on: Mosaic GPU forwards where the inputs fit them.
   MOSAIC_OPS: ClassVar[frozenset[str]] = frozenset({"sparse_mqa", "indexer_logits"})
   TRITON_OPS: ClassVar[frozenset[str]] = frozenset({
-      "dense_mha", "masked_mha", "sparse_mqa_backward", "indexer_logits_backward"})
+      "dense_mha", "masked_mha", "sparse_mqa_backward", "indexer_logits_backward"}
+      if _HAS_TRITON else ())
 
   def kernel_for(self, op: str, *args) -> str:
     """``"mosaic_gpu"`` or ``"pallas_triton"``: the forward kernel that runs ``op`` (one of
@@ -49,16 +55,17 @@ class MosaicGpuBackend(PallasTritonBackend):
     ``jax.ShapeDtypeStruct``: only shapes and dtypes are read)."""
     if op in self.TRITON_OPS:
       return TRITON
+    if op not in self.MOSAIC_OPS:
+      raise ValueError(f"unknown op {op!r} for {self.name}; its ops are "
+                       f"{sorted(self.MOSAIC_OPS | self.TRITON_OPS)}")
     if op == "sparse_mqa":
       q_THL, kv_SL, d_v = args
       fp8 = isinstance(kv_SL, Fp8LatentRows)
       return _fits(mosaic_sparse.check_supported, q_THL.dtype, q_THL.shape[1], q_THL.shape[2],
                    d_v, kv_SL.tile if fp8 else None)
-    if op == "indexer_logits":
-      q_TGI, k_SI = args
-      return _fits(mosaic_indexer.check_supported, q_TGI.dtype, k_SI.dtype, q_TGI.shape[1],
-                   q_TGI.shape[2])
-    raise ValueError(f"unknown op {op!r}; the ops are {sorted(self.MOSAIC_OPS | self.TRITON_OPS)}")
+    q_TGI, k_SI = args
+    return _fits(mosaic_indexer.check_supported, q_TGI.dtype, k_SI.dtype, q_TGI.shape[1],
+                 q_TGI.shape[2])
 
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
     sm_scale, d_v = triton_sparse.validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
@@ -68,6 +75,8 @@ class MosaicGpuBackend(PallasTritonBackend):
       return empty
     forward = functools.partial(mosaic_sparse.sparse_mqa_mosaic, sm_scale=sm_scale, d_v=d_v,
                                 interpret=self._mosaic_interpret())
+    if not _HAS_TRITON:
+      return forward(q_THL, kv_SL, topk_TK)
     return triton_sparse.with_triton_backward(forward, q_THL, kv_SL, topk_TK, sm_scale=sm_scale,
                                               d_v=d_v, interpret=self.interpret)
 
@@ -84,6 +93,8 @@ class MosaicGpuBackend(PallasTritonBackend):
       return mosaic_indexer.indexer_logits_mosaic(q, k, w, starts, ends, k_scale_S=k_scale,
                                                   key_rows_S=key_rows,
                                                   interpret=self._mosaic_interpret())
+    if not _HAS_TRITON:
+      return forward(*args)
     return triton_indexer.with_triton_backward(forward, *args, interpret=self.interpret)
 
   def _mosaic_interpret(self):
@@ -93,6 +104,9 @@ class MosaicGpuBackend(PallasTritonBackend):
 def _fits(check, *args) -> str:
   try:
     check(*args)
-  except NotImplementedError:
+  except NotImplementedError as e:
+    if not _HAS_TRITON:
+      raise NotImplementedError(f"{e}; and this jax has no Pallas Triton to run it instead "
+                                f"({gpu_support.pallas_triton().reason})") from e
     return TRITON
   return MOSAIC
