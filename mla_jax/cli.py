@@ -19,6 +19,7 @@ from flax import nnx
 
 from mla_jax import presets, sharding, tokenizer
 from mla_jax.backends import BACKEND_NAMES, get_backend
+from mla_jax.backends.gpu_support import BackendUnavailable
 from mla_jax.cache import CACHE_DTYPE_NAMES, init_layer_cache
 from mla_jax.context_parallel import CONTEXT_TOPK_MODES
 from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, GenerationDefaults,
@@ -661,7 +662,7 @@ def main(argv=None) -> int:
                      "computes in its --dtype)")
   try:
     return args.func(args)
-  except (ValueError, TypeError, OSError) as err:
+  except (ValueError, TypeError, OSError, BackendUnavailable) as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
 

@@ -36,8 +36,19 @@ def test_the_table_follows_the_installed_jax(fresh_support):
   assert mosaic.available is deprecated
   if not mosaic.available:
     assert "needs jax 0.11 or newer" in mosaic.reason
-    with pytest.raises(NotImplementedError, match="backend 'mosaic-gpu': .*0.11 or newer"):
+    with pytest.raises(gpu_support.BackendUnavailable,
+                       match="backend 'mosaic-gpu': .*0.11 or newer"):
       backends.get_backend("mosaic-gpu")
+
+
+def test_the_cli_names_an_unavailable_backend(fresh_support, monkeypatch, capsys):
+  from mla_jax import cli
+
+  monkeypatch.setattr(gpu_support, "mosaic_gpu", lambda: gpu_support.GpuBackendSupport(
+      "mosaic-gpu", "jax 9.9: plgpu.kernel is missing; needs jax 0.11 or newer"))
+  assert cli.main(["generate", "--preset", "recall", "--prompt", "aQ", "--max-new-tokens", "1",
+                   "--backend", "mosaic-gpu", "--quiet"]) == 2
+  assert "error: backend 'mosaic-gpu': jax 9.9" in capsys.readouterr().err
 
 
 def test_without_triton_pallas_is_refused_and_auto_moves_to_mosaic(fresh_support, monkeypatch):

@@ -36,7 +36,8 @@ def get_backend(name: str | Backend = "auto") -> Backend:
 
   Raises:
     ValueError: an unknown name, or ``"mosaic-gpu"`` on a GPU older than Hopper.
-    NotImplementedError: a GPU backend this jax does not support, with the reason.
+    gpu_support.BackendUnavailable (a NotImplementedError): a GPU backend this jax does not
+      support, with the reason.
   """
   if isinstance(name, Backend):
     return name
@@ -51,7 +52,7 @@ def get_backend(name: str | Backend = "auto") -> Backend:
     return XlaBackend()
   support = gpu_support.pallas_triton() if name == "pallas" else gpu_support.mosaic_gpu()
   if not support.available:
-    raise NotImplementedError(f"backend {name!r}: {support.reason}")
+    raise gpu_support.BackendUnavailable(f"backend {name!r}: {support.reason}")
   if support.note:
     _say_once(f"backend {name!r}: {support.note}")
   if name == "pallas":

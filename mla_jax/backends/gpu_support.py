@@ -29,6 +29,10 @@ TRITON_DEPRECATED_SINCE = (0, 11)
 MOSAIC_MIN_COMPUTE_CAPABILITY = (9, 0)
 
 
+class BackendUnavailable(NotImplementedError):
+  """A GPU backend this jax (or this GPU) cannot run; the message says why and what to use."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuBackendSupport:
   """``reason`` is ``None`` when this jax runs the backend; ``note`` says what to know."""
