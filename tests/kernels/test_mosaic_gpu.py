@@ -262,3 +262,13 @@ def test_benchmark_fails_a_wrong_mosaic_kernel(monkeypatch, capsys):
     mosaic_gpu.main(["--only", "small_indexer", "--iters", "1"])
   assert done.value.code == 1
   assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("S, K", [(16384, 512), (132, 128)])
+def test_deepseek_v4_flash_shapes_lower(S, K):
+  """DeepSeek-V4-Flash (docs/models.md): 64 heads over 512-wide K=V rows, CSA's top-512
+  compressed entries and the 128-row window."""
+  fn = lambda q, kv, i: sparse_mqa_mosaic(q, kv, i, sm_scale=512**-0.5, d_v=512)
+  text = _compat.lower_for_cuda(fn, sds((4, 64, 512), BF16), sds((S, 512), BF16),
+                                sds((4, K), jnp.int32))
+  assert _is_mosaic_program(text)
