@@ -101,7 +101,8 @@ class MLAAttentionBase(nnx.Module):
     Args:
       config: the layer's dims; ``config.indexer`` makes it a sparse (DSA) layer.
       rngs: parameter initialization (an ``nnx.Rngs``).
-      backend: ``"auto" | "xla" | "pallas" | "mosaic-gpu"`` or a ``Backend`` instance (kernels only).
+      backend: ``"auto" | "xla" | "pallas" | "mosaic-gpu"`` or a ``Backend`` instance
+        (kernels only).
       mesh: run the attention ops sharded over this device mesh (None: one device).
       param_dtype: parameter dtype (the indexer's ``weights_proj`` stays float32).
       index_chunk_size: query rows scored per block of indexer logits.

@@ -65,7 +65,8 @@ class V4Model(nnx.Module):
 
 
 class V4CausalLM(nnx.Module):
-  """DeepSeek-V4 with the attention kernels of ``backend`` (``"auto" | "xla" | "pallas" | "mosaic-gpu"``)."""
+  """DeepSeek-V4 with the attention kernels of ``backend`` (``"auto" | "xla" | "pallas" |
+  "mosaic-gpu"``)."""
 
   def __init__(self, config: V4Config, *, rngs: nnx.Rngs, backend: str | Backend = "auto",
                param_dtype=jnp.float32, grouped_matmul: str = "auto"):

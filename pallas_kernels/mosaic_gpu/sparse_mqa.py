@@ -33,14 +33,12 @@ Design (docs/kernels.md, "Mosaic GPU kernels"):
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _checks
 from pallas_kernels._compat import MASK_VALUE
 from pallas_kernels.fp8_rows import Fp8LatentRows
 from pallas_kernels.mosaic_gpu._compat import plgpu, swizzled, unsupported_reason
@@ -91,7 +89,8 @@ def sparse_mqa_mosaic(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, inter
                              num_tiles=k_pad // BLOCK_K)
   return plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((T, H, d_v), dtype), jax.ShapeDtypeStruct((T, H), jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct((T, H, d_v), dtype),
+                jax.ShapeDtypeStruct((T, H), jnp.float32)),
       scratch_types=(
           plgpu.SMEM((BLOCK_H, L), dtype, transforms=swizzled(dtype)),
           plgpu.SMEM((BLOCK_K,), jnp.int32),
