@@ -86,7 +86,7 @@ def sparse_mqa_mosaic(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, inter
     raw = (plgpu.SMEM((BLOCK_K, L), dtype),)
   kernel = functools.partial(_kernel, S=S, d_v=d_v, sm_scale=sm_scale, fp8=fp8,
                              tile=kv_SL.tile if fp8 else None, raw_types=raw,
-                             num_tiles=k_pad // BLOCK_K)
+                             num_tiles=k_pad // BLOCK_K, interpreted=interpret is not None)
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((T, H, d_v), dtype),
@@ -121,7 +121,8 @@ def check_supported(dtype, H: int, L: int, d_v: int, fp8_tile: int | None = None
         f"L={L}, d_v={d_v}, tile={fp8_tile}")
 
 
-def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_tiles):
+def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_tiles,
+            interpreted):
   *row_refs, out_ref, lse_ref, q_smem, idx_smem, scale_smem, lse_smem, q_bar, idx_bar, \
       rows_bar = refs
   t, hb, vh = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("v")
@@ -181,10 +182,14 @@ def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_
 
       def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_smem, rows.at[:, pl.ds(v0, dv_half)])
-        return acc_ref[...]
-      # A fresh accumulator added to acc: the GPU interpreter has no rule for a wgmma into
-      # an initialised one (pl.run_state).
-      acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_H, dv_half), jnp.float32))
+      if interpreted:
+        # The GPU interpreter has no rule for a wgmma into an initialised accumulator
+        # (pl.run_state), so it adds a fresh one. Compiled, that would hold a second 64 x 256
+        # fp32 tile (128 more registers a thread) and spill.
+        acc = acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1],
+                                  plgpu.ACC((BLOCK_H, dv_half), jnp.float32))
+      else:
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       return acc, m_new, l_i
 
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, dv_half), jnp.float32), plgpu.Layout.WGMMA)
@@ -227,9 +232,11 @@ def _swizzle_rows(raw, rows, scale_smem, valid_row, *, fp8, tile, dtype):
   load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
   zero = jnp.zeros((BLOCK_K, _COL), dtype)
   if not fp8:
-    for c in range(rows.shape[1] // _COL):
+    def chunk_copy(c, carry):
       chunk = load(raw[0].at[:, pl.ds(c * _COL, _COL)])
       rows[:, pl.ds(c * _COL, _COL)] = jnp.where(keep, chunk, zero)
+      return carry
+    lax.fori_loop(0, rows.shape[1] // _COL, chunk_copy, None)
     return
   values, rope = raw
   A = values.shape[1]
