@@ -79,14 +79,6 @@ def test_auto_stays_pallas_triton_while_jax_has_it(fresh_support, monkeypatch):
   assert type(backends.get_backend("auto")) is PallasTritonBackend
 
 
-def test_mosaic_gpu_before_hopper_is_refused(fresh_support, monkeypatch):
-  if not gpu_support.mosaic_gpu().available:
-    pytest.skip(gpu_support.mosaic_gpu().reason)
-  monkeypatch.setattr(backends, "_nvidia_gpu", lambda: FakeGpu("8.0", "NVIDIA A100"))
-  with pytest.raises(ValueError, match="needs an sm_90.*A100 is sm_80: use 'pallas'"):
-    backends.get_backend("mosaic-gpu")
-
-
 @pytest.mark.parametrize("value, expected", [("9.0", (9, 0)), ("10.0", (10, 0)), (None, None)])
 def test_compute_capability(value, expected):
   assert gpu_support.compute_capability(FakeGpu(value)) == expected
@@ -122,6 +114,13 @@ if gpu_support.mosaic_gpu().available:
                        jax.ShapeDtypeStruct((8, 576), jnp.float32), 512)
   except NotImplementedError as e:
     result["float32"] = str(e)
+  loss = lambda q: backend.sparse_mqa(q, jnp.ones((1, 8, 192), jnp.bfloat16),
+                                      jnp.zeros((1, 1, 64), jnp.int32), sm_scale=0.1,
+                                      d_v=128)[0].astype(jnp.float32).sum()
+  try:
+    jax.eval_shape(jax.grad(loss), jax.ShapeDtypeStruct((1, 1, 64, 192), jnp.bfloat16))
+  except gpu_support.BackendUnavailable as e:
+    result["grad"] = str(e)
 print(json.dumps(result))
 """
 
@@ -149,6 +148,7 @@ def test_without_pallas_triton_mosaic_gpu_serves_with_no_dense_path():
   assert result["mqa-only"] == result["dense-capable"] == [["SPARSE_MQA"], mosaic_kernels]
   assert "bf16 or f16 queries only" in result["float32"]
   assert "no Pallas Triton to run it instead" in result["float32"]
+  assert "no backward kernels without Pallas Triton" in result["grad"]
 
 
 def test_the_deprecation_is_said_once_where_it_applies(fresh_support, caplog):
@@ -159,3 +159,25 @@ def test_the_deprecation_is_said_once_where_it_applies(fresh_support, caplog):
   said = [r.getMessage() for r in caplog.records if "deprecated by JAX" in r.getMessage()]
   deprecated = gpu_support.jax_version()[:2] >= gpu_support.TRITON_DEPRECATED_SINCE
   assert len(said) == (1 if deprecated else 0)
+
+
+def test_mosaic_gpu_on_a_gpu_other_than_hopper_is_refused(fresh_support, monkeypatch):
+  """wgmma is sm_90a's alone: an A100 and a B200 are both refused, naming the GPU."""
+  monkeypatch.setattr(gpu_support, "mosaic_gpu",
+                      lambda: gpu_support.GpuBackendSupport("mosaic-gpu", None))
+  for capability, kind in (("8.0", "NVIDIA A100"), ("10.0", "NVIDIA B200")):
+    monkeypatch.setattr(backends, "_nvidia_gpu", lambda: FakeGpu(capability, kind))
+    with pytest.raises(gpu_support.BackendUnavailable,
+                       match=f"need Hopper .*{kind} is sm_{capability.replace('.', '')}"):
+      backends.get_backend("mosaic-gpu")
+
+
+def test_auto_without_triton_off_hopper_is_xla(fresh_support, monkeypatch):
+  monkeypatch.setattr(gpu_support, "pallas_triton", lambda: gpu_support.GpuBackendSupport(
+      "pallas", "jax 9.9 has no Pallas Triton backend"))
+  monkeypatch.setattr(gpu_support, "mosaic_gpu",
+                      lambda: gpu_support.GpuBackendSupport("mosaic-gpu", None))
+  monkeypatch.setattr(backends, "_nvidia_gpu", lambda: FakeGpu("8.0", "NVIDIA A100"))
+  assert backends.get_backend("auto") == backends.XlaBackend()
+  monkeypatch.setattr(backends, "_nvidia_gpu", lambda: FakeGpu("9.0"))
+  assert backends.get_backend("auto").name == "mosaic_gpu"

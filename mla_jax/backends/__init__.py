@@ -1,5 +1,5 @@
 """Attention backends: ``XlaBackend`` (anywhere), ``PallasTritonBackend`` (NVIDIA GPUs),
-``MosaicGpuBackend`` (Hopper and newer; Pallas-Triton for what it lacks)."""
+``MosaicGpuBackend`` (Hopper; Pallas-Triton for what it lacks)."""
 
 from __future__ import annotations
 
@@ -35,21 +35,21 @@ def get_backend(name: str | Backend = "auto") -> Backend:
   ``"mosaic-gpu"`` off an NVIDIA GPU runs the kernels in interpret mode (slow; for testing).
 
   Raises:
-    ValueError: an unknown name, or ``"mosaic-gpu"`` on a GPU older than Hopper.
+    ValueError: an unknown name.
     gpu_support.BackendUnavailable (a NotImplementedError): a GPU backend this jax does not
-      support, with the reason.
+      support (or ``"mosaic-gpu"`` on a GPU other than Hopper), with the reason.
   """
   if isinstance(name, Backend):
     return name
   if name not in BACKEND_NAMES:
     raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
-  gpu = _nvidia_gpu()
-  if name == "auto":
-    if gpu is None:
-      return XlaBackend()
-    name = "pallas" if gpu_support.pallas_triton().available else "mosaic-gpu"
   if name == "xla":
     return XlaBackend()
+  gpu = _nvidia_gpu()
+  if name == "auto":
+    name = _auto_gpu_backend(gpu)
+    if name == "xla":
+      return XlaBackend()
   support = gpu_support.pallas_triton() if name == "pallas" else gpu_support.mosaic_gpu()
   if not support.available:
     raise gpu_support.BackendUnavailable(f"backend {name!r}: {support.reason}")
@@ -59,13 +59,25 @@ def get_backend(name: str | Backend = "auto") -> Backend:
     from mla_jax.backends.pallas import PallasTritonBackend  # imports Pallas only when asked for
 
     return PallasTritonBackend(interpret=gpu is None)
-  capability = None if gpu is None else gpu_support.compute_capability(gpu)
-  if capability is not None and capability < gpu_support.MOSAIC_MIN_COMPUTE_CAPABILITY:
-    raise ValueError(f"backend 'mosaic-gpu' needs an sm_90 (Hopper) GPU or newer; "
-                     f"{gpu.device_kind} is sm_{capability[0]}{capability[1]}: use 'pallas'")
+  if gpu is not None and (reason := gpu_support.mosaic_refuses(gpu)) is not None:
+    raise gpu_support.BackendUnavailable(f"backend 'mosaic-gpu': {reason}")
   from mla_jax.backends.mosaic_gpu import MosaicGpuBackend
 
   return MosaicGpuBackend(interpret=gpu is None)
+
+
+def _auto_gpu_backend(gpu) -> str:
+  """``"auto"``: Pallas-Triton on an NVIDIA GPU while jax has it, Mosaic GPU on Hopper once it
+  does not, XLA everywhere else (said once when a GPU is left to XLA)."""
+  if gpu is None:
+    return "xla"
+  if gpu_support.pallas_triton().available:
+    return "pallas"
+  if gpu_support.mosaic_gpu().available and gpu_support.mosaic_refuses(gpu) is None:
+    return "mosaic-gpu"
+  _say_once(f"backend 'auto': {gpu.device_kind} runs the XLA references: "
+            f"{gpu_support.pallas_triton().reason}")
+  return "xla"
 
 
 __all__ = ["BACKEND_NAMES", "Backend", "XlaBackend", "get_backend"]

@@ -1,11 +1,12 @@
 """Which Pallas GPU backends the installed jax supports: the one place that decides it.
 
 =============  ===============================  ==================================
-jax            ``"pallas"`` (Pallas-Triton)     ``"mosaic-gpu"`` (sm_90a and newer)
+jax            ``"pallas"`` (Pallas-Triton)     ``"mosaic-gpu"`` (Hopper, sm_90a)
 =============  ===============================  ==================================
 0.10.x         supported                        no: no GPU interpreter to test on
 0.11, 0.12     supported; deprecated by JAX     supported
 Triton gone    unavailable (the reason named)   supported; ``"auto"`` moves to it
+                                                (other GPUs: ``"auto"`` is XLA)
 =============  ===============================  ==================================
 
 JAX 0.11 deprecated the Pallas Triton backend ("will be removed in a future version"). This
@@ -25,8 +26,8 @@ import jax
 
 # The first jax whose Pallas says the Triton backend is deprecated.
 TRITON_DEPRECATED_SINCE = (0, 11)
-# Mosaic GPU's wgmma and TMA: Hopper (compute capability 9.0) and newer.
-MOSAIC_MIN_COMPUTE_CAPABILITY = (9, 0)
+# The Mosaic GPU kernels' wgmma is sm_90a's alone (Blackwell's MMA is tcgen05): Hopper only.
+MOSAIC_COMPUTE_CAPABILITY_MAJOR = 9
 
 
 class BackendUnavailable(NotImplementedError):
@@ -72,13 +73,23 @@ def mosaic_gpu() -> GpuBackendSupport:
 
   reason = unsupported_reason()
   return GpuBackendSupport("mosaic-gpu", reason and f"{reason}; needs jax 0.11 or newer",
-                           "Hopper (sm_90a) and newer; dense MHA and backward passes run on "
+                           "Hopper (sm_90a) only; dense MHA and backward passes run on "
                            "Pallas-Triton")
 
 
 def gpu_backends() -> tuple[GpuBackendSupport, ...]:
   """Each Pallas GPU backend and whether this jax runs it."""
   return pallas_triton(), mosaic_gpu()
+
+
+def mosaic_refuses(device) -> str | None:
+  """Why the Mosaic GPU kernels cannot run on this CUDA device, or ``None`` when they can
+  (or when the device does not say its compute capability)."""
+  capability = compute_capability(device)
+  if capability is None or capability[0] == MOSAIC_COMPUTE_CAPABILITY_MAJOR:
+    return None
+  return (f"the Mosaic GPU kernels need Hopper (sm_90a: wgmma); {device.device_kind} is "
+          f"sm_{capability[0]}{capability[1]}: use 'pallas'")
 
 
 def compute_capability(device) -> tuple[int, int] | None:

@@ -19,6 +19,8 @@ import dataclasses
 import functools
 from typing import ClassVar
 
+import jax
+
 from mla_jax.backends import gpu_support
 from mla_jax.backends.pallas import PallasTritonBackend
 from pallas_kernels import indexer_logits as triton_indexer
@@ -76,7 +78,7 @@ class MosaicGpuBackend(PallasTritonBackend):
     forward = functools.partial(mosaic_sparse.sparse_mqa_mosaic, sm_scale=sm_scale, d_v=d_v,
                                 interpret=self._mosaic_interpret())
     if not _HAS_TRITON:
-      return forward(q_THL, kv_SL, topk_TK)
+      return _without_gradient(forward, q_THL, kv_SL, topk_TK)
     return triton_sparse.with_triton_backward(forward, q_THL, kv_SL, topk_TK, sm_scale=sm_scale,
                                               d_v=d_v, interpret=self.interpret)
 
@@ -94,11 +96,27 @@ class MosaicGpuBackend(PallasTritonBackend):
                                                   key_rows_S=key_rows,
                                                   interpret=self._mosaic_interpret())
     if not _HAS_TRITON:
-      return forward(*args)
+      return _without_gradient(forward, *args)
     return triton_indexer.with_triton_backward(forward, *args, interpret=self.interpret)
 
   def _mosaic_interpret(self):
     return interpret_params() if self.interpret else None
+
+
+def _without_gradient(forward, *args):
+  """``forward(*args)``, whose gradient is refused by name: the backward kernels are
+  Pallas-Triton's, which this jax lacks."""
+  @jax.custom_vjp
+  def run(*args):
+    return forward(*args)
+
+  def backward(residuals, cotangents):
+    raise gpu_support.BackendUnavailable(
+        "backend 'mosaic-gpu' has no backward kernels without Pallas Triton "
+        f"({gpu_support.pallas_triton().reason}); train with backend='xla'")
+
+  run.defvjp(lambda *args: (forward(*args), None), backward)
+  return run(*args)
 
 
 def _fits(check, *args) -> str:
