@@ -284,7 +284,7 @@ def _forward_with_residuals(forward, interpret, *args):
 
 
 def _backward(forward, interpret, args, dlogits_TS):
-  del forward  # the backward kernels pick their own blocks
+  del forward  # the backward kernels are their own, whichever forward ran
   return indexer_logits_vjp(dlogits_TS, *args, interpret=interpret)
 
 

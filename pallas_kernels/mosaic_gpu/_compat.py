@@ -7,7 +7,10 @@ CUDA lowering rule on jax 0.12) and the GPU interpreter ``plgpu.InterpretGPUPara
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -26,7 +29,7 @@ def unsupported_reason() -> str | None:
     return _IMPORT_ERROR
   for name in ("kernel", "InterpretGPUParams", "wgmma", "copy_gmem_to_smem", "Layout"):
     if not hasattr(plgpu, name):
-      return f"jax {__import__('jax').__version__}: plgpu.{name} is missing"
+      return f"jax {jax.__version__}: plgpu.{name} is missing"
   return None
 
 
@@ -35,6 +38,19 @@ def swizzled(dtype):
   128 bytes."""
   cols = 128 // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
+
+
+def gather_rows(sources, tiles, row_ids_smem, num_rows: int, barrier) -> None:
+  """One TMA copy a row: row ``row_ids_smem[r]`` of each source (GMEM [num_rows, ...]) into row
+  r of its tile (unswizzled SMEM), all on ``barrier`` (one arrival a copy). Hopper has no TMA
+  gather. Ids outside ``[0, num_rows)`` read row 0, which the caller masks."""
+  def fetch(r, carry):
+    idx = row_ids_smem[r]
+    safe = jnp.where((idx >= 0) & (idx < num_rows), idx, 0)
+    for source, tile in zip(sources, tiles):
+      plgpu.copy_gmem_to_smem(source.at[pl.ds(safe, 1)], tile.at[pl.ds(r, 1)], barrier)
+    return carry
+  lax.fori_loop(0, row_ids_smem.shape[0], fetch, None)
 
 
 def interpret_params():

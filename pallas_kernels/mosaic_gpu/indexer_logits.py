@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.indexer_logits import _nothing_to_score, validate_indexer_logits
 from pallas_kernels.indexer_logits_tiles import FP8, valid_rows
-from pallas_kernels.mosaic_gpu._compat import plgpu, swizzled, unsupported_reason
+from pallas_kernels.mosaic_gpu._compat import gather_rows, plgpu, swizzled, unsupported_reason
 
 BLOCK_S = 64    # key columns per CTA: wgmma's M for one warpgroup
 BLOCK_T = 16    # tokens per CTA, each reusing the CTA's key tile
@@ -71,7 +71,7 @@ def indexer_logits_mosaic(q_TGI, k_SI, w_TG, starts_T, ends_T, *, k_scale_S=None
     scale_S = k_scale_S.astype(jnp.float32)
   t_pad = pl.cdiv(T, BLOCK_T) * BLOCK_T
   windows = jnp.stack([jnp.pad(starts_T, (0, t_pad - T)), jnp.pad(ends_T, (0, t_pad - T))])
-  kernel = functools.partial(_kernel, T=T, S=S, pooled=pooled)
+  kernel = functools.partial(_kernel, T=T, pooled=pooled)
   extra = (key_rows_S,) if pooled else ()
   scratch = [
       plgpu.SMEM((G, I), q_TGI.dtype, transforms=swizzled(q_TGI.dtype)),
@@ -110,7 +110,7 @@ def check_supported(q_dtype, k_dtype, G: int, I: int) -> None:
         f"got G={G}, I={I}")
 
 
-def _kernel(q_ref, k_ref, w_ref, win_ref, scale_ref, *rest, T, S, pooled):
+def _kernel(q_ref, k_ref, w_ref, win_ref, scale_ref, *rest, T, pooled):
   rows_ref, out_ref, *scratch = rest if pooled else (None, *rest)
   q_smem, w_smem, win_smem, scale_smem, rows_smem, out_smem, tok_bar, col_bar, key_bar = scratch
   sb, tb = lax.axis_index("s"), lax.axis_index("t")
@@ -133,10 +133,9 @@ def _kernel(q_ref, k_ref, w_ref, win_ref, scale_ref, *rest, T, S, pooled):
       plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(s0, BLOCK_S)], k_smem, key_bar)
       plgpu.barrier_wait(key_bar)
     cols = s0 + plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (BLOCK_S,), 0), key_layout)
-    has_key = cols < S
-    if pooled:
-      has_key = valid_rows(plgpu.load(rows_smem, layout=key_layout, optimized=False),
-                           k_ref.shape[0])[0]
+    # Contiguous keys fill every column (ragged counts take the pooled path).
+    has_key = valid_rows(plgpu.load(rows_smem, layout=key_layout, optimized=False),
+                         k_ref.shape[0])[0] if pooled else None
     scale = plgpu.load(scale_smem, layout=key_layout, optimized=False)
 
     def token(i, carry):
@@ -157,7 +156,9 @@ def _kernel(q_ref, k_ref, w_ref, win_ref, scale_ref, *rest, T, S, pooled):
         d = pl.run_scoped(dots, plgpu.ACC((BLOCK_S, G), jnp.float32))
         w = plgpu.load(w_smem, layout=head_layout, optimized=False)
         logit = (jnp.maximum(d, 0.0) * lax.broadcast_in_dim(w, d.shape, [1])).sum(axis=1)
-        inside = has_key & (cols >= start) & (cols < end)
+        inside = (cols >= start) & (cols < end)
+        if pooled:
+          inside = inside & has_key
         out_smem[...] = jnp.where(inside, logit * scale, -jnp.inf)
 
       @pl.when(~((start < s0 + BLOCK_S) & (end > s0) & (start < end)))
@@ -182,12 +183,7 @@ def _gather_keys(k_ref, rows_smem, k_smem, key_bar, dtype):
   P, I = k_ref.shape
 
   def copy(raw):
-    def fetch(r, carry):
-      idx = rows_smem[r]
-      safe = jnp.where((idx >= 0) & (idx < P), idx, 0)
-      plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(safe, 1)], raw.at[pl.ds(r, 1)], key_bar)
-      return carry
-    lax.fori_loop(0, BLOCK_S, fetch, None)
+    gather_rows((k_ref,), (raw,), rows_smem, P, key_bar)
     plgpu.barrier_wait(key_bar)
     cols = 128 // jnp.dtype(dtype).itemsize  # one swizzled row of the tile
     for c in range(I // cols):

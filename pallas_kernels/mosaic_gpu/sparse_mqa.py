@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import MASK_VALUE
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from pallas_kernels.mosaic_gpu._compat import plgpu, swizzled, unsupported_reason
+from pallas_kernels.mosaic_gpu._compat import (gather_rows, plgpu, swizzled,
+                                               unsupported_reason)
 from pallas_kernels.sparse_mqa import _nothing_to_attend, validate_sparse_mqa
 
 BLOCK_H = 64    # heads per CTA: wgmma's M for one warpgroup
@@ -148,14 +149,7 @@ def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_
                                 idx_bar)
       plgpu.barrier_wait(idx_bar)
 
-      def fetch(r, carry):  # one TMA copy a selected row (each part); invalid slots read row 0
-        idx = idx_smem[r]
-        safe = jnp.where((idx >= 0) & (idx < S), idx, 0)
-        for part_ref, raw_part in zip(row_refs[:len(raw)], raw):
-          plgpu.copy_gmem_to_smem(part_ref.at[pl.ds(safe, 1)], raw_part.at[pl.ds(r, 1)],
-                                  rows_bar)
-        return carry
-      lax.fori_loop(0, BLOCK_K, fetch, None)
+      gather_rows(row_refs[:len(raw)], raw, idx_smem, S, rows_bar)
       idx_col = plgpu.load(idx_smem, layout=col_layout, optimized=False)
       valid_col = (idx_col >= 0) & (idx_col < S)
       # After the wait, not before: with this load ahead of it, Mosaic's layout inference
@@ -190,6 +184,9 @@ def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_
                                   plgpu.ACC((BLOCK_H, dv_half), jnp.float32))
       else:
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      # Every warp's PV has read the rows and P before any thread starts the next tile's row
+      # copies into those bytes (or, after the loop, the output tile that reuses them).
+      plgpu.commit_smem()
       return acc, m_new, l_i
 
     acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, dv_half), jnp.float32), plgpu.Layout.WGMMA)

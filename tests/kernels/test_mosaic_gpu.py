@@ -52,8 +52,8 @@ def _case(seed, T, H, L, S, K):
   idx = rng.integers(1, S, (T, K)).astype(np.int32)
   idx[0, ::3] = -1
   idx[min(1, T - 1), :] = -1  # no valid slot: out 0, LSE +inf
-  idx[-1, 5] = S + 4
-  idx[-1, 6:9] = idx[-1, 9]  # the same row three times
+  idx[0, 4] = S + 4
+  idx[0, [7, 8, 10]] = idx[0, 11]  # the same row three times
   return q, kv, idx
 
 
@@ -140,6 +140,16 @@ def test_sparse_mqa_lowers_at_full_shape(H, fp8):
   assert _is_mosaic_program(text)
 
 
+def test_a_batch_over_a_shared_pool_lowers_with_the_pool_once():
+  """vmap over 8 decode rows, the 64K-row pool unbatched: one kernel, no per-sequence copy."""
+  fn = jax.vmap(lambda q, i, kv: sparse_mqa_mosaic(q, kv, i, sm_scale=0.04, d_v=512),
+                in_axes=(0, 0, None))
+  text = _compat.lower_for_cuda(fn, sds((8, 1, 128, 576), BF16), sds((8, 1, 2048), jnp.int32),
+                                sds((65536, 576), BF16))
+  assert _is_mosaic_program(text)
+  assert "tensor<65536x576xbf16>" in text and "x65536x576xbf16>" not in text
+
+
 @pytest.mark.parametrize("rows, message", [
     (Fp8LatentRows(jnp.zeros((8, 512), FP8), jnp.ones((8, 16)), jnp.zeros((8, 64), BF16)),
      "scale tiles a multiple of 64"),
@@ -172,7 +182,9 @@ def _indexer_case(rng, T, G, I, S, dtype, *, pool_rows=None, scales=False):
   ends = rng.integers(S // 2, S - 1, T).astype(np.int32)  # column S - 1 unscored
   starts[0], ends[0] = 5, 5                               # an empty window
   starts[-1], ends[-1] = 0, min(T, S - 1)                 # a short causal one
-  k_scale = jnp.asarray(2.0 ** rng.integers(-2, 3, P), jnp.float32) if scales else None
+  k_scale = None
+  if scales:  # NaN in the scale of the key no window (or column) reaches
+    k_scale = jnp.asarray(2.0 ** rng.integers(-2, 3, P), jnp.float32).at[P - 1].set(jnp.nan)
   key_rows = None
   if pool_rows:
     key_rows = rng.permutation(P - 1)[:S].astype(np.int32)  # never the NaN row
