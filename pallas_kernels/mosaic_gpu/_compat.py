@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.indexer_logits_tiles import valid_rows
+
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError as e:  # pragma: no cover - depends on the installed jax
@@ -45,8 +47,7 @@ def gather_rows(sources, tiles, row_ids_smem, num_rows: int, barrier) -> None:
   r of its tile (unswizzled SMEM), all on ``barrier`` (one arrival a copy). Hopper has no TMA
   gather. Ids outside ``[0, num_rows)`` read row 0, which the caller masks."""
   def fetch(r, carry):
-    idx = row_ids_smem[r]
-    safe = jnp.where((idx >= 0) & (idx < num_rows), idx, 0)
+    safe = valid_rows(row_ids_smem[r], num_rows)[1]
     for source, tile in zip(sources, tiles):
       plgpu.copy_gmem_to_smem(source.at[pl.ds(safe, 1)], tile.at[pl.ds(r, 1)], barrier)
     return carry

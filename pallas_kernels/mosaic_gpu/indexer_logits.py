@@ -1,6 +1,6 @@
 """Lightning-indexer logits as a Mosaic GPU kernel (Hopper, sm_90a): issue 36.
 
-Semantics are exactly :func:`pallas_kernels.indexer_logits.indexer_logits_reference`'s for bf16,
+Semantics are exactly :func:`pallas_kernels.indexer_logits.indexer_logits_reference`'s for bf16
 and fp8 (e4m3) queries: ``logits[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s])`` (times
 ``k_scale[s]``), -inf outside ``[starts[t], ends[t])`` and in columns without a key.
 

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import MASK_VALUE
 from pallas_kernels.fp8_rows import Fp8LatentRows
+from pallas_kernels.indexer_logits_tiles import valid_rows
 from pallas_kernels.mosaic_gpu._compat import (gather_rows, plgpu, swizzled,
                                                unsupported_reason)
 from pallas_kernels.sparse_mqa import _nothing_to_attend, validate_sparse_mqa
@@ -77,8 +78,8 @@ def sparse_mqa_mosaic(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, inter
   if fp8:
     # The slots' scales, gathered here ([T, Z, K]: 16 bytes a slot beside a 656-byte row), so
     # that a tile's scales of one latent tile come in as one vector; 0 for invalid slots.
-    valid = (topk >= 0) & (topk < S)
-    scales = jnp.where(valid[..., None], kv_SL.scales[jnp.where(valid, topk, 0)], 0.0)
+    valid, safe = valid_rows(topk, S)
+    scales = jnp.where(valid[..., None], kv_SL.scales[safe], 0.0)
     rows = (kv_SL.values, kv_SL.rope.astype(dtype), jnp.swapaxes(scales, 1, 2))
     raw = (plgpu.SMEM((BLOCK_K, kv_SL.latent_width), kv_SL.values.dtype),
            plgpu.SMEM((BLOCK_K, L - kv_SL.latent_width), dtype))
@@ -151,12 +152,12 @@ def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_
 
       gather_rows(row_refs[:len(raw)], raw, idx_smem, S, rows_bar)
       idx_col = plgpu.load(idx_smem, layout=col_layout, optimized=False)
-      valid_col = (idx_col >= 0) & (idx_col < S)
+      valid_col = valid_rows(idx_col, S)[0]
       # After the wait, not before: with this load ahead of it, Mosaic's layout inference
       # searched for minutes and failed (jax 0.12.0.1).
       plgpu.barrier_wait(rows_bar)
       idx_row = plgpu.load(idx_smem, layout=row_layout, optimized=False)
-      valid_row = (idx_row >= 0) & (idx_row < S)
+      valid_row = valid_rows(idx_row, S)[0]
       _swizzle_rows(raw, rows, scale_smem, valid_row, fp8=fp8, tile=tile, dtype=dtype)
       plgpu.commit_smem()
 
