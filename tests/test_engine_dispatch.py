@@ -13,7 +13,7 @@ from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine, engine_pools
 from mla_jax.serving.requests import SamplingParams
-from mla_jax.serving.step_inputs import StepShape
+from mla_jax.serving.step_inputs import Sampler, StepShape
 from tests.test_engine import _model, _mqa_only_contract, _no_leaks, _reference
 
 
@@ -73,6 +73,9 @@ def test_stops_inside_a_dispatch_match_single_steps(model, prompts):
         SamplingParams(max_tokens=NEW, stop_token_ids=(reference[0][3],))])
     runs[steps] = [(list(o.tokens), o.finish_reason, o.text) for o in outputs + ended]
     computed[steps] = device_stops.stats.computed_tokens
+    # Steps run ahead of their outputs: a request that stops may waste its row of the step
+    # after (a stop id, an eos id; never max_tokens, which the host foresees).
+    assert device_stops.stats.wasted_tokens <= 2 * steps
   assert runs[8] == runs[1]
   assert computed[8] == computed[1]
   tokens = [t for t, _, _ in runs[8]]
@@ -94,24 +97,30 @@ def test_warmup_compiles_every_program_and_serving_compiles_none(model, prompts)
   compiled = engine.stats.compile_s
   outputs = engine.generate(prompts, max_tokens=NEW)
   assert [list(o.tokens) for o in outputs] == _reference(model, prompts, NEW)
-  assert engine.stats.compile_s == compiled and len(engine.programs) == len(shapes)
+  # No step waited for a compile: smaller key-block buckets compiled in the background.
+  engine.runner.wait_for_compiles()
+  assert engine.stats.compile_s == compiled and engine.runner.background_compile_s > 0
+  assert {engine.buckets.covering(c.shape) for c in engine.programs} == set(shapes)
+  assert [list(o.tokens) for o in engine.generate(prompts, max_tokens=NEW)] == _reference(
+      model, prompts, NEW)  # and on their own programs
 
 
 def test_default_settings_need_few_programs():
   """``mla-jax serve``'s defaults (512 tokens a step, 32 seats, 8 decode steps) on the tiny
-  model: steps of 8..512 token rows (7), decode dispatches of 1..32 rows, greedy or sampled
-  (12): at most 24 programs, counted without compiling any. A dense-capable model adds its
-  fresh steps' (7 more)."""
+  model, counted without compiling any: steps of 8..512 token rows (7), their greedy variants
+  up to the seats' 32 rows (3) and their ``FULL`` variants at every other size (4), decode
+  dispatches of 1..32 rows, greedy or sampled (12): 26 programs to warm up. A dense-capable
+  model adds its fresh steps' (7 more)."""
   def shapes(attention):
     model = nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0),
                                             backend="xla"))
     return Engine(model, num_pages=512).buckets.all_shapes()
 
   default = shapes("mqa-only")
-  assert len(default) == len(set(default)) == 19 <= 24
+  assert len(default) == len(set(default)) == 26
   assert not any(s.fresh for s in default)
   dense = shapes("dense-capable")
-  assert set(dense) - set(default) == {s for s in dense if s.fresh} and len(dense) == 26
+  assert set(dense) - set(default) == {s for s in dense if s.fresh} and len(dense) == 33
 
 
 def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
@@ -134,21 +143,22 @@ def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
 
 
 @pytest.mark.parametrize("shape, cache_dtype", [
-    (StepShape(1, 1, 4, decode_steps=8, greedy=True), "fp32"), (StepShape(1, 1, 4), "fp32"),
-    (StepShape(1, 1, 4, decode_steps=8, greedy=True), "fp8")],
+    (StepShape(1, 1, 4, 4, decode_steps=8, sampler=Sampler.GREEDY), "fp32"),
+    (StepShape(8, 8, 4, 8), "fp32"),
+    (StepShape(1, 1, 4, 4, decode_steps=8, sampler=Sampler.GREEDY), "fp8")],
     ids=["decode-dispatch", "flat-step", "decode-dispatch-fp8"])
 def test_step_programs_update_the_pools_in_place(model, monkeypatch, shape, cache_dtype):
   """The compiled program copies no pool: a copy of one costs in proportion to the pool, not
   the step (a reshape between the key write and the chunked indexer's read of it made XLA copy
   each key pool 8 times per decode step, seen with one row, whose scatter XLA makes an update
-  slice)."""
+  slice; a multi-step dispatch's scan carries the pools)."""
   texts = []
   compile_ = jax.stages.Lowered.compile
   monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: texts.append(
       compile_(self, *a, **k)) or texts[-1])
   num_pages = 40  # pools of their own: no program compiled by another test is reused
   engine = Engine(model, **{**SETTINGS, "num_pages": num_pages, "cache_dtype": cache_dtype})
-  engine._program(shape)
+  engine.runner.program_shape(shape)
   pools = jax.eval_shape(lambda: engine_pools(model, num_pages * SETTINGS["page_size"],
                                               engine.cache_dtype, mtp=False))
   pool_shapes = {f"[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(pools)}

@@ -61,6 +61,7 @@ class EngineStats:
   steps: int = 0               # dispatches (a multi-step decode dispatch counts once)
   decode_dispatches: int = 0   # of which multi-step decode dispatches
   computed_tokens: int = 0     # rows written (prompts, recomputes and decodes)
+  wasted_tokens: int = 0       # rows of requests that had finished in the step before
   output_tokens: int = 0
   draft_tokens: int = 0        # speculative decoding: drafts verified
   accepted_tokens: int = 0     # and accepted
@@ -394,8 +395,14 @@ class Engine:
     chunks = batch.chunks
     sampled = {id(c): dispatched.tokens(outputs, b, c) for b, c in enumerate(chunks)}
     # A multi-step dispatch wrote a row for every token it emitted; a step, its chunks' rows.
-    self.stats.computed_tokens += (sum(map(len, sampled.values())) if dispatched.multi else
-                                   sum(c.num_computed for c in chunks))
+    # The rows of a request that had finished when the step ran (it ended in the step before,
+    # still in flight when this one was scheduled) were wasted.
+    for c in chunks:
+      rows = len(sampled[id(c)]) if dispatched.multi else c.num_computed
+      if c.seq.status is Status.FINISHED:
+        self.stats.wasted_tokens += rows
+      else:
+        self.stats.computed_tokens += rows
     if "row_logprob" in outputs:
       self._record_scores(chunks, outputs)
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)

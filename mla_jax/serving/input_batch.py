@@ -104,7 +104,7 @@ class InputBatch:
     x.counters_S[:n] = counters
     x.remaining_S[:n] = self.max_tokens[slots] - counters
     if x.next_ids_T is not None:
-      self._mtp_rows(chunks, offsets, x)
+      self._next_rows(chunks, offsets, x)
     if x.blocks is not None:
       reach = (x.pos_T + decode_steps) * x.real_T
       blocks = KeyBlocks.for_reaches(reach, self.key_chunk, len(x.blocks.row_N))
@@ -119,14 +119,14 @@ class InputBatch:
     return x
 
   @staticmethod
-  def _mtp_rows(chunks: list[Chunk], offsets, x: StepInputs) -> None:
-    """The MTP layers' pairs: the token after each row where the host knows it (a prompt's
-    next token; a chunk that samples has none after its last one, a decode's are what its
-    verification accepts), and each sampling row's logit row."""
+  def _next_rows(chunks: list[Chunk], offsets, x: StepInputs) -> None:
+    """The token after each row where the host knows it (a prompt's next token; a chunk that
+    samples has none after its last one, a decode's are what its verification accepts): the
+    MTP layers' pairs and the rows' scores; and each sampling row's logit row."""
     for c, t in zip(chunks, offsets.tolist()):
       if not c.drafts:
         following = c.seq.tokens[c.num_cached + 1:c.num_cached + c.num_tokens + 1]
         x.next_ids_T[t:t + len(following)] = following
-      if c.samples:
+      if c.samples and x.logit_row_T is not None:
         first = t + c.num_tokens - 1
         x.logit_row_T[first:t + c.num_computed] = np.arange(t + c.num_computed - first)

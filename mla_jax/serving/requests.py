@@ -293,5 +293,11 @@ class Snapshot(collections.abc.Sequence):
 
   __hash__ = None
 
+  def __add__(self, other):
+    return tuple(self) + tuple(other)
+
+  def __radd__(self, other):
+    return other + (list if isinstance(other, list) else tuple)(self)
+
   def __repr__(self) -> str:
     return repr(tuple(self))

@@ -137,7 +137,7 @@ class Scheduler:
     for seq in list(self.running):
       if budget == 0:
         break
-      if seq.status is not Status.RUNNING or seq.num_output >= seq.params.max_tokens:
+      if seq.status is not Status.RUNNING or 0 < seq.params.max_tokens <= seq.num_output:
         continue  # preempted by an older sequence of this step; or all its tokens in flight
       if seq.num_uncomputed == 1:  # a decode, with as many of its drafts as the budget takes
         chunk = Chunk.of(seq, 1, tuple(seq.drafts[:budget - 1]))

@@ -228,9 +228,10 @@ class StepInputs:
   Per token row t [T]: ``ids_T`` (-1: the placeholder of a token the step in flight
   computes, taken from the device's last token of its request's slot), its sequence's step
   slot ``seq_T``, its position ``pos_T``, ``real_T`` (1 for a token, 0 for padding); with MTP
-  layers ``next_ids_T`` (the token after it when known on the host, for the MTP layers'
-  pairs; -1: the token this step samples at that row) and ``logit_row_T`` (which of its
-  sequence's logit rows it is, -1 for none). The indexer's key blocks (``KeyBlocks``: per
+  layers or scores ``next_ids_T`` (the token after it when known on the host, for the MTP
+  layers' pairs and the prompt log-probabilities; -1: the token this step samples at that
+  row), with MTP layers ``logit_row_T`` (which of its sequence's logit rows it is, -1 for
+  none). The indexer's key blocks (``KeyBlocks``: per
   block ``row_N``, ``start_N``; per row ``first_R``, ``count_R``).
   Per step slot s [S]: ``slot_S`` (its request's persistent slot), ``table_SN``, ``seeds_S``,
   ``counters_S`` (tokens it has generated, those in flight included), ``temperature_S``,
@@ -292,8 +293,10 @@ class Layout:
               ("top_k_S", (s,), i32), ("min_p_S", (s,), f32), ("logit_rows_SJ", (s, j), i32),
               ("num_logits_S", (s,), i32), ("speculative_S", (s,), i32),
               ("remaining_S", (s,), i32), ("stop_ids_SM", (s, STOP_IDS), i32)]
+    if self.mtp or self.shape.scores:
+      fields += [("next_ids_T", (t,), i32)]
     if self.mtp:
-      fields += [("next_ids_T", (t,), i32), ("logit_row_T", (t,), i32)]
+      fields += [("logit_row_T", (t,), i32)]
     if self.shape.key_blocks:
       n = self.shape.key_blocks
       fields += [("blocks.row_N", (n,), i32), ("blocks.start_N", (n,), i32),

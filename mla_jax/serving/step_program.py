@@ -155,7 +155,7 @@ class StepProgram:
     pairs_T = jnp.where(x.next_ids_T < 0, sampled_T, x.next_ids_T)
     valid_T = x.real_T * ((x.logit_row_T < 0) | (x.logit_row_T <= accepted_S[x.seq_T]))
     views = _mtp_views(mtp_pools, x.table_SN[x.seq_T], x.pos_T, self.page_size, self.context,
-                       x.seq_T)
+                       x.seq_T, x.blocks)
     _, mtp_hidden_T1D, views = model.mtp_forward(
         0, hidden_TD[:, None], pairs_T[:, None], views, new_lens_B=valid_T, plan=self.plan,
         logits=False)
@@ -235,8 +235,10 @@ def _pad_k(x_XK, fill):
   return jnp.pad(x_XK, [(0, 0)] * (x_XK.ndim - 1) + [(0, pad)], constant_values=fill)
 
 
-def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, context, segment_ids_B=None):
-  """The MTP layers' paged caches (one layer each) at ``num_cached_B``."""
+def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, context, segment_ids_B=None,
+               key_blocks=None):
+  """The MTP layers' paged caches (one layer each) at ``num_cached_B`` (a flat step's rows:
+  ``segment_ids_B`` and ``key_blocks`` as ``PagedLayerCache``'s)."""
   return tuple(PagedLayerCache(latent, keys, table_BN, num_cached_B[None], page_size,
-                               segment_ids_B, context=context).layer_view(0)
+                               segment_ids_B, key_blocks, context=context).layer_view(0)
                for latent, keys in mtp_pools)
