@@ -14,6 +14,7 @@ from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine, engine_pools
 from mla_jax.serving.requests import SamplingParams
 from mla_jax.serving.step_inputs import Sampler, StepShape
+from mla_jax.traces import summarize_jaxpr
 from tests.test_engine import _model, _mqa_only_contract, _no_leaks, _reference
 
 
@@ -165,3 +166,65 @@ def test_step_programs_update_the_pools_in_place(model, monkeypatch, shape, cach
   (text,) = [compiled.as_text() for compiled in texts]
   copies = re.findall(r"= \w+(\[[\d,]+\])\S* copy\(", text)
   assert not pool_shapes & set(copies), copies
+
+
+# ---- no host round trips ----------------------------------------------------------------
+
+# A loop or branch whose predicate lives on the device: XLA:GPU copies the predicate to the
+# host and blocks on it (every iteration of a ``while``), and splits its CUDA graphs there.
+DEVICE_PREDICATED = frozenset({"while", "cond"})
+
+
+def device_predicated(engine) -> dict:
+  """Every warm-up program's device-predicated loops and branches outside kernels (traced,
+  not compiled): ``{shape: {primitive: count}}`` of those that hold any."""
+  found = {}
+  for shape in engine.buckets.all_shapes():
+    _, traced = engine.trace_step(shape)
+    primitives = summarize_jaxpr(traced.jaxpr).primitives
+    held = {p: n for p, n in primitives.items() if p in DEVICE_PREDICATED}
+    if held:
+      found[shape] = held
+  return found
+
+
+@pytest.mark.parametrize("attention, extra", [
+    ("mqa-only", {}), ("dense-capable", {}), ("mqa-only", {"prompt_logprobs": True}),
+    ("mqa-only", {"cache_dtype": "fp8", "decode_steps": 1})])
+def test_no_step_program_waits_on_the_device(attention, extra):
+  """Every program an engine warms up (one step, FULL, scoring, multi-step dispatches, fresh
+  steps, fp8 pools) holds no ``while`` or ``cond`` outside kernels: multi-step decode is a
+  fixed-length scan, the indexer scores each row's own key blocks in one call, penalties are
+  a compile-time variant. (A ``cond`` back in the penalties, or the key-chunk loop on a traced
+  bound, fails this.)"""
+  model = nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend="xla"))
+  engine = Engine(model, **{**SETTINGS, "max_step_tokens": 16, "max_num_seqs": 2, **extra})
+  assert device_predicated(engine) == {}
+
+
+def test_the_next_step_is_dispatched_before_the_last_one_is_read(model, prompts):
+  """A recording stand-in around the runner: step N + 1 goes to the device before any output
+  of step N is read on the host (multi-step dispatches and single steps alike), and the
+  tokens are ``generate``'s."""
+  events = []
+  for steps in (1, 8):
+    engine = Engine(model, decode_steps=steps, **SETTINGS)
+    dispatch = engine.runner.dispatch
+
+    def recorded(shape, inputs, dispatch=dispatch):
+      flight = dispatch(shape, inputs)
+      n = sum(kind == "dispatch" for kind, _ in events)
+      events.append(("dispatch", n))
+      read = flight.read
+      flight.read = lambda: events.append(("read", n)) or read()
+      return flight
+
+    engine.runner.dispatch = recorded
+    events.clear()
+    outputs = engine.generate(prompts, max_tokens=NEW)
+    assert [list(o.tokens) for o in outputs] == _reference(model, prompts, NEW)
+    order = {event: i for i, event in enumerate(events)}
+    dispatches = sum(kind == "dispatch" for kind, _ in events)
+    assert dispatches > 3 and len(events) == 2 * dispatches
+    for n in range(dispatches - 1):
+      assert order["dispatch", n + 1] < order["read", n], (steps, events)
