@@ -195,19 +195,18 @@ class KeyBlocks:
 
   @classmethod
   def for_reaches(cls, reach_R, key_chunk: int, num_blocks: int) -> KeyBlocks:
-    """(On the host, NumPy) the blocks of rows whose keys end at ``reach_R`` (0: none), in
-    ``num_blocks`` slots; a ``ValueError`` when they need more (``blocks_needed``)."""
-    count_R = -(-np.asarray(reach_R, np.int32) // key_chunk)
-    first_R = np.cumsum(count_R, dtype=np.int32) - count_R
-    total = int(count_R.sum())
-    if total > num_blocks:
-      raise ValueError(f"the rows' keys need {total} blocks of {key_chunk}, the step holds "
-                       f"{num_blocks}")
-    row_N = np.full(num_blocks, len(count_R), np.int32)
-    row_N[:total] = np.repeat(np.arange(len(count_R), dtype=np.int32), count_R)
-    start_N = np.zeros(num_blocks, np.int32)
-    start_N[:total] = (np.arange(total, dtype=np.int32) - first_R[row_N[:total]]) * key_chunk
-    return cls(row_N, start_N, first_R.astype(np.int32), count_R.astype(np.int32))
+    """The blocks of rows whose keys end at ``reach_R`` (0: none) in ``num_blocks`` slots
+    (on the device, from the rows' reaches alone; ``blocks_needed`` of them are real, the
+    rest padding). More than ``num_blocks`` needed is the caller's error: the rows past the
+    slots would score nothing."""
+    reach_R = jnp.asarray(reach_R, jnp.int32)
+    count_R = (reach_R + key_chunk - 1) // key_chunk
+    ends_R = jnp.cumsum(count_R, dtype=jnp.int32)
+    first_R = ends_R - count_R
+    n_N = jnp.arange(num_blocks, dtype=jnp.int32)
+    row_N = jnp.searchsorted(ends_R, n_N, side="right").astype(jnp.int32)  # padding: R
+    start_N = (n_N - first_R[jnp.minimum(row_N, len(count_R) - 1)]) * key_chunk
+    return cls(row_N, jnp.where(row_N < len(count_R), start_N, 0), first_R, count_R)
 
 
 def blocks_needed(reach_R, key_chunk: int) -> int:

@@ -173,8 +173,7 @@ def test_exact_top_k_equals_one_device_and_union_holds_it(ranks):
 
   # One token a row (a flat step's layout): row r is query r % 2 of sequence r // 2.
   seq_R = np.repeat(np.arange(b), 2)
-  blocks = jax.tree.map(jnp.asarray, KeyBlocks.for_reaches(
-      np.asarray(positions).reshape(-1) + 1, 8, 32))
+  blocks = KeyBlocks.for_reaches(np.asarray(positions).reshape(-1) + 1, 8, 32)
 
   def select(ranks, ops, mode):
     pool, view = _paged_keys(ranks, keys, jnp.asarray(table), page)

@@ -198,7 +198,7 @@ class Engine:
         cache_dtype=self.cache_dtype, num_slots=self.max_num_seqs, logit_rows=self._logit_rows,
         mtp=bool(self.max_speculative_tokens), context_topk=self.context_topk,
         buckets=self.buckets, plan_of=self._plans)
-    self._inputs = InputBatch(self.max_num_seqs, max_pages, self._key_chunk)
+    self._inputs = InputBatch(self.max_num_seqs, max_pages)
     self._in_flight: _Dispatched | None = None
     self._seqs: dict[str, Sequence] = {}
     self._ids = itertools.count()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from mla_jax.indexer import KeyBlocks
 from mla_jax.serving.requests import MAX_LOGIT_BIAS, Sequence
 from mla_jax.serving.scheduler import Chunk
 from mla_jax.serving.step_inputs import STOP_IDS, Layout, Sampler, StepInputs
@@ -24,8 +23,7 @@ class InputBatch:
   """Builds each step's ``StepInputs`` from the scheduler's chunks over ``num_slots`` slots
   (``Sequence.slot``) and block tables ``max_pages`` wide."""
 
-  def __init__(self, num_slots: int, max_pages: int, key_chunk: int | None):
-    self.key_chunk = key_chunk
+  def __init__(self, num_slots: int, max_pages: int):
     for name, dtype, default in _SETTINGS:
       setattr(self, name, np.full(num_slots, default, dtype))
     self.stop_ids = np.full((num_slots, STOP_IDS), -1, np.int32)
@@ -105,11 +103,8 @@ class InputBatch:
     x.remaining_S[:n] = self.max_tokens[slots] - counters
     if x.next_ids_T is not None:
       self._next_rows(chunks, offsets, x)
-    if x.blocks is not None:
-      reach = (x.pos_T + decode_steps) * x.real_T
-      blocks = KeyBlocks.for_reaches(reach, self.key_chunk, len(x.blocks.row_N))
-      for name in ("row_N", "start_N", "first_R", "count_R"):
-        getattr(x.blocks, name)[:] = getattr(blocks, name)
+    if x.reach_T is not None:
+      x.reach_T[:] = (x.pos_T + decode_steps) * x.real_T
     if layout.shape.sampler is Sampler.FULL:
       x.min_left_S[:n] = np.maximum(self.min_tokens[slots] - counters, 0)
       x.bias_ids_SB[:n], x.bias_SB[:n] = self.bias_ids[slots], self.bias[slots]

@@ -25,7 +25,6 @@ import numpy as np
 
 from mla_jax.cache import power_of_two_bucket as bucket
 from mla_jax.decoding.logits import Sampler
-from mla_jax.indexer import KeyBlocks
 from mla_jax.serving.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from mla_jax.serving.scheduler import Chunk
 
@@ -94,7 +93,7 @@ class Buckets:
   slots as many, at most the seats' bucket. The block table is always ``max_pages`` wide.
   ``key_chunk``: the indexer's key positions a block (None: the model has no indexer); a
   step's key blocks are its rows x a power of two, from 1 up to the longest reach's chunks
-  (``covering_blocks``), so the indexer's work follows the rows' own reaches.
+  (``covering``), so the indexer's work follows the rows' own reaches.
   ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
   (None: the model takes none). Variants: greedy one-step programs for steps of at most
   ``max_num_seqs`` rows (larger steps sample greedy sequences by their argmax in the
@@ -140,8 +139,10 @@ class Buckets:
       sampler = Sampler.SAMPLE
     blocks = 0
     if self.key_chunk is not None and not fresh:
-      needed = sum(chunk_blocks(c.num_cached, c.num_computed + decode_steps - 1, self.key_chunk)
-                   for c in chunks)
+      if multi:  # one row a sequence, reaching the dispatch's last step
+        needed = sum(-(-(c.num_cached + decode_steps) // self.key_chunk) for c in chunks)
+      else:
+        needed = sum(chunk_blocks(c.num_cached, c.num_computed, self.key_chunk) for c in chunks)
       blocks = rows * min(bucket(-(-needed // rows)), self.max_chunks)
     return self._shape(rows, blocks, fresh, decode_steps, sampler, scores)
 
@@ -195,8 +196,7 @@ class Buckets:
 
 def chunk_blocks(start: int, rows: int, key_chunk: int) -> int:
   """Key blocks of ``rows`` consecutive rows whose reaches are ``start + 1 .. start + rows``
-  (a chunk's; a multi-step decode row's reach grows to ``start + steps``, and its one row
-  takes the last)."""
+  (a chunk's)."""
   def upto(m):  # sum of ceil(r / key_chunk) for r in 1..m
     q, rest = divmod(m, key_chunk)
     return key_chunk * q * (q + 1) // 2 + rest * (q + 1)
@@ -231,8 +231,8 @@ class StepInputs:
   layers or scores ``next_ids_T`` (the token after it when known on the host, for the MTP
   layers' pairs and the prompt log-probabilities; -1: the token this step samples at that
   row), with MTP layers ``logit_row_T`` (which of its sequence's logit rows it is, -1 for
-  none). The indexer's key blocks (``KeyBlocks``: per
-  block ``row_N``, ``start_N``; per row ``first_R``, ``count_R``).
+  none). ``reach_T``: the keys its indexer scores (its position + 1, at a multi-step
+  dispatch's last step; the program lays out the key blocks, ``indexer.KeyBlocks``).
   Per step slot s [S]: ``slot_S`` (its request's persistent slot), ``table_SN``, ``seeds_S``,
   ``counters_S`` (tokens it has generated, those in flight included), ``temperature_S``,
   ``top_p_S``, ``top_k_S``, ``min_p_S``, ``logit_rows_SJ`` (the token rows whose logits it
@@ -264,7 +264,7 @@ class StepInputs:
   stop_ids_SM: np.ndarray
   next_ids_T: np.ndarray | None = None
   logit_row_T: np.ndarray | None = None
-  blocks: KeyBlocks | None = None
+  reach_T: np.ndarray | None = None
   min_left_S: np.ndarray | None = None
   bias_ids_SB: np.ndarray | None = None
   bias_SB: np.ndarray | None = None
@@ -298,9 +298,7 @@ class Layout:
     if self.mtp:
       fields += [("logit_row_T", (t,), i32)]
     if self.shape.key_blocks:
-      n = self.shape.key_blocks
-      fields += [("blocks.row_N", (n,), i32), ("blocks.start_N", (n,), i32),
-                 ("blocks.first_R", (t,), i32), ("blocks.count_R", (t,), i32)]
+      fields += [("reach_T", (t,), i32)]
     if self.shape.sampler is Sampler.FULL:
       fields += [("min_left_S", (s,), i32), ("bias_ids_SB", (s, MAX_LOGIT_BIAS), i32),
                  ("bias_SB", (s, MAX_LOGIT_BIAS), f32), ("repetition_S", (s,), f32),
@@ -331,25 +329,19 @@ class Layout:
       fill = -1 if name in ("next_ids_T", "logit_row_T", "stop_ids_SM", "bias_ids_SB") else 0
       fill = 1 if name in ("top_p_S", "repetition_S") else fill
       arrays[name] = np.full(dims, fill, dtype)
-    if self.shape.key_blocks:
-      arrays["blocks.row_N"][:] = self.shape.tokens
-    return self._assemble(arrays)
-
-  def _assemble(self, arrays: dict) -> StepInputs:
-    blocks = {k.split(".")[1]: arrays.pop(k) for k in list(arrays) if k.startswith("blocks.")}
-    return StepInputs(**arrays, blocks=KeyBlocks(**blocks) if blocks else None)
+    return StepInputs(**arrays)
 
   def pack(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     """The int32 and float32 arrays the program takes (two transfers)."""
     ints, floats = [], []
     for name, _, dtype in self.input_fields():
-      (ints if dtype is np.int32 else floats).append(np.ravel(_field(inputs, name)))
+      (ints if dtype is np.int32 else floats).append(np.ravel(getattr(inputs, name)))
     return (np.concatenate(ints).astype(np.int32, copy=False),
             np.concatenate(floats).astype(np.float32, copy=False))
 
   def unpack(self, ints, floats) -> StepInputs:
     """(In the program) the inputs from the two packed arrays: static slices."""
-    return self._assemble(_split(self.input_fields(), {np.int32: ints, np.float32: floats}))
+    return StepInputs(**_split(self.input_fields(), {np.int32: ints, np.float32: floats}))
 
   def pack_outputs(self, outputs: dict):
     """(In the program) every output in one int32 array (one transfer to the host)."""
@@ -364,11 +356,6 @@ class Layout:
     """(On the host) the outputs, as views of the one packed array."""
     return _split(self.output_fields(), {np.int32: packed, np.float32: packed.view(np.float32)},
                   one=True)
-
-
-def _field(inputs: StepInputs, name: str):
-  owner, _, leaf = name.rpartition(".")
-  return getattr(getattr(inputs, owner) if owner else inputs, leaf)
 
 
 def _split(fields, sources: dict, *, one: bool = False) -> dict:

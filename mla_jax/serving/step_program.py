@@ -45,6 +45,7 @@ from mla_jax.decoding.logits import (Adjustments, Sampler, Sampling, bias_rows, 
 from mla_jax.decoding.sampling import seed_keys
 from mla_jax.decoding.speculative import draft, drafts_wanted, row
 from mla_jax.decoding.stops import ends
+from mla_jax.indexer import KeyBlocks
 from mla_jax.models.lm import ModelCache
 from mla_jax.paged_cache import PagedLayerCache
 from mla_jax.serving.requests import MAX_LOGPROBS
@@ -92,7 +93,13 @@ class StepProgram:
 
     return step
 
-  def _forward(self, model, layer_groups, pools, ids_T, pos_T, real_T, x: StepInputs):
+  def _key_blocks(self, x: StepInputs):
+    """The indexer's (row, key chunk) pairs, laid out from the rows' reaches."""
+    if x.reach_T is None:
+      return None
+    return KeyBlocks.for_reaches(x.reach_T, self.plan.key_chunk, self.shape.key_blocks)
+
+  def _forward(self, model, layer_groups, pools, ids_T, pos_T, real_T, x: StepInputs, blocks):
     """The main model on the flat rows: hidden states [T, D] and the pools (the rows' token
     ids recorded too)."""
     main_pools, mtp_pools, token_ids = pools
@@ -101,7 +108,7 @@ class StepProgram:
     caches = ModelCache(tuple(
         tuple(PagedLayerCache(latent, keys, table_TN,
                               jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)),
-                              self.page_size, x.seq_T, x.blocks, reps=group.reps,
+                              self.page_size, x.seq_T, blocks, reps=group.reps,
                               context=self.context)
               for latent, keys in unit)
         for group, unit in zip(layer_groups, main_pools)), layer_groups)
@@ -124,7 +131,9 @@ class StepProgram:
                        stop_mask(x.stop_ids_SM, vocab), x.min_left_S)
 
   def _one_step(self, model, layer_groups, pools, last_tokens, ids_T, x: StepInputs):
-    hidden_TD, pools = self._forward(model, layer_groups, pools, ids_T, x.pos_T, x.real_T, x)
+    blocks = self._key_blocks(x)
+    hidden_TD, pools = self._forward(model, layer_groups, pools, ids_T, x.pos_T, x.real_T, x,
+                                     blocks)
     logits_SJV = model.logits(hidden_TD[x.logit_rows_SJ])
     sampler = self.shape.sampler
     adjustments = None
@@ -138,7 +147,7 @@ class StepProgram:
     if sampler is Sampler.FULL:
       outputs.update(_logprobs(logits_SJV, tokens_SJ))
     if self.layout.mtp:
-      pools, drafts = self._mtp(model, pools, hidden_TD, ids_T, accepted_S, tokens_SJ, x)
+      pools, drafts = self._mtp(model, pools, hidden_TD, accepted_S, tokens_SJ, x, blocks)
       outputs.update(drafts)
     if self.shape.scores:
       outputs.update(_row_scores(model.logits(hidden_TD), x.next_ids_T))
@@ -147,7 +156,7 @@ class StepProgram:
     last_tokens = _set_slots(last_tokens, x.slot_S, sampled_S, newest_S)
     return outputs, pools, last_tokens
 
-  def _mtp(self, model, pools, hidden_TD, ids_T, accepted_S, tokens_SJ, x: StepInputs):
+  def _mtp(self, model, pools, hidden_TD, accepted_S, tokens_SJ, x: StepInputs, blocks):
     """MTP layer 0 over every row's pair, then each sampling sequence's next drafts."""
     main_pools, mtp_pools, token_ids = pools
     # Row t's pair: (h_t, the token after it): known on the host, or sampled here.
@@ -155,7 +164,7 @@ class StepProgram:
     pairs_T = jnp.where(x.next_ids_T < 0, sampled_T, x.next_ids_T)
     valid_T = x.real_T * ((x.logit_row_T < 0) | (x.logit_row_T <= accepted_S[x.seq_T]))
     views = _mtp_views(mtp_pools, x.table_SN[x.seq_T], x.pos_T, self.page_size, self.context,
-                       x.seq_T, x.blocks)
+                       x.seq_T, blocks)
     _, mtp_hidden_T1D, views = model.mtp_forward(
         0, hidden_TD[:, None], pairs_T[:, None], views, new_lens_B=valid_T, plan=self.plan,
         logits=False)
@@ -182,11 +191,12 @@ class StepProgram:
     n = self.shape.decode_steps
     sampler = self.shape.sampler
     no_drafts_S = jnp.ones_like(x.num_logits_S)
+    blocks = self._key_blocks(x)  # reaching the last step: past a row's end, windows end
 
     def one_step(carry, i):
       pools, ids_S, active_S = carry
       hidden_SD, pools = self._forward(model, layer_groups, pools, ids_S, x.pos_T + i,
-                                       active_S, x)
+                                       active_S, x, blocks)
       _, new_S1 = process_logits(model.logits(hidden_SD)[:, None], ids_S[:, None], no_drafts_S,
                                  self._sampling(x, x.counters_S + i), sampler)
       new_S = new_S1[:, 0]
