@@ -51,6 +51,8 @@ def _cases() -> dict[str, Case]:
       "mosaic_sparse_mqa_prefill_8k_glm5": Case(lambda: c.mosaic_sparse_case(1024, 64, 576, 512, 8192, 2048), 1024),
       "mosaic_sparse_mqa_prefill_v4flash": Case(lambda: c.mosaic_sparse_case(1024, 64, 512, 512, 16384, 512), 1024),
       "mosaic_sparse_mqa_decode_b1_32k": Case(lambda: c.mosaic_sparse_case(1, 128, 576, 512, 32768, 2048, batch=1), 1),
+      "mosaic_sparse_mqa_decode_b64_32k": Case(lambda: c.mosaic_sparse_case(1, 128, 576, 512, 64 * 32768, 2048, batch=64), 64),
+      "mosaic_sparse_mqa_decode_b1_32k_fp8": Case(lambda: c.mosaic_sparse_case(1, 128, 576, 512, 32768, 2048, fp8=True, batch=1), 1),
       "mosaic_sparse_mqa_decode_b64_32k_fp8": Case(lambda: c.mosaic_sparse_case(1, 128, 576, 512, 64 * 32768, 2048, fp8=True, batch=64), 64),
       "mosaic_indexer_prefill_8k_bf16": Case(lambda: c.mosaic_indexer_case(1024, 64, 128, 8192), 1024),
       "mosaic_indexer_prefill_8k_fp8": Case(lambda: c.mosaic_indexer_case(1024, 64, 128, 8192, c.FP8), 1024),
@@ -83,7 +85,8 @@ def report(name: str, case: Case, ptxas: list[str]) -> list[tuple[str, sm90_comp
   if case.kernel is not None:
     kernels = [k for k in kernels if k.name == case.kernel]
   if not kernels:
-    raise RuntimeError(f"{name}: no GPU kernel in the compiled program")
+    raise RuntimeError(f"{name}: no GPU kernel in the compiled program (or compiled before in "
+                       "this process: Mosaic GPU then reuses its kernel and dumps nothing)")
   rows = []
   for kernel in kernels:
     label = name if len(kernels) == 1 else f"{name} ({kernel.name})"

@@ -113,16 +113,17 @@ def batched(case, B):
 def mosaic_sparse_case(T, H, D, d_v, S, K, fp8=False, batch=None):
   """The Mosaic GPU sparse MQA forward (bf16 rows, or fp8 rows with tiles of 128); given
   ``batch``, vmapped over that many sequences reading one shared pool of S rows, as a decode
-  step does."""
-  from pallas_kernels.mosaic_gpu.sparse_mqa import sparse_mqa_mosaic
+  step does. The top-k split is ``MosaicGpuBackend``'s for the launch."""
+  from pallas_kernels.mosaic_gpu.sparse_mqa import sparse_mqa_mosaic, split_count
 
+  run = functools.partial(sparse_mqa_mosaic, sm_scale=D**-0.5, d_v=d_v,
+                          num_splits=split_count((batch or 1) * T, H, K))
   if fp8:
     rows = (sds((S, d_v), FP8), sds((S, d_v // 128), F32), sds((S, D - d_v), BF16))
-    call = lambda q, i, v, s, r: sparse_mqa_mosaic(q, Fp8LatentRows(v, s, r), i,
-                                                   sm_scale=D**-0.5, d_v=d_v)
+    call = lambda q, i, v, s, r: run(q, Fp8LatentRows(v, s, r), i)
   else:
     rows = (sds((S, D), BF16),)
-    call = lambda q, i, kv: sparse_mqa_mosaic(q, kv, i, sm_scale=D**-0.5, d_v=d_v)
+    call = lambda q, i, kv: run(q, kv, i)
   q, idx = sds((T, H, D), BF16), sds((T, K), I32)
   if batch is None:
     return call, (q, idx, *rows)
