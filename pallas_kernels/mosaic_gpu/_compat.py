@@ -83,6 +83,17 @@ def cp_async_rows(kv_ref, ids_ref, tile_ref) -> None:
     num_rows, width = ir.MemRefType(kv.type).shape
     rows = ir.MemRefType(ids.type).shape[0]
     row_bytes, col_tiles = width * 2, width * 2 // _SWIZZLE
+    # The layouts the addresses below assume, checked where they are made: contiguous rows of
+    # 2-byte values, and the tile as Mosaic lays out the transforms, 1 KiB tiles in row-major
+    # order (so that, from a 1 KiB-aligned base, the swizzle is the hardware's 128-byte one).
+    want = {"kv": ([num_rows, width], [width, 1]),
+            "tile": ([rows // 8, col_tiles, 8, _SWIZZLE // 2], [col_tiles * 512, 512, 64, 1])}
+    for name, ref in (("kv", kv), ("tile", tile)):
+      ty = ir.MemRefType(ref.type)
+      got = (list(ty.shape), list(ty.get_strides_and_offset()[0]))
+      if got != want[name] or mgpu_utils.bitwidth(ty.element_type) != 16:
+        raise NotImplementedError(f"cp_async_rows: {name} is {ty}, expected 2-byte values of "
+                                  f"shape and strides {want[name]}")
     lanes = _SWIZZLE // _CHUNK                               # threads a column tile
     lane = arith.andi(mgpu_utils.thread_idx(), c32(127))
     row = arith.shrui(lane, c32(3))                          # 0 .. 15

@@ -57,9 +57,16 @@ CONSUMER0_REGS, CONSUMER1_REGS, PRODUCER_REGS = 240, 200, 72
 _LOG2E = math.log2(math.e)
 
 
-def forward(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, num_splits: int, interpret):
+def forward(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, num_splits: int, interpret,
+            skip: frozenset[str] = frozenset()):
   """Per-split outputs of the bf16 / f16 kernel: ``(out [splits, T, H, d_v], lse [splits, T,
-  H])``, each split normalised over its own slots (empty: out 0, LSE +inf)."""
+  H])``, each split normalised over its own slots (empty: out 0, LSE +inf).
+
+  ``skip`` (timing only: the outputs are then wrong) leaves parts out to cost the others:
+  ``"gather"`` (no row copies; the ring keeps what it held) and ``"pv"`` (no PV wgmma);
+  ``benchmarks/mosaic_gpu.py --parts``."""
+  if not skip <= {"gather", "pv"}:
+    raise ValueError(f"sparse_mqa_ws: skip takes 'gather' and 'pv', got {sorted(skip)}")
   (T, H, L), S, K = q_THL.shape, kv_SL.shape[0], topk_TK.shape[1]
   tiles = pl.cdiv(K, BLOCK_K)
   per_split = pl.cdiv(tiles, num_splits)
@@ -69,7 +76,7 @@ def forward(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, num_splits: int
   dtype = q_THL.dtype
   interpreted = interpret is not None
   kernel = functools.partial(_kernel, S=S, d_v=d_v, scale_log2=sm_scale * _LOG2E,
-                             num_tiles=per_split, interpreted=interpreted)
+                             num_tiles=per_split, interpreted=interpreted, skip=skip)
   row_tile = functools.partial(plgpu.SMEM, transforms=swizzled(dtype))
   return plgpu.kernel(
       kernel,
@@ -105,7 +112,7 @@ def forward(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, num_splits: int
 
 def _kernel(q_ref, topk_ref, kv_ref, out_ref, lse_ref, q_and_out, ring, p_smem, idx_smem,
             head_smem, q_bar, idx_bar, full, consumed, p_ready, p_free, rows_bar, *,
-            S, d_v, scale_log2, num_tiles, interpreted):
+            S, d_v, scale_log2, num_tiles, interpreted, skip):
   t, split, hb = lax.axis_index("t"), lax.axis_index("split"), lax.axis_index("h")
   wg = lax.axis_index("wg")
   h0 = hb * BLOCK_H
@@ -137,7 +144,9 @@ def _kernel(q_ref, topk_ref, kv_ref, out_ref, lse_ref, q_and_out, ring, p_smem, 
       def _():
         load_indices(j + 1)   # into tile j - 2's index slot, released with its rows
       plgpu.barrier_wait(idx_bar.at[j % IDX_RING])
-      if interpreted:
+      if "gather" in skip:
+        pass
+      elif interpreted:
         _copy_rows_interpreted(kv_ref, idx_smem.at[j % IDX_RING], ring.at[slot], rows_bar, S)
       else:
         cp_async_rows(kv_ref, idx_smem.at[j % IDX_RING], ring.at[slot])
@@ -152,6 +161,8 @@ def _kernel(q_ref, topk_ref, kv_ref, out_ref, lse_ref, q_and_out, ring, p_smem, 
   def pv(acc, p, rows):
     """acc + p @ rows: in place when compiled (a fresh accumulator would cost 128 more
     registers a thread); into a fresh one interpreted (no rule for the in-place form)."""
+    if "pv" in skip:
+      return acc
     if interpreted:
       return acc + pl.run_scoped(lambda ref: (plgpu.wgmma(ref, p, rows), ref[...])[1],
                                  plgpu.ACC(acc.shape, jnp.float32))

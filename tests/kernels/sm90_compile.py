@@ -17,6 +17,7 @@ topology options are private to it; ``PINNED_JAXLIB``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -180,18 +181,24 @@ def compile_kernels(fn, *shapes) -> list[Kernel]:
   grids = _grids(fn, shapes)
   saved = os.environ.get("MOSAIC_GPU_DUMP_TO")
   seen = set(glob.glob(f"{_triton_capture}/ptx/*.ptx")) if _triton_capture else set()
-  with tempfile.TemporaryDirectory() as dump:
+  with tempfile.TemporaryDirectory() as dump, _mosaic_smem() as smem:
     os.environ["MOSAIC_GPU_DUMP_TO"] = dump
     try:
-      # The Triton lowering reads the device's kind. A cached executable would skip the
-      # compile whose dumps are read here.
+      # The Triton lowering reads the device's kind. A cached lowering or executable would
+      # skip the steps whose dumps are read here.
+      jax.clear_caches()
       with jax.default_device(device), config.enable_compilation_cache(False):
         jax.jit(fn).trace(*args).lower().compile()
     finally:
       os.environ.pop("MOSAIC_GPU_DUMP_TO") if saved is None else os.environ.update(
           MOSAIC_GPU_DUMP_TO=saved)
-    kernels = [_mosaic_kernel(dump, name[:-len(".ptx")], grids)
-               for name in sorted(os.listdir(dump)) if name.endswith(".ptx")]
+    # The dumps' stems are the kernel names and a counter in lowering order.
+    stems = sorted((name[:-len(".ptx")] for name in os.listdir(dump) if name.endswith(".ptx")),
+                   key=lambda stem: int(stem.rsplit("_", 1)[1]))
+    if len(stems) != len(smem):
+      raise RuntimeError(f"{len(stems)} Mosaic GPU kernels compiled, {len(smem)} lowered: "
+                         "compiled before in this process (Mosaic then reuses its kernel)?")
+    kernels = [_mosaic_kernel(dump, stem, grids, bytes_) for stem, bytes_ in zip(stems, smem)]
   if _triton_capture:
     for path in sorted(set(glob.glob(f"{_triton_capture}/ptx/*.ptx")) - seen):
       kernels += _triton_kernels(open(path).read(), grids)
@@ -220,13 +227,35 @@ def _grids(fn, shapes) -> dict[str, tuple[tuple[int, ...], int]]:
   return found
 
 
-def _mosaic_kernel(dump: str, stem: str, grids) -> Kernel:
+@contextlib.contextmanager
+def _mosaic_smem():
+  """Collects each Mosaic GPU kernel's SMEM scratch bytes as it is lowered, in order: what
+  Mosaic's resources dump says, which is written once per process only (its dump options are
+  read once). Private API (jaxlib 0.12.0.1, ``PINNED_JAXLIB``)."""
+  from jax._src.pallas.mosaic_gpu import lowering
+
+  original, found = lowering.lower_jaxpr_to_module, []
+
+  def lower(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr, params,
+            *args, **kwargs):
+    context = lowering.ResourceEstimatorContext(
+        reduction_scratch_bytes=params.reduction_scratch_bytes, axis_names=axis_names,
+        lowering_semantics=params.lowering_semantics)
+    found.append(lowering._estimate_resources(context, jaxpr).smem_scratch_bytes)
+    return original(jax_mesh, axis_names, grid, block, cluster, in_shapes, out_shapes, jaxpr,
+                    params, *args, **kwargs)
+
+  lowering.lower_jaxpr_to_module = lower
+  try:
+    yield found
+  finally:
+    lowering.lower_jaxpr_to_module = original
+
+
+def _mosaic_kernel(dump: str, stem: str, grids, smem_bytes: int) -> Kernel:
   ptx = open(os.path.join(dump, stem + ".ptx")).read()
-  resources = open(os.path.join(dump, stem + ".resources.txt")).read()
-  name = re.sub(r"_\d+$", "", stem)  # the dump's stem is the kernel name and a counter
-  grid, threads = grids[name]
-  return Kernel(_entries(ptx)[0], "mosaic", ptx,
-                int(re.search(r"smem_scratch_bytes=(\d+)", resources).group(1)), grid, threads)
+  grid, threads = grids[stem.rsplit("_", 1)[0]]
+  return Kernel(_entries(ptx)[0], "mosaic", ptx, smem_bytes, grid, threads)
 
 
 def _triton_kernels(ptx: str, grids) -> list[Kernel]:

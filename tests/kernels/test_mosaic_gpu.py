@@ -304,7 +304,7 @@ def test_benchmark_checks_mosaic_against_float32(capsys):
     mosaic_gpu.main(["--only", "small_indexer_fp8", "--iters", "1"])
   assert done.value.code == 0
   row = [line for line in capsys.readouterr().out.splitlines() if "small_indexer_fp8" in line]
-  assert row and "| ok " in row[0] and row[0].count("|") == 8
+  assert row and "| ok " in row[0] and row[0].count("|") == 10
 
 
 def test_benchmark_fails_a_wrong_mosaic_kernel(monkeypatch, capsys):
@@ -317,6 +317,17 @@ def test_benchmark_fails_a_wrong_mosaic_kernel(monkeypatch, capsys):
     mosaic_gpu.main(["--only", "small_indexer", "--iters", "1"])
   assert done.value.code == 1
   assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_benchmark_costs_the_parts_of_sparse_mqa(capsys):
+  """``--parts`` (gpu_check.sh's stage): the kernel whole, without PV, without the gather."""
+  from benchmarks import mosaic_gpu
+
+  with pytest.raises(SystemExit) as done:
+    mosaic_gpu.main(["--parts", "--only", "small_sparse", "--iters", "1"])
+  assert done.value.code == 0
+  row = [line for line in capsys.readouterr().out.splitlines() if "small_sparse" in line]
+  assert row and row[0].count("|") == 2 + len(mosaic_gpu.PARTS) and "n/a" not in row[0]
 
 
 @pytest.mark.parametrize("S, K", [(16384, 512), (132, 128)])
