@@ -118,9 +118,9 @@ def _kernel(q_ref, topk_ref, kv_ref, out_ref, lse_ref, q_and_out, ring, p_smem, 
   h0 = hb * BLOCK_H
   half = d_v // 2
   row_layout = plgpu.Layout.WGMMA.reduce(1)   # one value per head
+  col_layout = plgpu.Layout.WGMMA.reduce(0)   # one value per slot
   row_smem, lse_smem = head_smem.at[0], head_smem.at[1]
   q_smem, out_smem = q_and_out
-  col_layout = plgpu.Layout.WGMMA.reduce(0)   # one value per slot
   first_slot = split * num_tiles * BLOCK_K
 
   def load_indices(j):
@@ -144,11 +144,9 @@ def _kernel(q_ref, topk_ref, kv_ref, out_ref, lse_ref, q_and_out, ring, p_smem, 
       def _():
         load_indices(j + 1)   # into tile j - 2's index slot, released with its rows
       plgpu.barrier_wait(idx_bar.at[j % IDX_RING])
-      if "gather" in skip:
-        pass
-      elif interpreted:
+      if interpreted and "gather" not in skip:
         _copy_rows_interpreted(kv_ref, idx_smem.at[j % IDX_RING], ring.at[slot], rows_bar, S)
-      else:
+      elif "gather" not in skip:
         cp_async_rows(kv_ref, idx_smem.at[j % IDX_RING], ring.at[slot])
         cp_async_wait(0)
       plgpu.commit_smem()   # the rows' generic-proxy writes, before wgmma reads them
