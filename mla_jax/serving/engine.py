@@ -104,6 +104,37 @@ class EngineStats:
   host_s: float = 0.0          # scheduling and step-input building (compiles excluded)
 
 
+class EngineStalled(RuntimeError):
+  """Steps ran without any request making progress: an engine bug named, not a hang."""
+
+
+class _StallGuard:
+  """Raises ``EngineStalled`` once ``limit`` steps in a row left every unfinished request as it
+  was: no token taken, nothing finished, no prompt row computed (a request that took the dropped
+  token of a bug would otherwise keep ``generate`` stepping forever)."""
+
+  def __init__(self, limit: int):
+    self.limit, self.idle, self.last = limit, 0, None
+
+  def after_step(self, seqs) -> None:
+    stuck = [s for s in seqs if s.status is not Status.FINISHED]
+    state = [(s.request_id, len(s.tokens), s.num_cached) for s in stuck]
+    self.idle = self.idle + 1 if stuck and state == self.last else 0
+    self.last = state
+    if self.idle >= self.limit:
+      self.idle = 0
+      raise EngineStalled(
+          f"the engine ran {self.limit} steps without progress: no request took a token, "
+          "finished or computed a prompt row; stuck: " + "; ".join(
+              f"{s.request_id!r} ({s.status.value}, {s.num_cached} of {len(s.tokens)} tokens "
+              f"computed, {len(s.output)} of max_tokens {s.params.max_tokens} generated)"
+              for s in stuck))
+
+
+# Steps without progress before ``Engine.step`` raises ``EngineStalled``.
+MAX_STEPS_WITHOUT_PROGRESS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class _Results:
   """What one dispatch gave the host, per chunk (slot) b: its new tokens, the accepted drafts,
@@ -247,6 +278,7 @@ class Engine:
     self._seed_rng = np.random.default_rng(seed)
     self._programs: dict[StepShape, tuple[jax.stages.Compiled, CompiledStep]] = {}
     self.stats = EngineStats()
+    self._stall = _StallGuard(MAX_STEPS_WITHOUT_PROGRESS)
     self._last_log = time.perf_counter()
     self._log_tokens = 0
 
@@ -387,7 +419,8 @@ class Engine:
 
   def step(self) -> list[RequestOutput]:
     """Runs one step (or one multi-step decode dispatch); returns the requests that got tokens
-    in it."""
+    in it. ``EngineStalled`` (naming the requests) after ``MAX_STEPS_WITHOUT_PROGRESS`` steps
+    in a row in which no request made progress: an engine bug, rather than a hang."""
     self._only_on_process_0("step")
     t0, compile_before = time.perf_counter(), self.stats.compile_s
     batch = self.scheduler.schedule()
@@ -412,6 +445,7 @@ class Engine:
     compiled = self.stats.compile_s - compile_before
     self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
     self._maybe_log(sum(count for _, count in grown))
+    self._stall.after_step(self._seqs.values())
     return [RequestOutput.of(seq, seq.tokens[len(seq.tokens) - count:]) for seq, count in grown]
 
   def _multi_step(self, batch: StepBatch) -> bool:
