@@ -26,6 +26,7 @@ from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, Generation
                                                    read_generation_config)
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
+from mla_jax.plan import FIT_FRACTION, HOST_POOL_BYTES, HOST_POOL_FRACTION
 from mla_jax.v4.plan import V4_SIZES
 
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
@@ -559,8 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "directory's name)")
   serve.add_argument("--num-pages", type=pages_or_auto, default=512,
                      help="cache pages in the pool (each of --page-size tokens in every layer), "
-                          "or 'auto': as many as fit in 90%% of the busiest device's memory "
-                          "after the weights (the rule of mla-jax plan)")
+                          f"or 'auto': as many as fit in {FIT_FRACTION * 100:.0f}%% of the "
+                          "busiest GPU's memory after the weights (the rule of mla-jax plan); "
+                          f"without a GPU, {HOST_POOL_FRACTION * 100:.0f}%% of the host memory "
+                          f"available, at most {HOST_POOL_BYTES // 2**30} GiB")
   serve.add_argument("--page-size", type=int_in(1), default=64)
   serve.add_argument("--max-num-seqs", type=int_in(1), default=32,
                      help="sequences running at once")
