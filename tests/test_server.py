@@ -584,8 +584,8 @@ def test_streamed_text_offsets_equal_the_whole_responses_across_partial_characte
   assert joined("tokens") == lp.tokens and joined("token_logprobs") == lp.token_logprobs
   assert joined("text_offset") == lp.text_offset
   assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
-  output = ByteTokenizer().encode(full.text)[len(ByteTokenizer().encode(prompt)):]
-  assert set(output) == {195, 169} and "\ufffd" in "".join(lp.tokens)
+  # Every output token is half a character; the text holds whole ones where two met.
+  assert lp.tokens[-8:] == ["\ufffd"] * 8 and set(full.text[len(prompt):]) <= {"é", "\ufffd"}
 
 
 def test_n_choices_with_a_seed_at_the_top_of_its_range(server):
