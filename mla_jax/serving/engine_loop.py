@@ -95,9 +95,8 @@ class EngineLoop:
         if self.engine.has_unfinished():
           self._step()
         self._publish_load()
-    except Exception:
-      logger.exception("the engine loop failed")
-      raise
+    except Exception:  # noqa: BLE001 - said here; /health and new requests say it too
+      logger.exception("the engine loop failed and stopped")
     finally:
       for request_id in list(self._requests):
         self._abort(request_id)

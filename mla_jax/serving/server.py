@@ -385,6 +385,8 @@ class _Handlers:
     return responses.full_response(response_id, self.settings, choices, chat)
 
   async def _submit(self, choices: list[Choice], params, updates: asyncio.Queue) -> None:
+    if not self.loop.alive:  # nobody would ever take the request
+      raise APIError(503, "the engine loop has stopped", type="unavailable")
     event_loop = asyncio.get_running_loop()
     self.pending += len(choices)
     try:
