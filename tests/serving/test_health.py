@@ -42,12 +42,14 @@ def test_health_says_warming_up_until_the_warm_up_ends():
   release = threading.Event()
   loop, app = _app(release.wait)
   with TestClient(app) as http:
-    answer = http.get("/health")
+    try:
+      answer = http.get("/health")
+    finally:
+      release.set()  # the app's shutdown waits for the warm-up
     assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
     error = answer.json()["error"]
     assert error["code"] == "warming_up" and error["message"].startswith("warming up: ")
     assert "--no-warmup" in error["message"]
-    release.set()
     _until(lambda: not loop.warming_up)
     assert http.get("/health").json() == {"status": "ok"}
 
