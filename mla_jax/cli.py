@@ -1,6 +1,5 @@
-"""``mla-jax`` command line: ``generate`` (the main job), ``routes`` (the route demo), ``plan``
-(full-size memory plans on a named mesh, nothing allocated) and ``train`` (a named training
-recipe)."""
+"""The ``mla-jax`` command line: its commands (``DESCRIPTION``, what ``--help`` says), their
+arguments, and what each runs."""
 
 from __future__ import annotations
 
@@ -31,6 +30,9 @@ from mla_jax.v4.plan import V4_SIZES
 
 logger = logging.getLogger("mla_jax")
 
+DESCRIPTION = ("generate (the main job), serve (an OpenAI-compatible server), routes (the route "
+               "demo), plan (full-size memory plans on a named mesh, nothing allocated) and "
+               "train (a named training recipe).")
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
 TRAINED_PRESETS = {"recall": presets.RECALL_CHECKPOINT}  # shipped checkpoints
 DEFAULT_PRESET = "recall"  # the one whose answers mean something
@@ -292,6 +294,13 @@ def cmd_serve(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"
+  from mla_jax.v4.cli import is_v4_checkpoint
+
+  if is_v4_checkpoint(args.checkpoint):
+    raise SystemExit(f"error: {args.checkpoint} is a DeepSeek-V4 checkpoint: serving V4 is not "
+                     "supported yet (the engine's paged caches do not hold V4's compressed "
+                     "entries; docs/models.md#not-supported-yet); mla-jax generate "
+                     "--checkpoint runs it")
   api_key = args.api_key or os.environ.get("MLA_JAX_API_KEY")
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   _start_processes(args)
@@ -442,6 +451,10 @@ def _plan_v4(args) -> int:
     raise SystemExit(f"error: --mesh, --dtype fp8, --cache-dtype fp8 and --lower are not "
                      f"supported for {args.model} yet (docs/models.md)")
   print(format_plan(make_plan(args.model)))
+  print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): loading "
+        "it sharded over GPUs (V4 has no partition rules: the figures above are what an even "
+        "split would need, not a deployment that runs), its fp8 / fp4 weights kept in memory, "
+        "and mla-jax serve; mla-jax generate runs a V4 checkpoint on one device")
   return 0
 
 
@@ -503,7 +516,7 @@ def _add_speculative_tokens(parser, how: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
+  parser = argparse.ArgumentParser(prog="mla-jax", description=DESCRIPTION)
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("-v", "--verbose", action="store_true",
                       help="also show the mla_jax logger's INFO messages (e.g. which route "

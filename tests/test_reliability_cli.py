@@ -61,3 +61,35 @@ def test_num_pages_auto_fills_a_gpu_with_the_pools_the_engine_allocates(monkeypa
   for device, used in pools.items():
     left = plan.FIT_FRACTION * limit - weights[device]
     assert used <= left < used + devices * per_page, device
+
+
+def test_plan_of_v4_says_what_is_not_supported_yet(monkeypatch, capsys):
+  """The V4 figures come with what V4 cannot do yet: load sharded, keep fp8 / fp4, serve (the
+  plan itself, an eval_shape of the full model, is stood in for: tests/test_v4_plan.py)."""
+  from mla_jax.v4 import plan as v4_plan
+
+  monkeypatch.setattr(v4_plan, "make_plan", lambda model: model)
+  monkeypatch.setattr(v4_plan, "format_plan", lambda p: f"{p}: figures")
+  assert cli.main(["plan", "--model", "deepseek_v4_pro"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("deepseek_v4_pro: figures\n")
+  assert "not supported yet for deepseek_v4_pro" in out and "loading it sharded" in out
+  assert "mla-jax serve" in out
+
+
+def test_serving_a_v4_checkpoint_is_refused_by_name(tmp_path):
+  (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4"}')
+  with pytest.raises(SystemExit, match="DeepSeek-V4 checkpoint: serving V4 is not supported"):
+    cli.main(["serve", "--checkpoint", str(tmp_path)])
+
+
+def test_help_texts_are_plain_text_and_name_every_command(capsys):
+  """No reStructuredText markup (``x``) in any --help; the top-level description names every
+  command, serve included."""
+  parser = cli.build_parser()
+  commands = parser._subparsers._group_actions[0].choices
+  for name, sub in {"mla-jax": parser, **commands}.items():
+    text = sub.format_help()
+    assert "``" not in text and ":func:" not in text, name
+  description = parser.description
+  assert all(f"``{c}``" not in description and c in description for c in commands)
