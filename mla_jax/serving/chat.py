@@ -13,7 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mla_jax.checkpoints.errors import CheckpointError
 from mla_jax.checkpoints.reading import read_json_object
-from mla_jax.tokenizer import TOKENIZER_CONFIG, special_token
+from mla_jax.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, special_token
 
 
 class TemplateError(ValueError):
@@ -115,14 +115,16 @@ def serving_template(directory: str | Path | None, template_file: str | Path | N
                      model_type: str | None) -> tuple[ChatTemplate, str]:
   """The template ``mla-jax serve`` renders chat with, and where it came from: the
   ``--chat-template`` file, the checkpoint's own, the one shipped for its ``model_type``
-  (``SHIPPED_TEMPLATES``), or else the plain format (``"plain"``)."""
+  (``SHIPPED_TEMPLATES``: for a checkpoint with a ``tokenizer.json``, which holds the special
+  tokens the template spells; the byte-level ``recall`` preset has none), or else the plain
+  format (``"plain"``)."""
   template = ChatTemplate.from_checkpoint(directory, template_file)
   if template_file is not None:
     return template, str(template_file)
   if not template.is_plain:
     return template, "the checkpoint's"
   shipped = SHIPPED_TEMPLATES.get(model_type)
-  if shipped is None:
+  if shipped is None or not (Path(directory) / TOKENIZER_FILE).is_file():
     return template, "plain"
   return ChatTemplate.from_checkpoint(directory, shipped), f"{shipped.name}, shipped with mla_jax"
 

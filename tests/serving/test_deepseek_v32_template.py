@@ -86,8 +86,8 @@ def _checkpoint(path, model_type, tokenizer_config=None):
 def test_serve_picks_the_checkpoints_template_then_the_shipped_one_then_warns(tmp_path,
                                                                              caplog):
   """A checkpoint's own template (tokenizer_config.json, or HF's chat_template.jinja) wins;
-  a DeepSeek-V3.2 checkpoint without one gets the shipped one; any other gets the plain
-  format and a warning at start."""
+  a DeepSeek-V3.2 checkpoint without one gets the shipped one (with a tokenizer.json to spell
+  its special tokens); any other gets the plain format and a warning at start."""
   own = _checkpoint(tmp_path / "own", "deepseek_v32",
                     {"chat_template": "X{{ messages[0].content }}"})
   assert serving_template(own, None, "deepseek_v32")[0].render(TURNS) == "XBe brief."
@@ -95,6 +95,8 @@ def test_serve_picks_the_checkpoints_template_then_the_shipped_one_then_warns(tm
   (hf_file / "chat_template.jinja").write_text("Y")
   assert serving_template(hf_file, None, "glm_moe_dsa")[0].render(TURNS) == "Y"
   v32 = _checkpoint(tmp_path / "v32", "deepseek_v32")
+  assert serving_template(v32, None, "deepseek_v32")[1] == "plain"  # byte-level: no tokens
+  (v32 / "tokenizer.json").write_text("{}")
   args = argparse.Namespace(checkpoint=str(v32), chat_template=None, preset="recall")
   with caplog.at_level(logging.WARNING, logger="mla_jax"):
     template, source = cli._chat_template(args)
