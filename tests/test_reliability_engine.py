@@ -4,8 +4,10 @@ counters): each output is compared with ``generate``, a float64 NumPy rule on th
 logits, or the same request run one step per dispatch. A bug that stalls a request raises
 ``EngineStalled`` naming it, rather than hanging the test."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from mla_jax.serving.engine import MAX_STEPS_WITHOUT_PROGRESS, Engine, EngineStalled
 from mla_jax.serving.pages import pages_for
@@ -55,7 +57,6 @@ def test_min_tokens_is_exact_wherever_it_falls_in_a_dispatch(model, prompts):
     engine = _engine(model, decode_steps=steps)
     runs[steps] = [(list(o.tokens), o.finish_reason)
                    for o in engine.generate([prompt] * len(mins), params)]
-    assert (engine.stats.decode_dispatches > 0) == (steps > 1)
     _no_leaks(engine)
   assert runs[STEPS] == runs[1]
   for m, (tokens, reason) in zip(mins, runs[STEPS]):
@@ -65,17 +66,34 @@ def test_min_tokens_is_exact_wherever_it_falls_in_a_dispatch(model, prompts):
     assert tokens[:m] == held.argmax(-1).tolist(), m
 
 
+def _relabelled(model, a: int, b: int):
+  """A copy of ``model`` in which token ids ``a`` and ``b`` trade places (their embedding and
+  output rows): the same model up to its labels, so its tokens are the original's with the
+  two ids swapped, and it shares the original's compiled programs."""
+  copy = nnx.clone(model)
+  rows = jnp.array([a, b])
+  for param in (copy.lm_head.weight, copy.model.embed_tokens.weight):
+    param[...] = param[...].at[rows].set(param[...][rows[::-1]])
+  return copy
+
+
 def test_token_id_0_drawn_inside_a_dispatch_is_a_token(model, prompts):
-  """Id 0 (what a dispatch's unused rows hold for "no token") drawn greedily and sampled
-  inside multi-step dispatches is kept, and the request finishes."""
-  engine = _engine(model)
-  greedy, sampled = engine.generate(prompts[:2], [
-      SamplingParams(max_tokens=2 * STEPS + 1, logit_bias={0: 100.0}),
-      SamplingParams(max_tokens=2 * STEPS + 1, temperature=1.0, seed=5,
-                     logit_bias={0: 100.0, 1: 100.0})])
+  """Id 0 (what a dispatch's unused rows hold for "no token") drawn inside multi-step
+  dispatches, greedily and on the sampling path (min_p 1 leaves only the argmax), by plain
+  requests: the model relabelled so that the token its greedy run draws third is id 0. The
+  tokens equal generate's, and the requests finish."""
+  new = 2 * STEPS + 1
+  third = _reference(model, prompts[:1], new)[0][2]
+  zero = _relabelled(model, 0, third)
+  want = _reference(zero, prompts[:1], new)[0]
+  assert want[2] == 0  # drawn by the first dispatch
+  engine = _engine(zero)
+  outs = engine.generate(prompts[:1] * 2, [
+      SamplingParams(max_tokens=new),
+      SamplingParams(max_tokens=new, temperature=1.0, min_p=1.0, seed=5)])
   assert engine.stats.decode_dispatches > 0
-  assert greedy.tokens == (0,) * (2 * STEPS + 1) and greedy.finish_reason == "length"
-  assert len(sampled.tokens) == 2 * STEPS + 1 and set(sampled.tokens) == {0, 1}
+  assert [list(o.tokens) for o in outs] == [want, want]
+  assert all(o.finish_reason == "length" for o in outs)
   _no_leaks(engine)
 
 
