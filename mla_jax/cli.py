@@ -384,11 +384,11 @@ def _chat_template(args):
   template, source = serving_template(args.checkpoint, args.chat_template, _model_type(args))
   if template.is_plain:
     preset = TRAINED_PRESETS.get(args.preset)
-    shipped = args.checkpoint is None or preset is not None and args.checkpoint == str(preset)
+    is_preset = args.checkpoint is None or preset is not None and args.checkpoint == str(preset)
     logger.warning("%s has no chat template: chat requests are rendered in the plain "
                    "'role: content' format, which the model was likely not trained on; give "
                    "--chat-template FILE",
-                   f"the {args.preset} preset" if shipped else args.checkpoint)
+                   f"the {args.preset} preset" if is_preset else args.checkpoint)
   return template, source
 
 

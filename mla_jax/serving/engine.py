@@ -43,6 +43,7 @@ from mla_jax.serving.pages import PageTable, pages_for
 from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
                                       Sequence, Status, TokenLogprobs)
 from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
+from mla_jax.serving.stalls import StallGuard
 from mla_jax.serving.step_inputs import Buckets, StepInputs, StepShape
 from mla_jax.serving.step_program import StepProgram
 from mla_jax.step_plan import StepPlan
@@ -102,37 +103,6 @@ class EngineStats:
   compile_s: float = 0.0
   run_s: float = 0.0
   host_s: float = 0.0          # scheduling and step-input building (compiles excluded)
-
-
-class EngineStalled(RuntimeError):
-  """Steps ran without any request making progress: an engine bug named, not a hang."""
-
-
-class _StallGuard:
-  """Raises ``EngineStalled`` once ``limit`` steps in a row left every unfinished request as it
-  was: no token taken, nothing finished, no prompt row computed (a request that took the dropped
-  token of a bug would otherwise keep ``generate`` stepping forever)."""
-
-  def __init__(self, limit: int):
-    self.limit, self.idle, self.last = limit, 0, None
-
-  def after_step(self, seqs) -> None:
-    stuck = [s for s in seqs if s.status is not Status.FINISHED]
-    state = [(s.request_id, len(s.tokens), s.num_cached) for s in stuck]
-    self.idle = self.idle + 1 if stuck and state == self.last else 0
-    self.last = state
-    if self.idle >= self.limit:
-      self.idle = 0
-      raise EngineStalled(
-          f"the engine ran {self.limit} steps without progress: no request took a token, "
-          "finished or computed a prompt row; stuck: " + "; ".join(
-              f"{s.request_id!r} ({s.status.value}, {s.num_cached} of {len(s.tokens)} tokens "
-              f"computed, {len(s.output)} of max_tokens {s.params.max_tokens} generated)"
-              for s in stuck))
-
-
-# Steps without progress before ``Engine.step`` raises ``EngineStalled``.
-MAX_STEPS_WITHOUT_PROGRESS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +248,7 @@ class Engine:
     self._seed_rng = np.random.default_rng(seed)
     self._programs: dict[StepShape, tuple[jax.stages.Compiled, CompiledStep]] = {}
     self.stats = EngineStats()
-    self._stall = _StallGuard(MAX_STEPS_WITHOUT_PROGRESS)
+    self._stall = StallGuard()
     self._last_log = time.perf_counter()
     self._log_tokens = 0
 
@@ -419,8 +389,8 @@ class Engine:
 
   def step(self) -> list[RequestOutput]:
     """Runs one step (or one multi-step decode dispatch); returns the requests that got tokens
-    in it. ``EngineStalled`` (naming the requests) after ``MAX_STEPS_WITHOUT_PROGRESS`` steps
-    in a row in which no request made progress: an engine bug, rather than a hang."""
+    in it. ``stalls.EngineStalled`` (naming the requests) after ``MAX_STEPS_WITHOUT_PROGRESS``
+    steps in a row in which no request made progress: an engine bug, rather than a hang."""
     self._only_on_process_0("step")
     t0, compile_before = time.perf_counter(), self.stats.compile_s
     batch = self.scheduler.schedule()

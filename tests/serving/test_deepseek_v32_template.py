@@ -13,7 +13,8 @@ from mla_jax.serving.chat import (SHIPPED_TEMPLATES, ChatTemplate, TemplateError
                                   serving_template)
 from mla_jax.serving.reasoning import prompt_opens_think
 
-BOS, EOS, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+U, A = "<｜User｜>", "<｜Assistant｜>"
 D = "｜DSML｜"
 TEMPLATE = ChatTemplate(SHIPPED_TEMPLATES["deepseek_v32"].read_text())
 TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
@@ -114,3 +115,13 @@ def test_serve_picks_the_checkpoints_template_then_the_shipped_one_then_warns(tm
 def test_an_unknown_role_is_refused_by_the_template():
   with pytest.raises(TemplateError, match="no role function"):
     TEMPLATE.render([{"role": "function", "content": "x"}])
+
+
+def test_tojson_is_hfs():
+  """HF's filter (json.dumps, keys in order, no HTML escapes, ``ensure_ascii`` taken), which
+  checkpoint templates such as GLM-5's call with ``ensure_ascii=False``."""
+  template = ChatTemplate("{{ messages[0] | tojson(ensure_ascii=False) }}|"
+                          "{{ messages[0] | tojson }}")
+  message = {"role": "user", "content": "Zürich <b>"}
+  assert template.render([message]) == (
+      '{"role": "user", "content": "Zürich <b>"}|{"role": "user", "content": "Zürich <b>"}')
