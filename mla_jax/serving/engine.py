@@ -48,6 +48,7 @@ from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
 from mla_jax.serving.runner import (CompiledStep, InFlight, ModelRunner, engine_pools,
                                     page_bytes)
 from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
+from mla_jax.serving.stalls import StallGuard
 from mla_jax.serving.step_inputs import Buckets, StepShape
 from mla_jax.step_plan import StepPlan
 
@@ -204,6 +205,7 @@ class Engine:
     self._ids = itertools.count()
     self._seed_rng = np.random.default_rng(seed)
     self.stats = EngineStats()
+    self._stall = StallGuard()
     self._last_log = time.perf_counter()
     self._log_tokens = 0
 
@@ -349,7 +351,9 @@ class Engine:
     it; returns the requests that got tokens (or finished) in the settled step. So a step's
     tokens come back from the next call (``has_unfinished`` is true while a step is in
     flight). A step whose next one needs its outputs on the host first (a speculative
-    request's drafts) is settled before scheduling."""
+    request's drafts) is settled before scheduling. ``stalls.EngineStalled`` (naming the
+    requests) after ``MAX_STEPS_WITHOUT_PROGRESS`` calls in a row in which no request made
+    progress: an engine bug, rather than a hang."""
     self._only_on_process_0("step")
     t0, compile_before, wait_before = (time.perf_counter(), self.runner.compile_s,
                                        self.stats.wait_s)
@@ -361,6 +365,10 @@ class Engine:
     if self._in_flight is not None:
       updates += self._settle(self._in_flight)
     self._in_flight = dispatched
+    # Progress: rows sent to the device, rows and tokens settled, requests finished.
+    self._stall.after_step((self.scheduler.rows_dispatched, self.stats.computed_tokens,
+                            self.stats.output_tokens, self.scheduler.num_finished),
+                           lambda: list(self._seqs.values()))
     compiled = self.runner.compile_s - compile_before
     self.stats.compile_s += compiled
     self.stats.host_s += (time.perf_counter() - t0 - compiled

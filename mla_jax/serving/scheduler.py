@@ -106,6 +106,8 @@ class Scheduler:
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []  # in admission order
     self.num_preemptions = 0
+    self.rows_dispatched = 0  # rows sent to the device, ever (progress, for the stall guard)
+    self.num_finished = 0
     self._free_slots = list(range(max_num_seqs))[::-1]  # a running sequence's persistent slot
 
   def add(self, seq: Sequence) -> None:
@@ -126,6 +128,7 @@ class Scheduler:
       self.waiting.remove(seq)
     self._release(seq)
     self._finish(seq, reason)
+    self.num_finished += 1
 
   # ---- scheduling -----------------------------------------------------------------------
 
@@ -175,6 +178,7 @@ class Scheduler:
         emits = min(steps, _tokens_left(seq)) if steps > 1 else 1
       seq.num_cached += emits if steps > 1 else chunk.num_tokens
       seq.num_pending += emits
+      self.rows_dispatched += chunk.num_computed
       self._register_full_pages(seq)
       chunks.append(dataclasses.replace(chunk, emits=emits))
     return StepBatch([c for c in chunks if c.num_tokens == 1],
