@@ -81,14 +81,15 @@ class _Dispatched:
   flight: InFlight
   multi: bool
 
-  def tokens(self, outputs: dict, b: int, chunk: Chunk) -> list[int]:
-    """Slot b's new tokens (a multi-step dispatch's column stops at -1)."""
+  def tokens(self, outputs: dict) -> list[list[int]]:
+    """Each step slot's new tokens (a multi-step dispatch's column stops at -1)."""
+    chunks = self.batch.chunks
     if self.multi:
-      column = outputs["tokens"][:, b]
-      return column[column >= 0].tolist()
-    if not chunk.samples:
-      return []
-    return outputs["tokens"][b, :int(outputs["accepted"][b]) + 1].tolist()
+      columns = outputs["tokens"].T[:len(chunks)].tolist()
+      return [[t for t in column if t >= 0] for column in columns]
+    rows = outputs["tokens"][:len(chunks)].tolist()
+    accepted = outputs["accepted"][:len(chunks)].tolist()
+    return [row[:a + 1] if c.samples else [] for row, a, c in zip(rows, accepted, chunks)]
 
 
 class CheckedPrompt(list):
@@ -401,7 +402,7 @@ class Engine:
     self.stats.run_s += done - dispatched.flight.dispatched_at
     batch = dispatched.batch
     chunks = batch.chunks
-    sampled = {id(c): dispatched.tokens(outputs, b, c) for b, c in enumerate(chunks)}
+    sampled = {id(c): new for c, new in zip(chunks, dispatched.tokens(outputs))}
     # A multi-step dispatch wrote a row for every token it emitted; a step, its chunks' rows.
     # The rows of a request that had finished when the step ran (it ended in the step before,
     # still in flight when this one was scheduled) were wasted.

@@ -26,7 +26,7 @@ from mla_jax.serving.pages import PageTable, page_keys, pages_for
 from mla_jax.serving.requests import Sequence, Status
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Chunk:
   """``num_tokens`` tokens of ``seq`` from position ``num_cached``; ``samples``: it reaches the
   last token (known or in flight), so the step samples the sequence's next token. A decode
@@ -42,18 +42,16 @@ class Chunk:
   samples: bool = False
   token_ids: list[int] = dataclasses.field(default_factory=list)
   emits: int = 0
+  num_computed: int = 0  # rows the step computes: the tokens and the drafts
 
   @classmethod
   def of(cls, seq: Sequence, num_tokens: int, drafts: tuple[int, ...] = ()) -> Chunk:
     start, known = seq.num_cached, len(seq.tokens)
     ids = seq.tokens[start:start + num_tokens]
-    ids += [-1] * (num_tokens - len(ids))  # in flight (only ever a decode's one token)
-    return cls(seq, start, num_tokens, drafts, start + num_tokens == known + seq.num_pending, ids)
-
-  @property
-  def num_computed(self) -> int:
-    """Rows the step computes: the tokens and the drafts."""
-    return self.num_tokens + len(self.drafts)
+    if len(ids) < num_tokens:  # in flight (only ever a decode's one token)
+      ids += [-1] * (num_tokens - len(ids))
+    return cls(seq, start, num_tokens, drafts, start + num_tokens == known + seq.num_pending, ids,
+               0, num_tokens + len(drafts))
 
   @property
   def rows(self) -> int:
@@ -167,10 +165,9 @@ class Scheduler:
 
   def dispatched(self, batch: StepBatch) -> StepBatch:
     """Records that ``batch`` was sent to the device: its rows count as computed and its
-    samples as in flight (``commit`` settles them once read). Returns the batch with each
-    chunk's ``emits``."""
+    samples as in flight (``commit`` settles them once read); sets each chunk's ``emits``.
+    Returns the batch."""
     steps = batch.decode_steps
-    chunks = []
     for chunk in batch.chunks:
       seq = chunk.seq
       emits = 0
@@ -180,9 +177,8 @@ class Scheduler:
       seq.num_pending += emits
       self.rows_dispatched += chunk.num_computed
       self._register_full_pages(seq)
-      chunks.append(dataclasses.replace(chunk, emits=emits))
-    return StepBatch([c for c in chunks if c.num_tokens == 1],
-                     [c for c in chunks if c.num_tokens > 1], steps)
+      chunk.emits = emits
+    return batch
 
   def reserve_decode_steps(self, batch: StepBatch, steps: int) -> bool:
     """For a step of plain decodes only: pages for ``steps`` decode steps of each (never past
@@ -231,12 +227,14 @@ class Scheduler:
     """Pages for ``count`` more tokens of ``seq``, preempting newer sequences if need be;
     False when ``seq`` itself had to be preempted."""
     need = pages_for(seq.num_cached + count, self.pages.page_size) - len(seq.pages)
+    if need <= 0:
+      return True
     while need > self.pages.num_free:
       victim = self.running[-1]
       self._preempt(victim, batch)
       if victim is seq:
         return False
-    seq.pages.extend(self.pages.allocate(max(need, 0)))
+    seq.pages.extend(self.pages.allocate(need))
     return True
 
   def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
@@ -306,8 +304,8 @@ class Scheduler:
     full = min(seq.num_cached, len(seq.tokens)) // size
     if full <= done:
       return
-    keys = page_keys(seq.tokens[:full * size], size, self.pages.salt, start=done,
-                     parent=seq.page_keys[-1] if done else None)
+    keys = page_keys(seq.tokens, size, self.pages.salt, start=done,
+                     parent=seq.page_keys[-1] if done else None, stop=full)
     for page, key in zip(seq.pages[done:full], keys):
       self.pages.register(page, key)
     seq.page_keys.extend(keys)

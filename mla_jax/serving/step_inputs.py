@@ -126,23 +126,29 @@ class Buckets:
     ``dense_bound`` tokens); scoring when a chunk computes prompt rows whose next token's
     log-probability its request asks for; its sampler from what its sequences ask."""
     multi = decode_steps > 1
-    scores = not multi and any(wants_scores(c) for c in chunks)
-    fresh = self.dense_bound is not None and not multi and not scores and all(
-        c.num_cached == 0 and c.num_tokens <= self.dense_bound for c in chunks)
-    sampler = (Sampler.FULL if scores or any(wants_full(c) for c in chunks) else
-               Sampler.GREEDY if all(c.seq.params.temperature == 0 for c in chunks) else
-               Sampler.SAMPLE)
-    rows = self.tokens(sum(c.num_computed for c in chunks), 1 if multi else MIN_TOKENS)
+    scores = full = False
+    greedy = True
+    fresh = self.dense_bound is not None and not multi
+    computed = needed = 0
+    key_chunk = self.key_chunk
+    for c in chunks:  # one pass: the host's share of a step grows with its sequences
+      computed += c.num_computed
+      scores = scores or (not multi and wants_scores(c))
+      full = full or wants_full(c)
+      greedy = greedy and c.seq.params.temperature == 0
+      fresh = fresh and c.num_cached == 0 and c.num_tokens <= self.dense_bound
+      if key_chunk is not None:
+        needed += (-(-(c.num_cached + decode_steps) // key_chunk) if multi else
+                   chunk_blocks(c.num_cached, c.num_computed, key_chunk))
+    fresh = fresh and not scores
+    sampler = (Sampler.FULL if scores or full else Sampler.GREEDY if greedy else Sampler.SAMPLE)
+    rows = self.tokens(computed, 1 if multi else MIN_TOKENS)
     if not multi and sampler is Sampler.FULL:
       rows = min(n for n in self._every_other_size() if n >= rows)
     elif not multi and sampler is Sampler.GREEDY and rows > self._greedy_rows():
       sampler = Sampler.SAMPLE
     blocks = 0
-    if self.key_chunk is not None and not fresh:
-      if multi:  # one row a sequence, reaching the dispatch's last step
-        needed = sum(-(-(c.num_cached + decode_steps) // self.key_chunk) for c in chunks)
-      else:
-        needed = sum(chunk_blocks(c.num_cached, c.num_computed, self.key_chunk) for c in chunks)
+    if key_chunk is not None and not fresh:
       blocks = rows * min(bucket(-(-needed // rows)), self.max_chunks)
     return self._shape(rows, blocks, fresh, decode_steps, sampler, scores)
 
