@@ -228,3 +228,13 @@ def test_the_next_step_is_dispatched_before_the_last_one_is_read(model, prompts)
     assert dispatches > 3 and len(events) == 2 * dispatches
     for n in range(dispatches - 1):
       assert order["dispatch", n + 1] < order["read", n], (steps, events)
+
+
+def test_a_one_token_budget_prefills_without_multi_step_dispatches(model, prompts):
+  """With a step budget of one token a prompt is prefilled a token a step: those one-token
+  chunks are no decodes and never run as a multi-step dispatch (which would sample after a
+  prompt token that is not the last, and compute no row)."""
+  engine = Engine(model, **{**SETTINGS, "max_step_tokens": 1})
+  outputs = engine.generate(prompts[:2], max_tokens=4)
+  assert [list(o.tokens) for o in outputs] == _reference(model, prompts[:2], 4)
+  assert engine.stats.decode_dispatches > 0  # the decodes, once every prompt is computed

@@ -407,7 +407,7 @@ class Engine:
     # The rows of a request that had finished when the step ran (it ended in the step before,
     # still in flight when this one was scheduled) were wasted.
     for c in chunks:
-      rows = len(sampled[id(c)]) if dispatched.multi else c.num_computed
+      rows = min(len(sampled[id(c)]), c.emits) if dispatched.multi else c.num_computed
       if c.seq.status is Status.FINISHED:
         self.stats.wasted_tokens += rows
       else:

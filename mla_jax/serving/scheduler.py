@@ -104,7 +104,7 @@ class Scheduler:
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []  # in admission order
     self.num_preemptions = 0
-    self.rows_dispatched = 0  # rows sent to the device, ever (progress, for the stall guard)
+    self.rows_dispatched = 0  # rows a dispatched step computes, ever (progress: stall guard)
     self.num_finished = 0
     self._free_slots = list(range(max_num_seqs))[::-1]  # a running sequence's persistent slot
 
@@ -173,9 +173,10 @@ class Scheduler:
       emits = 0
       if chunk.samples and seq.params.max_tokens:
         emits = min(steps, _tokens_left(seq)) if steps > 1 else 1
-      seq.num_cached += emits if steps > 1 else chunk.num_tokens
+      advance = emits if steps > 1 else chunk.num_tokens
+      seq.num_cached += advance
       seq.num_pending += emits
-      self.rows_dispatched += chunk.num_computed
+      self.rows_dispatched += advance
       self._register_full_pages(seq)
       chunk.emits = emits
     return batch
@@ -184,7 +185,10 @@ class Scheduler:
     """For a step of plain decodes only: pages for ``steps`` decode steps of each (never past
     a request's last token), taken only if the free pages hold them all; preempts nothing.
     True when reserved (``batch.decode_steps`` is then ``steps``)."""
-    if batch.prefills or not batch.decodes or any(c.drafts for c in batch.decodes):
+    # (A one-token chunk of a prompt that does not reach its end is no decode: a step budget of
+    # one token prefills that way.)
+    if batch.prefills or not batch.decodes or any(c.drafts or not c.samples
+                                                  for c in batch.decodes):
       return False
     size = self.pages.page_size
     extra = [max(0, pages_for(c.num_cached + min(steps, _tokens_left(c.seq)), size)
