@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.backends import Backend
+from mla_jax.backends.on_mesh import MeshOps
 from mla_jax.indexer import topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
@@ -109,7 +110,7 @@ class V4Attention(nnx.Module):
       raise TypeError(f"{cls.__name__} declares skips_complete_scoring without scoring")
 
   def __init__(self, config: V4Config, *, rngs: nnx.Rngs, backend: Backend,
-               param_dtype=jnp.float32):
+               param_dtype=jnp.float32, mesh=None):
     d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
     eps = config.rms_norm_eps
     lin = lambda i, o: Linear(i, o, rngs=rngs, param_dtype=param_dtype)
@@ -122,7 +123,7 @@ class V4Attention(nnx.Module):
     self.o_b_proj = lin(config.o_groups * config.o_lora_rank, d)
     self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
     self.rope = config.main_rope if self.layer_type == SLIDING else config.compress_rope
-    self.config, self.backend = config, backend
+    self.config, self.backend, self.mesh = config, backend, mesh
     if self.compressed:
       self.compressor = Compressor(
           d, dh, self.ratio, overlap=self.scored, rope_dim=config.rope_dim,
@@ -136,6 +137,11 @@ class V4Attention(nnx.Module):
       self.indexer.q_b_proj = lin(config.q_lora_rank,
                                   config.index_n_heads * config.index_head_dim)
       self.indexer.weights_proj = lin(d, config.index_n_heads)
+
+  @property
+  def ops(self) -> MeshOps:
+    """The backend's ops, under ``shard_map`` on a mesh: heads over tensor, batch over data."""
+    return MeshOps(self.backend, self.mesh)
 
   @property
   def ratio(self) -> int:
@@ -178,8 +184,8 @@ class V4Attention(nnx.Module):
       kv_BTL = kv_BTL.astype(cache["window"].dtype)  # as the ring holds it
       rows_BSL = jnp.concatenate([cache["window"], kv_BTL], 1)
       idx_BTW = window_indices(start_B, t, config.sliding_window)
-      parts = [self.backend.sparse_mqa(q_BTHL, rows_BSL.astype(q_BTHL.dtype), idx_BTW,
-                                       sm_scale=sm_scale, d_v=dh)]
+      parts = [self.ops.sparse_mqa(q_BTHL, rows_BSL.astype(q_BTHL.dtype), idx_BTW,
+                                   sm_scale=sm_scale, d_v=dh)]
       cache["window"] = write_window(cache["window"], kv_BTL, start_B)
     if self.compressed:
       entries, window_BJ, cache["pool_kv"], cache["pool_gate"] = self.compressor(
@@ -188,8 +194,8 @@ class V4Attention(nnx.Module):
       selection = compressed_selection(self, cache["entries"].shape[1])
       with jax.named_scope(selection.scope):
         idx_BTK = self._select(selection, x_BTD, q_res_BTC, pos_BT, start_B, cache)
-        parts.append(self.backend.sparse_mqa(q_BTHL, cache["entries"].astype(q_BTHL.dtype),
-                                             idx_BTK, sm_scale=sm_scale, d_v=dh))
+        parts.append(self.ops.sparse_mqa(q_BTHL, cache["entries"].astype(q_BTHL.dtype),
+                                         idx_BTK, sm_scale=sm_scale, d_v=dh))
     out_BTHL = merge_with_sink(parts, self.sinks[...]).astype(x_BTD.dtype)
     out_BTHL = self._rotate(out_BTHL, pos_BT, inverse=True)
     groups = config.o_groups
@@ -214,7 +220,7 @@ class V4Attention(nnx.Module):
     g, i = config.index_n_heads, config.index_head_dim
     q_BTGI = self._rotate(self.indexer.q_b_proj(q_res_BTC).reshape(b, t, g, i), pos_BT)
     w_BTG = self.indexer.weights_proj(x_BTD).astype(jnp.float32) * (g**-0.5 * i**-0.5)
-    logits_BTC = self.backend.indexer_logits(
+    logits_BTC = self.ops.indexer_logits(
         q_BTGI, cache["index_keys"].astype(q_BTGI.dtype), w_BTG, jnp.zeros_like(visible_BT),
         visible_BT)
     return topk_indices(logits_BTC, min(config.index_topk, capacity))

@@ -16,8 +16,8 @@ The rules are those of transformers 5.25's ``DeepseekV4Config.__post_init__``:
   ``attention_factor`` 1.0 for V4).
 
 What mla_jax cannot run is refused with a ``CheckpointError`` naming the field: biases, a
-non-SiLU activation, more than one KV head, a quantization other than fp8 blocks (the
-releases' fp4 experts among them).
+non-SiLU activation, more than one KV head, a quantization other than fp8 blocks (with fp4
+MXFP4 or fp8 experts, ``expert_dtype``).
 """
 
 from __future__ import annotations
@@ -165,9 +165,9 @@ def _refuse_unsupported(hf: dict) -> None:
       raise CheckpointError(f"quantization_config: quant_method {method!r} is not supported "
                             "(fp8 block-scaled weights are)")
     expert_dtype = quant.get("expert_dtype", hf.get("expert_dtype"))
-    if expert_dtype not in (None, "fp8", "bf16"):
+    if expert_dtype not in (None, "fp4", "fp8", "bf16"):
       raise CheckpointError(f"expert_dtype {expert_dtype!r}: {expert_dtype} experts are not "
-                            "supported yet (fp8 and bf16 are)")
+                            "supported (fp4 as MXFP4, fp8 and bf16 are)")
 
 
 def v4_config_from_hf(hf: dict) -> V4Config:
