@@ -143,8 +143,9 @@ def check_block_split(name: str, shape, spec, mesh, block: tuple[int, int]) -> N
       continue
     ways = math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
     if ways > 1 and (dim % ways or (dim // ways) % size):
-      raise ValueError(f"{name}: splitting dimension {dim} of fp8 weight {tuple(shape)} "
-                       f"{ways} ways over mesh axis {axes!r} gives shards of {dim / ways:g}, "
+      raise ValueError(f"{name}: splitting dimension {dim} of block-scaled weight "
+                       f"{tuple(shape)} {ways} ways over mesh axis {axes!r} gives shards of "
+                       f"{dim / ways:g}, "
                        f"which cut its {size}-wide scale blocks; use a mesh whose split "
                        f"gives multiples of {size}")
 
