@@ -173,8 +173,9 @@ def test_cli_generates_from_a_v4_checkpoint(saved, capsys):
 
 def test_cli_refuses_what_v4_lacks(saved):
   _, path = saved
-  with pytest.raises(SystemExit, match="--mesh.*not supported for DeepSeek-V4"):
-    cli.main(["generate", "--checkpoint", str(path), "--mesh", "tensor=1"])
+  with pytest.raises(SystemExit, match="--mesh with a 'context' axis.*not supported for "
+                                       "DeepSeek-V4"):
+    cli.main(["generate", "--checkpoint", str(path), "--mesh", "context=8"])
 
 
 def test_v3_loader_points_v4_checkpoints_to_their_loader(saved):

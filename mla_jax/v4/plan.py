@@ -28,7 +28,8 @@ from mla_jax.backends import XlaBackend
 from mla_jax.plan import FIT_FRACTION, GPUS
 from mla_jax.v4.config import CSA, HCA, MOE, HASH_MOE, SLIDING, V4Config
 from mla_jax.v4.model import V4CausalLM
-from mla_jax.v4.sharding import V4_PARTITION_RULES, check_mesh, rule_name, state_shardings
+from mla_jax.v4.sharding import (V4_PARTITION_RULES, check_mesh, leaf_rules, rule_name,
+                                 shardings)
 
 
 def _alternating(first: str, second: str, n: int) -> tuple[str, ...]:
@@ -82,16 +83,17 @@ def abstract_model(config: V4Config, dtype: str = "bf16") -> V4CausalLM:
   return model
 
 
-def param_bytes(model: V4CausalLM, mesh=None) -> tuple[int, int]:
+def param_bytes(model: V4CausalLM | list, mesh=None) -> tuple[int, int]:
   """(bytes on the busiest device, bytes in all) of an abstract model's state on ``mesh``
-  (None: one device), by the partition rules (fp8 / fp4 scales like their weights)."""
-  state = nnx.state(model)
-  shardings = None if mesh is None else dict(state_shardings(model, mesh).flat_state())
+  (None: one device), by the partition rules (fp8 / fp4 scales like their weights).
+  ``model`` may be its ``leaf_rules``, when several meshes share them."""
+  rules = leaf_rules(model) if isinstance(model, nnx.Module) else model
+  placed = None if mesh is None else shardings(rules, mesh)
   per_device = total = 0
-  for path, leaf in state.flat_state():
+  for path, leaf, _, _ in rules:
     shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
     total += math.prod(shape) * itemsize
-    shard = shape if shardings is None else shardings[path].shard_shape(shape)
+    shard = shape if placed is None else placed[path].shard_shape(shape)
     per_device += math.prod(shard) * itemsize
   return per_device, total
 
@@ -137,9 +139,9 @@ class V4Plan:
 
 
 def make_plan(model: str, mesh_spec: str = "tensor=8", dtype: str = "bf16",
-              abstract: V4CausalLM | None = None) -> V4Plan:
+              abstract: V4CausalLM | list | None = None) -> V4Plan:
   """The plan of a named full-size V4 on an abstract mesh (``abstract``: its abstract model
-  in ``dtype``, when several meshes share it)."""
+  in ``dtype``, or that model's ``leaf_rules``, when several meshes share it)."""
   if model not in V4_SIZES:
     raise ValueError(f"model must be one of {sorted(V4_SIZES)}, got {model!r}")
   config = V4_SIZES[model]
@@ -167,18 +169,25 @@ def candidate_meshes(config: V4Config, gpus: int) -> list[str]:
   return meshes
 
 
-def best_plan(model: str, dtype: str, gpu: str, gpus: int, context: int = CONTEXTS[0],
-              abstract: V4CausalLM | None = None) -> V4Plan:
-  """The mesh of ``gpus`` devices holding the most ``context`` sequences on ``gpu`` (ties:
-  the fewest parameter bytes a device)."""
+def mesh_plans(model: str, dtype: str, gpus: int,
+               abstract: V4CausalLM | list | None = None) -> list[V4Plan]:
+  """The plan of every mesh of ``gpus`` devices that V4's rules can split the model over
+  (``abstract``: as ``make_plan``'s)."""
   config = V4_SIZES[model]
   abstract = abstract_model(config, dtype) if abstract is None else abstract
+  rules = leaf_rules(abstract) if isinstance(abstract, nnx.Module) else abstract
   plans = []
   for spec in candidate_meshes(config, gpus):
     try:
-      plans.append(make_plan(model, spec, dtype, abstract))
+      plans.append(make_plan(model, spec, dtype, rules))
     except ValueError:  # a dimension the rules split does not divide
       continue
+  return plans
+
+
+def best_plan(plans: list[V4Plan], gpu: str, context: int = CONTEXTS[0]) -> V4Plan:
+  """The plan holding the most ``context`` sequences on ``gpu`` (ties: the fewest parameter
+  bytes a device)."""
   return max(plans, key=lambda p: (p.sequences_that_fit(gpu, context), -p.param_bytes))
 
 
@@ -196,13 +205,14 @@ def format_plans(plans: list[V4Plan]) -> str:
 def format_best(model: str, dtype: str, abstract: V4CausalLM | None = None) -> str:
   """A markdown table: for each GPU kind and count, its best mesh (``best_plan``) and the
   sequences it holds, or that the weights alone do not fit."""
-  abstract = abstract_model(V4_SIZES[model], dtype) if abstract is None else abstract
+  rules = leaf_rules(abstract_model(V4_SIZES[model], dtype) if abstract is None else abstract)
+  by_count = {n: mesh_plans(model, dtype, n, rules) for n in GPU_COUNTS}
   lines = ["| GPU | GPUs | best mesh | params GiB/device | "
            + " | ".join(f"{c // 1024}K seqs" for c in CONTEXTS) + " |",
            "|---" * (4 + len(CONTEXTS)) + "|"]
   for gpu in GPUS:
-    for gpus in GPU_COUNTS:
-      p = best_plan(model, dtype, gpu, gpus, abstract=abstract)
+    for gpus, plans in by_count.items():
+      p = best_plan(plans, gpu)
       fits = p.param_bytes <= FIT_FRACTION * GPUS[gpu]
       counts = " | ".join(f"{p.sequences_that_fit(gpu, c):,}" for c in CONTEXTS)
       lines.append(f"| {gpu} | {gpus} | {p.mesh if fits else 'none: the weights do not fit'} "

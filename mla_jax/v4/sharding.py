@@ -81,24 +81,34 @@ def check_mesh(config, mesh) -> None:
     raise ValueError("; ".join(problems))
 
 
-def state_shardings(model: nnx.Module, mesh) -> nnx.State:
-  """A ``NamedSharding`` for every leaf of a (possibly abstract) V4 model's state, by the
-  rules (``tid2eid`` included).
-
-  A split dimension must divide evenly, and a quantized weight's split must not cut a scale
-  block (128 x 128 fp8, 1 x 32 MXFP4): each device then holds the scales of its blocks."""
+def leaf_rules(model: nnx.Module) -> list[tuple]:
+  """``(path, leaf, spec, quantized weight or None)`` of every leaf of a (possibly abstract)
+  V4 model's state (``tid2eid`` included): what ``shardings`` places on a mesh."""
   quantized = {tuple(path): m for path, m in nnx.iter_modules(model)
                if isinstance(m, quant.BlockScaledWeight)}
-  out = []
-  for path, leaf in nnx.state(model).flat_state():
-    spec = leaf_spec(path, len(leaf.shape))
+  return [(path, leaf, leaf_spec(path, len(leaf.shape)),
+           quantized.get(path[:-1]) if path[-1] == quant.VALUES else None)
+          for path, leaf in nnx.state(model).flat_state()]
+
+
+def shardings(rules: list[tuple], mesh) -> dict[tuple, NamedSharding]:
+  """Each leaf's ``NamedSharding`` on ``mesh`` (``leaf_rules``). A split dimension must
+  divide evenly, and a quantized weight's split must not cut a scale block (128 x 128 fp8,
+  1 x 32 MXFP4): each device then holds the scales of its blocks."""
+  out = {}
+  for path, leaf, spec, weight in rules:
     name = rule_name(path)[0]
     sharding.check_divisible(name, leaf.shape, spec, mesh)
-    weight = quantized.get(path[:-1])
-    if weight is not None and path[-1] == quant.VALUES:
+    if weight is not None:
       quant.check_block_split(name, weight.shape, spec, mesh, weight.block)
-    out.append((path, NamedSharding(mesh, spec)))
-  return nnx.State.from_flat_path(out)
+    out[path] = NamedSharding(mesh, spec)
+  return out
+
+
+def state_shardings(model: nnx.Module, mesh) -> nnx.State:
+  """A ``NamedSharding`` for every leaf of a (possibly abstract) V4 model's state, by the
+  rules (``shardings``)."""
+  return nnx.State.from_flat_path(list(shardings(leaf_rules(model), mesh).items()))
 
 
 def cache_shardings(caches, mesh):
