@@ -6,11 +6,13 @@ DeepSeek's release and Hugging Face's ``save_pretrained`` write the same tensor 
 (``conversion_mapping.py``). ``checkpoint_names`` is that renaming, run backwards from this
 model's parameters: each parameter path gives the name(s) it is stored under, stacked
 experts one name per expert. Names are looked up with and without the ``model.`` prefix.
-The ``mtp.*`` layers are skipped, as HF skips them.
+The MTP layers (``mtp.{k}.*``, ``mla_jax.v4.mtp``) load when the checkpoint holds them;
+HF's model has none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -91,9 +93,9 @@ def checkpoint_names(path: tuple, num_experts: int) -> list[tuple[str, ...]]:
   if path in _TOP:
     return [_TOP[path]]
   if path[:2] == ("model", "layers"):
-    prefix, rest = f"layers.{path[2]}.", path[3:]
-  elif path[0] == "mtp":
-    prefix, rest = f"mtp.{path[1]}.", path[2:]
+    prefix, rest, spellings = f"layers.{path[2]}.", path[3:], ("", "model.")
+  elif path[0] == "mtp":  # DeepSeek's names only: HF's model has no MTP layers
+    prefix, rest, spellings = f"mtp.{path[1]}.", path[2:], ("",)
     if rest[0] != "block":
       return [(prefix + _MTP[".".join(rest)],)]
     rest = rest[1:]
@@ -104,7 +106,7 @@ def checkpoint_names(path: tuple, num_experts: int) -> list[tuple[str, ...]]:
     names = [f"{prefix}ffn.experts.{e}.{w}.weight" for e in range(num_experts)]
   else:
     names = [prefix + _IN_LAYER[".".join(rest)]]
-  return [(name, "model." + name) for name in names]
+  return [tuple(spelling + name for spelling in spellings) for name in names]
 
 
 def _stacked(path: tuple) -> bool:
@@ -205,7 +207,7 @@ def _keep_quantized(abstract: V4CausalLM, tensors, block: tuple[int, int]) -> in
 
 def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, compute_dtype=None,
                     backend: str | Backend = "auto", grouped_matmul: str = "auto",
-                    mesh=None) -> V4CausalLM:
+                    mesh=None, mtp: bool | None = None) -> V4CausalLM:
   """A ``V4CausalLM`` from a ``deepseek_v4`` directory (``config.json`` + safetensors).
 
   ``dtype`` is the weights' dtype; the mHC weights, sinks, pooling biases and norms stay
@@ -215,9 +217,13 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, compute_dtyp
   as stored (``quant.BlockScaledWeight``: fp8 values, packed fp4 bytes, their scales) and
   dequantized inside each matmul; the model then computes in ``compute_dtype`` (bfloat16 by
   default; float32 checks it against a float32 reference). With ``mesh`` every parameter is
-  placed by ``mla_jax.v4.sharding``'s rules (the mesh is checked first). Every missing or
+  placed by ``mla_jax.v4.sharding``'s rules (the mesh is checked first). ``mtp``: load the
+  ``num_nextn_predict_layers`` MTP layers (``mtp.{k}.*``, for speculative decoding); None
+  loads them when the checkpoint holds them, False skips them as HF does. Every missing or
   misshapen tensor is listed in one ``CheckpointError`` before anything is read.
   """
+  if mtp is not None and not isinstance(mtp, bool):
+    raise ValueError(f"mtp must be a bool or None, got {mtp!r}")
   param_dtype, keep = resolve_dtypes(dtype, compute_dtype)
   path = Path(path)
   if not path.is_dir():
@@ -229,10 +235,16 @@ def load_pretrained(path: str | os.PathLike, *, dtype=jnp.bfloat16, compute_dtyp
     raise CheckpointError(f"{path / 'config.json'}: {e}") from None
   block = fp8_block_size(hf)
   backend = get_backend(backend)
+  tensors = open_checkpoint(path)
+  stored_mtp = any(name.startswith("mtp.") for name in tensors)
+  if mtp and not config.num_mtp_layers:
+    raise CheckpointError(f"{path / 'config.json'}: mtp=True, but num_nextn_predict_layers "
+                          "is 0")
+  if mtp is False or (mtp is None and not stored_mtp):
+    config = dataclasses.replace(config, num_mtp_layers=0)  # counted but not stored (HF)
   abstract = nnx.eval_shape(lambda: V4CausalLM(config, rngs=nnx.Rngs(0), backend=backend,
                                                 param_dtype=param_dtype,
                                                 grouped_matmul=grouped_matmul, mesh=mesh))
-  tensors = open_checkpoint(path)
   if keep and not _keep_quantized(abstract, tensors, block):
     raise CheckpointError(f"{path}: dtype='fp8' keeps a checkpoint's quantized weights, but "
                           "none is stored as fp8 or fp4 with its scales; load it with "
@@ -283,6 +295,9 @@ def save_pretrained(model: V4CausalLM, path: str | os.PathLike) -> None:
   """``config.json`` and ``model.safetensors`` that HF's ``DeepseekV4ForCausalLM`` loads."""
   if not isinstance(model, V4CausalLM):
     raise ValueError(f"model must be a V4CausalLM, got {type(model).__name__}")
+  if any(isinstance(m, quant.BlockScaledWeight) for _, m in nnx.iter_modules(model)):
+    raise ValueError("model holds quantized weights (loaded with dtype='fp8'); save_pretrained "
+                     "writes float weights: load the checkpoint with a float dtype to save it")
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   write_safetensors(model_tensors(model), path / "model.safetensors", {"format": "pt"})

@@ -2,7 +2,7 @@
 
 ``mla_jax.cli`` hands a V4 checkpoint here once it has read its ``model_type``. ``--mesh``
 shards it by ``mla_jax.v4.sharding``'s rules; ``--dtype fp8`` keeps its fp8 and fp4 weights as
-stored. Flags for what V4 does not have yet (several processes, a context axis, fp8 caches,
+stored; ``--speculative-tokens`` drafts with its MTP layers. Flags for what V4 does not have yet (several processes, a context axis, fp8 caches,
 the V3.2 route choice) are refused by name, before anything is loaded.
 """
 
@@ -30,7 +30,6 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
   context = args.mesh and sharding.parse_mesh_spec(args.mesh)[sharding.CONTEXT] > 1
   unsupported = {
       "--mesh with a 'context' axis": context, "--coordinator": args.coordinator,
-      "--speculative-tokens": args.speculative_tokens,
       "--cache-dtype": args.cache_dtype != "fp32" and args.cache_dtype,
       "--attention dense-capable": args.attention != "mqa-only"}
   named = [flag for flag, value in unsupported.items() if value]
@@ -50,7 +49,7 @@ def cmd_generate_v4(args: argparse.Namespace) -> int:
   t0 = time.perf_counter()
   model = load_pretrained(args.checkpoint, dtype=_DTYPES[args.dtype or "bf16"],
                           compute_dtype=args.compute_dtype and _DTYPES[args.compute_dtype],
-                          backend=args.backend, mesh=mesh)
+                          backend=args.backend, mesh=mesh, mtp=args.speculative_tokens > 0)
   build_s = time.perf_counter() - t0
   config = model.config
   tok = _tokenizer(args, config.vocab_size)
@@ -66,8 +65,12 @@ def cmd_generate_v4(args: argparse.Namespace) -> int:
   print(f"sampling: temperature {temperature:g}, top_p {top_p:g}")
   result = generate(model, [prompt] * args.batch, args.max_new_tokens,
                     temperature=temperature, top_p=top_p, seed=args.seed,
-                    eos_id=tok.eos_ids if args.stop_at_eos else None, progress=not args.quiet)
+                    eos_id=tok.eos_ids if args.stop_at_eos else None, progress=not args.quiet,
+                    speculative_tokens=args.speculative_tokens)
   for i, selection in enumerate(result.selections):
     print(f"layer {i}: {selection}")
   print_generated(args, tok, result)
+  if result.acceptance_rate is not None:
+    print(f"speculative: {args.speculative_tokens} draft tokens per step, "
+          f"{result.accepted} of {result.drafted} accepted ({result.acceptance_rate:.2f})")
   return 0
