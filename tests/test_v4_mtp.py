@@ -84,6 +84,34 @@ def test_mtp_layer_matches_float64_reference(saved):
   assert rel_err(np.asarray(logits[0]), want) < 1e-5
 
 
+@nnx.jit
+def _step(model, ids_BT, caches, start_B):
+  return model(ids_BT, caches, start_B)
+
+
+def test_positions_a_step_ran_ahead_are_never_read(saved):
+  """Caches with 2 spare ring slots: a step that wrote 2 positions past where the next step
+  starts (rejected drafts) leaves the logits of never having written them. Steps of 3 tokens
+  (one program); the run-ahead step completes a compressed entry with its wrong tokens."""
+  _, model = saved
+  ids = np.random.default_rng(5).integers(0, 256, (1, 16))
+  wrong = ids.copy()
+  wrong[0, 10:12] = (ids[0, 10:12] + 7) % 256
+
+  def run(starts, tokens):
+    caches, out = model.init_cache(1, 16, spare=2), {}
+    for start, row in zip(starts, tokens):
+      logits, caches = _step(model, jnp.asarray(row[None, start:start + 3], jnp.int32), caches,
+                             jnp.asarray([start], jnp.int32))
+      out.update({start + t: np.asarray(logits[0, t]) for t in range(3)})
+    return out
+
+  plain = run([0, 3, 6, 9, 12], [ids[0]] * 5)
+  ahead = run([0, 3, 6, 9, 10, 13], [ids[0]] * 3 + [wrong[0], ids[0], ids[0]])
+  for position in range(10, 15):
+    assert rel_err(ahead[position], plain[position]) < 1e-5, position
+
+
 def test_speculative_greedy_tokens_equal_plain_decoding(saved):
   """k = 2 drafts a step from the MTP layer (the second by one more MTP step on its own
   output): a random MTP layer's drafts are rejected nearly always, so each step rolls the
