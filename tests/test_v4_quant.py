@@ -24,7 +24,8 @@ from mla_jax.v4.checkpoint import dequantize_mxfp4, load_pretrained
 from mla_jax.v4.config import tiny_v4_config
 from mla_jax.v4.model import V4CausalLM
 from tests import v4_reference as ref
-from tests.test_v4_model import randomize, rel_err, run
+from tests.helpers import routed_case, routed_reference
+from tests.test_v4_model import build, rel_err, run
 from tests.v4_released import quantize_fp8, quantize_mxfp4, write_released
 
 # e2m1 codes 0..15: sign bit 3, then exponent and mantissa (OCP MX spec, table 5).
@@ -82,31 +83,20 @@ def test_mxfp4_linear_matches_float64():
                       packed=True)
 
 
-def _silu(x):
-  return x / (1 + np.exp(-x))
-
-
 @pytest.mark.parametrize("impl", ["ragged_dot", "tiled"])
 def test_grouped_expert_matmul_with_mxfp4(impl):
   """Experts [E, F, D] / [E, D, F] as packed fp4: the grouped matmul dequantizes them inside
   the program (one expert no token picks, one many pick); float32 and bf16 activations."""
   rng = np.random.default_rng(2)
-  num_experts, f, d, tokens, top = 4, 64, 96, 16, 2
+  num_experts, f, d = 4, 64, 96
   weights = [_mxfp4(rng, shape) for shape in
              ((num_experts, f, d), (num_experts, f, d), (num_experts, d, f))]
-  x = rng.standard_normal((tokens, d)).astype(np.float32)
-  idx = np.stack([rng.permutation([0, 1, 3])[:top] for _ in range(tokens)]).astype(np.int32)
-  idx[:6, 0] = 1
-  combine = rng.uniform(0.1, 1.0, (tokens, top)).astype(np.float32)
+  x, idx, combine = routed_case(rng, num_experts, d)
   run_experts = jax.jit(functools.partial(routed_experts, impl=impl, swiglu_limit=10.0))
   arrays = [BlockScaledArray(jnp.asarray(p), jnp.asarray(s), MXFP4_BLOCK, packed=True)
             for p, s in weights]
-  gate, up, down = (_dequantize64(p, s) for p, s in weights)
-  expected = np.zeros((tokens, d))
-  for t in range(tokens):
-    for e, w in zip(idx[t], combine[t]):
-      g, u = np.minimum(gate[e] @ x[t], 10.0), np.clip(up[e] @ x[t], -10.0, 10.0)
-      expected[t] += w * (down[e] @ (_silu(g) * u))
+  expected = routed_reference(x, idx, combine, *(_dequantize64(p, s) for p, s in weights),
+                              limit=10.0)
   assert mt.relative_error(run_experts(x, idx, combine, *arrays), expected) < 1e-5
   out_bf16 = run_experts(x.astype(jnp.bfloat16), idx, combine, *arrays)
   assert mt.relative_error(out_bf16, expected) < 2e-2
@@ -131,8 +121,7 @@ def test_fp8_with_e8m0_block_scales_matches_float64():
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
   """A random tiny V4 and its release-layout checkpoint (16 x 16 fp8 blocks)."""
-  model = randomize(V4CausalLM(tiny_v4_config(), rngs=nnx.Rngs(0), backend="xla"), 1)
-  path = tmp_path_factory.mktemp("v4_released")
+  model, path = build(seed=0), tmp_path_factory.mktemp("v4_released")
   write_released(model, path)
   return model, path
 
