@@ -27,6 +27,9 @@ from mla_jax.layers import Linear, RMSNorm
 from mla_jax.v4.config import SLIDING, V4Config
 from mla_jax.v4.hyper import HyperHead
 
+# vLLM gives the MTP layer compress ratio 1: its block attends to its sliding window only.
+MTP_LAYER_TYPE = SLIDING
+
 
 class V4MTPLayer(nnx.Module):
   """One MTP layer: ``enorm`` / ``hnorm`` / ``e_proj`` / ``h_proj``, the ``block`` (a
@@ -56,6 +59,3 @@ class V4MTPLayer(nnx.Module):
   def hidden(self, streams_XND):
     """What the LM head reads: the streams collapsed by ``hc_head``, then ``norm``."""
     return self.norm(self.hc_head(streams_XND))
-
-
-MTP_LAYER_TYPE = SLIDING
