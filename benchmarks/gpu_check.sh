@@ -7,9 +7,12 @@
 #      preset (tokens/s) and on the trained recall preset (whether the greedy tokens agree);
 #   3. speculative decoding at batch 1 (the recall preset's trained MTP layer) against plain;
 #   4. the engine against static `generate` (benchmarks/serving.py's short workload);
-#   5. the Mosaic GPU kernels against the Pallas-Triton ones (sparse MQA and the indexer, bf16
-#      and fp8, DeepSeek-V3.2 / GLM-5 shapes): each checked, then both timed side by side
-#      (benchmarks/mosaic_gpu.py; exits with the reason on a jax without Mosaic GPU).
+#   5. the Mosaic GPU kernels against the Pallas-Triton ones and XLA (sparse MQA prefill and
+#      decode, the indexer, bf16 and fp8, DeepSeek-V3.2 / GLM-5 shapes): each checked, then
+#      all three timed side by side (benchmarks/mosaic_gpu.py; exits with the reason on a jax
+#      without Mosaic GPU);
+#   6. what each part of the warp-specialised sparse MQA kernel costs: timed whole, without
+#      its PV wgmmas, without its row gather, and without both (mosaic_gpu.py --parts).
 # Every stage runs under its own time limit, with its log in $LOGS/<stage>.log; a failing stage
 # does not stop the later ones, and the script exits nonzero if any failed (a kernel mismatch
 # fails stage 1).
@@ -51,7 +54,8 @@ stage speculative_on 40 "${GENERATE[@]}" --backend xla "${RECALL[@]}" --speculat
 stage engine 150 env JAX_PLATFORMS=cuda "$PYTHON" benchmarks/serving.py --quick --requests 32 --sections throughput,static
 stage speculative_pallas 40 "${GENERATE[@]}" --backend pallas "${RECALL[@]}" \
   --speculative-tokens 2
-stage mosaic_vs_triton 150 "$PYTHON" benchmarks/mosaic_gpu.py --iters 20
+stage mosaic_vs_triton 180 "$PYTHON" benchmarks/mosaic_gpu.py --iters 20
+stage mosaic_parts 90 "$PYTHON" benchmarks/mosaic_gpu.py --parts --iters 20
 
 # Greedy tokens of the two backends: the recall preset is trained (clear margins between its
 # logits); the small preset's random weights give near-ties that bf16 rounding may flip.

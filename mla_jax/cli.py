@@ -1,6 +1,5 @@
-"""``mla-jax`` command line: ``generate`` (the main job), ``routes`` (the route demo), ``plan``
-(full-size memory plans on a named mesh, nothing allocated) and ``train`` (a named training
-recipe)."""
+"""The ``mla-jax`` command line: its commands (``DESCRIPTION``, what ``--help`` says), their
+arguments, and what each runs."""
 
 from __future__ import annotations
 
@@ -26,8 +25,14 @@ from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, Generation
                                                    read_generation_config)
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
+from mla_jax.plan import FIT_FRACTION, HOST_POOL_BYTES, HOST_POOL_FRACTION
 from mla_jax.v4.plan import V4_SIZES
 
+logger = logging.getLogger("mla_jax")
+
+DESCRIPTION = ("generate (the main job), serve (an OpenAI-compatible server), routes (the route "
+               "demo), plan (full-size memory plans on a named mesh, nothing allocated) and "
+               "train (a named training recipe).")
 PRESETS = {"tiny": tiny_lm, "tiny-moe": tiny_moe_lm, "small": small_lm}  # random weights
 TRAINED_PRESETS = {"recall": presets.RECALL_CHECKPOINT}  # shipped checkpoints
 DEFAULT_PRESET = "recall"  # the one whose answers mean something
@@ -289,6 +294,13 @@ def cmd_serve(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"
+  from mla_jax.v4.cli import is_v4_checkpoint
+
+  if is_v4_checkpoint(args.checkpoint):
+    raise SystemExit(f"error: {args.checkpoint} is a DeepSeek-V4 checkpoint: serving V4 is not "
+                     "supported yet (the engine's paged caches do not hold V4's compressed "
+                     "entries; docs/models.md#not-supported-yet); mla-jax generate "
+                     "--checkpoint runs it")
   api_key = args.api_key or os.environ.get("MLA_JAX_API_KEY")
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   _start_processes(args)
@@ -296,7 +308,6 @@ def cmd_serve(args) -> int:
 
   _compilation_cache(args)
   from mla_jax.serving import Engine
-  from mla_jax.serving.chat import ChatTemplate
   from mla_jax.serving.engine_loop import EngineLoop
   from mla_jax.serving.metrics import ServerMetrics
   from mla_jax.serving.server import ServerSettings, create_app, run
@@ -307,7 +318,7 @@ def cmd_serve(args) -> int:
       tokenizer.ByteTokenizer()
   if isinstance(tok, tokenizer.HFTokenizer):
     tok.check_fits(config.vocab_size)
-  template = ChatTemplate.from_checkpoint(args.checkpoint, args.chat_template)
+  template, template_source = _chat_template(args)
   model = _build_model(args, config, mesh, mtp=args.speculative_tokens > 0)
   num_pages = _num_pages(args, model)
   engine = Engine(model, num_pages=num_pages, page_size=args.page_size,
@@ -318,11 +329,15 @@ def cmd_serve(args) -> int:
                   seed=args.seed, max_speculative_tokens=args.speculative_tokens,
                   decode_steps=args.decode_steps, prompt_logprobs=args.prompt_logprobs,
                   context_topk=args.dcp_indexer_mode)
-  if args.warmup:  # every process compiles every program before any step runs
+
+  def warmup():  # every process compiles every program before any step runs
     count, seconds = engine.warmup(progress=jax.process_index() == 0)
     if jax.process_index() == 0:
-      print(f"warm-up: {count} step programs compiled in {seconds:.1f} s", flush=True)
+      print(f"warm-up: {count} step programs compiled in {seconds:.1f} s; ready", flush=True)
+
   if jax.process_index() != 0:
+    if args.warmup:
+      warmup()
     engine.follow()
     return 0
   has_defaults = args.checkpoint and (Path(args.checkpoint) / GENERATION_CONFIG).is_file()
@@ -338,14 +353,17 @@ def cmd_serve(args) -> int:
       speculative_tokens=args.speculative_tokens, tool_parser=tool_parser,
       reasoning_parser=reasoning_parser)
   metrics = ServerMetrics(engine.num_pages)
-  loop = EngineLoop(engine, metrics)
+  # Process 0 listens while it warms up: /health answers 503 "warming up" until it is done.
+  loop = EngineLoop(engine, metrics, warmup=warmup if args.warmup else None)
   app = create_app(loop, settings, metrics)
   print(f"serving {name!r} ({type(model.layer_module(0).self_attn).__name__} x "
         f"{config.num_layers} layers, backend {model.backend.name}, {engine.num_pages} pages "
         f"of {engine.page_size} tokens, context {engine.max_model_len}, chat template "
-        f"{'plain' if template.is_plain else 'from tokenizer_config.json'}, tool-call parser "
+        f"{template_source}, tool-call parser "
         f"{tool_parser or 'none'}, reasoning parser {reasoning_parser or 'none'}) on "
-        f"http://{args.host}:{args.port}/v1", flush=True)
+        f"http://{args.host}:{args.port}/v1"
+        + (" (compiling its step programs first: /health answers 503 until then)"
+           if args.warmup else ""), flush=True)
   try:
     run(app, loop, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
   finally:
@@ -358,17 +376,37 @@ TOOL_CALL_PARSERS = ("deepseek_v32", "glm45")  # serving.tool_parsers.TOOL_PARSE
 REASONING_PARSERS = ("deepseek_v3", "glm45")    # serving.reasoning.REASONING_PARSERS
 
 
+def _chat_template(args):
+  """``(template, where it came from)`` for ``serve``: ``serving_template``'s choice, with a
+  warning when it is the plain format."""
+  from mla_jax.serving.chat import serving_template
+
+  template, source = serving_template(args.checkpoint, args.chat_template, _model_type(args))
+  if template.is_plain:
+    preset = TRAINED_PRESETS.get(args.preset)
+    is_preset = args.checkpoint is None or preset is not None and args.checkpoint == str(preset)
+    logger.warning("%s has no chat template: chat requests are rendered in the plain "
+                   "'role: content' format, which the model was likely not trained on; give "
+                   "--chat-template FILE",
+                   f"the {args.preset} preset" if is_preset else args.checkpoint)
+  return template, source
+
+
+def _model_type(args) -> str | None:
+  """The checkpoint's ``model_type`` (config.json); None for a preset."""
+  if not args.checkpoint:
+    return None
+  from mla_jax.checkpoints.loading import read_config
+
+  return read_config(Path(args.checkpoint)).get("model_type")
+
+
 def _output_parsers(args) -> tuple[str | None, str | None]:
   """``--tool-call-parser`` / ``--reasoning-parser``; without them, what the checkpoint's
   ``model_type`` is served with (``serving.reasoning.DEFAULT_PARSERS``); "none": None."""
   from mla_jax.serving.reasoning import default_parsers
 
-  model_type = None
-  if args.checkpoint:
-    from mla_jax.checkpoints.loading import read_config
-
-    model_type = read_config(Path(args.checkpoint)).get("model_type")
-  tool, reasoning = default_parsers(model_type)
+  tool, reasoning = default_parsers(_model_type(args))
   tool = tool if args.tool_call_parser is None else args.tool_call_parser
   reasoning = reasoning if args.reasoning_parser is None else args.reasoning_parser
   return (None if tool == "none" else tool), (None if reasoning == "none" else reasoning)
@@ -427,6 +465,8 @@ def _plan_v4(args) -> int:
   print(v4_plan.format_best(args.model, args.dtype, abstract))
   print("\npartition rules:")
   print(v4_plan.format_rules())
+  print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): "
+        "mla-jax serve (the engine's paged caches for V4), fp8 caches, a 'context' axis")
   return 0
 
 
@@ -488,7 +528,7 @@ def _add_speculative_tokens(parser, how: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="mla-jax", description=__doc__)
+  parser = argparse.ArgumentParser(prog="mla-jax", description=DESCRIPTION)
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("-v", "--verbose", action="store_true",
                       help="also show the mla_jax logger's INFO messages (e.g. which route "
@@ -570,8 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "directory's name)")
   serve.add_argument("--num-pages", type=pages_or_auto, default=512,
                      help="cache pages in the pool (each of --page-size tokens in every layer), "
-                          "or 'auto': as many as fit in 90%% of the busiest device's memory "
-                          "after the weights (the rule of mla-jax plan)")
+                          f"or 'auto': as many as fit in {FIT_FRACTION * 100:.0f}%% of the "
+                          "busiest GPU's memory after the weights (the rule of mla-jax plan); "
+                          f"without a GPU, {HOST_POOL_FRACTION * 100:.0f}%% of the host memory "
+                          f"available, at most {HOST_POOL_BYTES // 2**30} GiB")
   serve.add_argument("--page-size", type=int_in(1), default=64)
   serve.add_argument("--max-num-seqs", type=int_in(1), default=32,
                      help="sequences running at once")

@@ -223,33 +223,54 @@ def page_capacity(p: Plan, gpu: str, page_size: int = 64) -> PageCapacity:
 class LiveCapacity:
   """What ``--num-pages auto`` found on the devices of a live model."""
 
-  device_bytes: int  # the busiest device's memory (a GPU's limit, or the host's available)
+  device_bytes: int  # the busiest GPU's memory limit, or on a host the memory available
   param_bytes: int   # the weights on the busiest device
-  page_bytes: int    # one page of every pool, on every device (the engine replicates them)
+  page_bytes: int    # one page of every pool on one device (``engine.page_bytes``)
   pages: int
+  host: bool = False  # no GPU: the pools live in host memory (HOST_POOL_FRACTION, _BYTES)
 
   def describe(self) -> str:
     gib = lambda b: f"{b / 2**30:,.1f} GiB"
+    if self.host:
+      return (f"{self.pages:,} pages: no GPU, so {HOST_POOL_FRACTION:.0%} of the "
+              f"{gib(self.device_bytes)} of host memory available, at most "
+              f"{gib(HOST_POOL_BYTES)}, over {self.page_bytes:,} B per page (give a number "
+              "to choose)")
     return (f"{self.pages:,} pages: {gib(self.device_bytes)} per device x {FIT_FRACTION:.0%}, "
             f"minus {gib(self.param_bytes)} of weights, over {self.page_bytes:,} B per page "
             f"(the rest is left for activations and XLA's workspace)")
 
 
+# Without a GPU the pools share host memory with everything else: ``--num-pages auto`` then
+# takes this fraction of the memory available, and at most this many bytes of pages.
+HOST_POOL_FRACTION = 0.25
+HOST_POOL_BYTES = 2 * 2**30
+
+
 def live_capacity(model, page_bytes: int) -> LiveCapacity:
   """The pages of ``page_bytes`` that fit next to ``model``'s weights on its busiest device:
-  a GPU's memory limit (``memory_stats``), or on a host without one the memory available
-  (``/proc/meminfo``) plus the weights already loaded into it, since the pools then live in
-  host memory too."""
+  ``FIT_FRACTION`` of a GPU's memory limit (``memory_stats``) after the weights it holds; on
+  a host without a GPU, ``HOST_POOL_FRACTION`` of the memory available (``/proc/meminfo``,
+  the weights already loaded) and at most ``HOST_POOL_BYTES``."""
   state = nnx.state(model)
   per_device = collections.Counter()
   for leaf in jax.tree.leaves(state):
     for shard in getattr(leaf, "addressable_shards", ()):
       per_device[shard.device] += shard.data.nbytes
   device, params = per_device.most_common(1)[0] if per_device else (jax.devices()[0], 0)
-  stats = device.memory_stats() or {}
-  memory = stats.get("bytes_limit") or _host_available_bytes() + params
-  return LiveCapacity(int(memory), int(params), int(page_bytes),
-                      pages_that_fit(memory, params, page_bytes))
+  limit = _memory_limit(device)
+  if limit is not None:
+    return LiveCapacity(int(limit), int(params), int(page_bytes),
+                        pages_that_fit(limit, params, page_bytes))
+  available = _host_available_bytes()
+  pool = min(HOST_POOL_FRACTION * available, HOST_POOL_BYTES)
+  return LiveCapacity(available, int(params), int(page_bytes), int(pool // page_bytes),
+                      host=True)
+
+
+def _memory_limit(device) -> int | None:
+  """A GPU's memory limit; None for a device that states none (a host's CPU)."""
+  return (device.memory_stats() or {}).get("bytes_limit")
 
 
 def _host_available_bytes() -> int:

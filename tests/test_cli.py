@@ -173,8 +173,9 @@ def test_fp8_checkpoint_with_float32_compute(tmp_path, monkeypatch, capsys):
 
 
 def test_num_pages_auto_fits_the_pool_beside_the_weights(capsys, monkeypatch):
-  """``serve --num-pages auto``: the pages that fit in 90% of the device after the weights,
-  one page being what the engine allocates per page (host memory here: no GPU limit)."""
+  """``serve --num-pages auto``: the pages that fit in 90% of a GPU's memory after the
+  weights, one page being what the engine allocates per page; on a host without a GPU, a
+  quarter of the memory available, at most 2 GiB."""
   import argparse
 
   import jax
@@ -185,16 +186,22 @@ def test_num_pages_auto_fits_the_pool_beside_the_weights(capsys, monkeypatch):
   engine = Engine(model, num_pages=3, page_size=8, cache_dtype="bf16", log_interval=None)
   per_page = page_bytes(model, 8, "bf16")
   assert sum(leaf.nbytes for leaf in jax.tree.leaves(engine._pools)) == 3 * per_page
-  monkeypatch.setattr(plan, "_host_available_bytes", lambda: 2**26)
+  monkeypatch.setattr(plan, "_memory_limit", lambda device: 2**26)  # a GPU of 64 MiB
   weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
   args = argparse.Namespace(num_pages="auto", page_size=8, cache_dtype="bf16",
                             speculative_tokens=0)
   pages = cli._num_pages(args, model)
-  assert pages == int((plan.FIT_FRACTION * (2**26 + weights) - weights) // per_page) > 0
+  assert pages == int((plan.FIT_FRACTION * 2**26 - weights) // per_page) > 0
   assert f"--num-pages auto: {pages:,} pages" in capsys.readouterr().out
-  monkeypatch.setattr(plan, "_host_available_bytes", lambda: 0)
+  monkeypatch.setattr(plan, "_memory_limit", lambda device: weights)
   with pytest.raises(SystemExit, match="not one page fits"):
     cli._num_pages(args, model)
+  # No GPU (the CPU states no limit): 25% of the host memory available, at most 2 GiB.
+  monkeypatch.undo()
+  for available, pool in ((2**26, 2**24), (64 * 2**30, 2 * 2**30)):
+    monkeypatch.setattr(plan, "_host_available_bytes", lambda: available)
+    assert cli._num_pages(args, model) == pool // per_page
+    assert "no GPU, so 25% of the" in capsys.readouterr().out
   assert cli.pages_or_auto("auto") == "auto" and cli.pages_or_auto("7") == 7
   with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
     cli.pages_or_auto("0")

@@ -143,7 +143,7 @@ def test_without_pallas_triton_mosaic_gpu_serves_with_no_dense_path():
   assert "no Pallas Triton backend" in result["pallas"]
   if not gpu_support.mosaic_gpu().available:
     return
-  mosaic_kernels = ["indexer_logits_mosaic", "sparse_mqa_mosaic"]
+  mosaic_kernels = ["indexer_logits_mosaic", "sparse_mqa_mosaic_ws"]
   assert result["dense"] is False and result["triton_ops"] == []
   assert result["mqa-only"] == result["dense-capable"] == [["SPARSE_MQA"], mosaic_kernels]
   assert "bf16 or f16 queries only" in result["float32"]

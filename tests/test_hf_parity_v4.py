@@ -11,6 +11,10 @@ with ``save_pretrained`` and loads the directory with ``mla_jax.v4.load_pretrain
   token);
 * HF loads what ``mla_jax.v4.save_pretrained`` writes, to the same logits.
 
+A fourth checkpoint is docs/models.md's "Where HF differs": index scores that tie exactly, where
+HF's top-k (``torch.topk``) breaks ties by the width of its rows, so a row's logits depend on how
+many tokens follow it. HF with ties broken to the lower index (ours) agrees at every row.
+
 16 indexer heads: with few heads, ReLU can zero every head, and exact-zero scores tie at the
 k-th place, where ``torch.topk``'s order is unspecified (tests/test_hf_parity.py says more).
 """
@@ -25,6 +29,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
               allow_module_level=True)
 
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from mla_jax.v4.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from mla_jax.v4.generate import generate  # noqa: E402
@@ -56,12 +61,17 @@ CASES = {
 }
 
 
-def _randomize(model, seed):
+# 4 index heads and weights of std at least 0.5: ReLU zeroes every head's q . k for about one
+# entry in 16, whose index score is then exactly 0, so equal scores meet at the k-th place.
+TIES = dict(COMMON, index_n_heads=4, index_topk=4, **CASES["every-layer-type"])
+
+
+def _randomize(model, seed, min_std=0.05):
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
       scale = 0.5 if p.numel() < 4 or name.endswith(("sinks", "position_bias", "base")) else \
-          max(float(p.std()), 0.05)
+          max(float(p.std()), min_std)
       p.copy_(torch.randn(p.shape, generator=gen) * scale)
     for name, b in model.named_buffers():
       if name.endswith("tid2eid"):
@@ -81,18 +91,42 @@ def pair(request, tmp_path_factory):
   return hf, load_pretrained(path, dtype=jnp.float32, backend="xla")
 
 
+@nnx.jit
+def _step(model, ids, caches, start):
+  """One compiled step: cheaper than the first run of its eager ops for a single shape."""
+  return model(ids, caches, start)
+
+
 def _ours(model, ids):
   caches = model.init_cache(ids.shape[0], 384)
   logits, _ = model(jnp.asarray(ids), caches, jnp.zeros(ids.shape[0], jnp.int32))
   return np.asarray(logits)
 
 
+def _hf(model, ids):
+  with torch.no_grad():
+    return model(torch.as_tensor(ids)).logits.numpy()
+
+
+def _hf_greedy(model, prompt, steps):
+  """HF's greedy tokens after ``prompt``: its full forward, token by token."""
+  seq = list(prompt)
+  for _ in range(steps):
+    seq.append(int(_hf(model, [seq])[0, -1].argmax()))
+  return seq[len(prompt):]
+
+
+def _stable_topk(x, k, dim=-1, largest=True, sorted=True):
+  """``torch.Tensor.topk`` with ties to the lower index, as ``lax.top_k`` breaks them."""
+  values, indices = x.sort(dim=dim, descending=largest, stable=True)
+  return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
 @pytest.mark.parametrize("length", [5, 8, 41, 300])
 def test_logits_match_hf(pair, length):
   hf, ours = pair
   ids = np.random.default_rng(length).integers(0, COMMON["vocab_size"], (2, length))
-  with torch.no_grad():
-    want = hf(torch.as_tensor(ids)).logits.numpy()
+  want = _hf(hf, ids)
   got = _ours(ours, ids)
   assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5
 
@@ -101,14 +135,7 @@ def test_greedy_trajectory_matches_hf(pair):
   hf, ours = pair
   # 130 tokens: the greedy steps complete entries of every ratio (128 included).
   prompt = np.random.default_rng(7).integers(0, COMMON["vocab_size"], 130).tolist()
-  got = generate(ours, [prompt], 32).tokens[0]
-  seq, want = torch.as_tensor([prompt]), []
-  with torch.no_grad():
-    for _ in range(32):
-      nxt = int(hf(seq).logits[0, -1].argmax())
-      want.append(nxt)
-      seq = torch.cat([seq, torch.as_tensor([[nxt]])], 1)
-  assert got == want
+  assert generate(ours, [prompt], 32).tokens[0] == _hf_greedy(hf, prompt, 32)
 
 
 def test_hf_loads_what_mla_jax_saves(pair, tmp_path):
@@ -116,7 +143,40 @@ def test_hf_loads_what_mla_jax_saves(pair, tmp_path):
   save_pretrained(ours, tmp_path)
   reloaded = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path).eval()
   ids = np.random.default_rng(3).integers(0, COMMON["vocab_size"], (1, 30))
-  with torch.no_grad():
-    want = hf(torch.as_tensor(ids)).logits.numpy()
-    got = reloaded(torch.as_tensor(ids)).logits.numpy()
-  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(_hf(reloaded, ids), _hf(hf, ids))
+
+
+def test_where_index_scores_tie_hf_rows_see_later_tokens_and_ours_do_not(tmp_path, monkeypatch):
+  """docs/models.md's "Where HF differs", on a 40-token prompt and HF's 24 greedy tokens:
+
+  * HF's logits of a row change when tokens are appended after it; ours do not change when the
+    tokens after it do;
+  * ours equal HF's at every row once its top-k breaks ties to the lower index, and leave HF's
+    as it is where a CSA query's index scores tie at the k-th place.
+
+  One test, not two: each would build the case again in its own xdist worker."""
+  torch.manual_seed(0)
+  hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TIES)).eval()
+  _randomize(hf, 4, min_std=0.5)
+  hf.save_pretrained(tmp_path)
+  prompt = np.random.default_rng(4).integers(0, COMMON["vocab_size"], 40).tolist()
+  seq = np.asarray(prompt + _hf_greedy(hf, prompt, 24))
+  want = _hf(hf, seq[None])[0]
+  tol = 1e-5 * np.max(np.abs(want))
+  stale = "docs/models.md's \"Where HF differs\" is out of date"
+  n = next((n for n in range(len(prompt) + 1, len(seq))
+            if np.max(np.abs(_hf(hf, seq[None, :n])[0] - want[:n])) > tol), None)
+  assert n, f"HF's rows no longer change when tokens follow: {stale}"
+
+  other = seq.copy()
+  other[n:] = (seq[n:] + 1) % COMMON["vocab_size"]  # the same first n tokens
+  ids = jnp.asarray(np.stack([seq, other]))
+  ours = load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
+  got, _ = _step(ours, ids, ours.init_cache(2, ids.shape[1]), jnp.zeros(2, jnp.int32))
+  got = np.asarray(got)
+  assert np.max(np.abs(got[1, :n] - got[0, :n])) < tol
+  assert np.max(np.abs(got[1, n:] - got[0, n:])) > 1e3 * tol  # the later tokens do differ
+
+  monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)  # HF's indexer alone calls it
+  assert np.max(np.abs(got[0] - _hf(hf, seq[None])[0])) < tol
+  assert np.max(np.abs(got[0] - want)) > 1e3 * tol, f"HF agrees with ours: {stale}"

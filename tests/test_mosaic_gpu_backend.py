@@ -33,7 +33,7 @@ from tests.kernels.numpy_reference import (assert_attention_matches,  # noqa: E4
 BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
 MOSAIC = MosaicGpuBackend(interpret=True)
 sds = jax.ShapeDtypeStruct
-MOSAIC_KERNELS = {"indexer_logits_mosaic", "sparse_mqa_mosaic"}
+MOSAIC_KERNELS = {"indexer_logits_mosaic", "sparse_mqa_mosaic_ws"}  # bf16 cache rows
 ROUTES = {"mla_dense_mha", "mla_masked_mha", "mla_sparse_mqa", "mla_dense_mqa"}
 
 

@@ -564,6 +564,69 @@ def test_an_oversized_body_is_413(server):
   assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+# ---- boundaries -----------------------------------------------------------------------------
+
+
+def test_streamed_text_offsets_equal_the_whole_responses_across_partial_characters(server):
+  """Echo with logprobs, streamed one token a chunk: the chunks' tokens, log-probabilities and
+  text_offsets joined equal the whole response's, where the prompt holds two-byte characters
+  and the draws (0xC3 and 0xA9 biased) are halves of one, whole or not; each offset is the
+  previous one plus its token's text."""
+  client = server.client()
+  prompt = "aQ é€ ?k"
+  ask = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=3, echo=True,
+             logprobs=0, logit_bias={"195": 100, "169": 100})
+  full = client.completions.create(**ask).choices[0]
+  chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True)]
+  assert len(chunks) > 2 and "".join(c.text for c in chunks) == full.text
+  joined = lambda field: sum((getattr(c.logprobs, field) for c in chunks), [])
+  lp = full.logprobs
+  assert joined("tokens") == lp.tokens and joined("token_logprobs") == lp.token_logprobs
+  assert joined("text_offset") == lp.text_offset
+  assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+  # Every output token is half a character; the text holds whole ones where two met.
+  assert lp.tokens[-8:] == ["\ufffd"] * 8 and set(full.text[len(prompt):]) <= {"é", "\ufffd"}
+
+
+def test_n_choices_with_a_seed_at_the_top_of_its_range(server):
+  """Choice j draws with (seed + j) mod 2**31: from seed 2**31 - 1 the next choices draw with
+  seeds 0 and 1, each the answer of a single request with that seed."""
+  client = server.client()
+  draw = lambda seed, n=1: client.completions.create(
+      model=MODEL, prompt="9#@!~", max_tokens=6, temperature=2.0, seed=seed, n=n).choices
+  choices = sorted(draw(2**31 - 1, n=3), key=lambda c: c.index)
+  assert [c.text for c in choices] == [draw(s)[0].text for s in (2**31 - 1, 0, 1)]
+
+
+def test_chat_without_max_tokens_runs_to_what_the_page_pool_holds(server):
+  """The pool (48 pages of 16: 768 tokens) is smaller than the context (1024): a chat request
+  without max_tokens may fill the pool, exactly, and is not refused. A template without any
+  <think> tag leaves the answer content under the checkpoint's reasoning parser."""
+  messages = [{"role": "user", "content": "kX ?k"}]
+  out = server.client().chat.completions.create(model=MODEL, messages=messages,
+                                                temperature=0, logit_bias={str(ord("a")): 100})
+  room = 48 * 16 - len(_chat_ids(messages))
+  assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == room
+  assert out.choices[0].message.content == "a" * room
+  assert out.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+def test_a_body_exactly_at_the_size_limit_is_accepted(server):
+  """--max-body-bytes (8 MiB): a body of exactly that many bytes is served, whether its length
+  is declared or it comes in chunks; one byte more is 413."""
+  limit = 8 * 2**20
+  body = json.dumps({**OK, "temperature": 0}).encode()
+  padded = lambda size: body[:-1] + b" " * (size - len(body)) + b"}"
+  chunks = lambda data: (data[i:i + 2**20] for i in range(0, len(data), 2**20))
+  with httpx.Client(base_url=server.url, timeout=60) as http:
+    for content in (padded(limit), chunks(padded(limit))):
+      response = http.post(C, content=content, headers={"content-type": "application/json"})
+      assert response.status_code == 200, response.text
+    for content in (padded(limit + 1), chunks(padded(limit + 1))):
+      response = http.post(C, content=content, headers={"content-type": "application/json"})
+      assert response.status_code == 413, response.text
+
+
 # ---- a second server: auth, overload, SIGTERM ----------------------------------------------
 
 

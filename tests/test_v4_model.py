@@ -108,6 +108,20 @@ def test_yarn_and_other_scoring_match_reference():
   assert rel_err(got[0], want) < 1e-5
 
 
+def test_rows_ignore_later_tokens_where_index_scores_tie():
+  """A row's logits depend neither on the tokens after it nor on how many compressed entries
+  the cache holds, even where index scores tie at the k-th place (HF 5.25's do: docs/models.md,
+  "Where HF differs"). One index head, so ReLU zeroes about half of the scores and exact ties
+  are common; they go to the lower index, as in the float64 reference."""
+  model = build(seed=3, index_n_heads=1)
+  ids = np.random.default_rng(3).integers(0, model.config.vocab_size, (1, 64))
+  full = run(model, jnp.asarray(ids, jnp.int32))  # 16 CSA entries per row of scores
+  # 49 tokens in a cache of 49: 12 entries, the width of HF's rows for a 49-token input.
+  prefix = run(model, jnp.asarray(ids[:, :49], jnp.int32), capacity=49)
+  assert rel_err(prefix, full[:, :49]) < 1e-5
+  assert rel_err(full[0], ref.forward(ref.params_of(model), model.config, ids[0])) < 1e-5
+
+
 @pytest.mark.parametrize("chunks", [[1] * 29, [3, 5, 1, 9, 11], [13, 16]])
 def test_cached_steps_equal_one_step(chunks):
   """Prefill in pieces that cut windows and entries anywhere, then decode: the same logits

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import jax
 
+from mla_jax import checks
 from mla_jax.backends import gpu_support
 from mla_jax.backends.pallas import PallasTritonBackend
 from pallas_kernels import indexer_logits as triton_indexer
@@ -43,6 +44,11 @@ class MosaicGpuBackend(PallasTritonBackend):
   Pallas's interpreter, on any host (slow, for tests).
   """
 
+  # Parts each token's top-k is split into by the Mosaic sparse MQA kernel (merged by
+  # log-sum-exp); None: ``split_count`` of each launch's tokens, so a small decode batch
+  # spreads over the GPU (pallas_kernels/mosaic_gpu/sparse_mqa.py).
+  sparse_mqa_splits: int | None = None
+
   name: ClassVar[str] = "mosaic_gpu"
   supports_dense_mha_prefill: ClassVar[bool] = _HAS_TRITON  # masked MHA follows (routing)
   # Which kernels each op runs on: Mosaic GPU forwards where the inputs fit them.
@@ -50,6 +56,11 @@ class MosaicGpuBackend(PallasTritonBackend):
   TRITON_OPS: ClassVar[frozenset[str]] = frozenset({
       "dense_mha", "masked_mha", "sparse_mqa_backward", "indexer_logits_backward"}
       if _HAS_TRITON else ())
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.sparse_mqa_splits is not None:
+      checks.static_int(self.sparse_mqa_splits, "sparse_mqa_splits", minimum=1)
 
   def kernel_for(self, op: str, *args) -> str:
     """``"mosaic_gpu"`` or ``"pallas_triton"``: the forward kernel that runs ``op`` (one of
@@ -69,6 +80,16 @@ class MosaicGpuBackend(PallasTritonBackend):
     return _fits(mosaic_indexer.check_supported, q_TGI.dtype, k_SI.dtype, q_TGI.shape[1],
                  q_TGI.shape[2])
 
+  def sparse_mqa(self, q_BTHL, kv_BSL, topk_BTK, **kwargs):
+    # The split depends on the tokens of the whole launch, which the per-sequence kernel
+    # under the base class's vmap cannot see.
+    if self.sparse_mqa_splits is None and q_BTHL.ndim == 4 and topk_BTK.ndim == 3:
+      B, T, H, _ = q_BTHL.shape
+      splits = mosaic_sparse.split_count(B * T, H, topk_BTK.shape[2])
+      return dataclasses.replace(self, sparse_mqa_splits=splits).sparse_mqa(
+          q_BTHL, kv_BSL, topk_BTK, **kwargs)
+    return super().sparse_mqa(q_BTHL, kv_BSL, topk_BTK, **kwargs)
+
   def _sparse_mqa(self, q_THL, kv_SL, topk_TK, *, sm_scale, d_v):
     sm_scale, d_v = triton_sparse.validate_sparse_mqa(q_THL, kv_SL, topk_TK, sm_scale, d_v)
     if self.kernel_for("sparse_mqa", q_THL, kv_SL, d_v) == TRITON:
@@ -76,6 +97,7 @@ class MosaicGpuBackend(PallasTritonBackend):
     if (empty := triton_sparse._nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
       return empty
     forward = functools.partial(mosaic_sparse.sparse_mqa_mosaic, sm_scale=sm_scale, d_v=d_v,
+                                num_splits=self.sparse_mqa_splits,
                                 interpret=self._mosaic_interpret())
     if not _HAS_TRITON:
       return _without_gradient(forward, q_THL, kv_SL, topk_TK)

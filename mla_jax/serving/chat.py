@@ -5,6 +5,7 @@ checkpoint without one."""
 from __future__ import annotations
 
 import datetime
+import json
 from pathlib import Path
 
 import jinja2
@@ -12,7 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mla_jax.checkpoints.errors import CheckpointError
 from mla_jax.checkpoints.reading import read_json_object
-from mla_jax.tokenizer import TOKENIZER_CONFIG, special_token
+from mla_jax.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, special_token
 
 
 class TemplateError(ValueError):
@@ -27,13 +28,21 @@ def _strftime_now(format: str) -> str:
   return datetime.datetime.now().strftime(format)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+  """HF's ``tojson`` filter: ``json.dumps`` (jinja2's own escapes HTML characters and takes no
+  ``ensure_ascii``, which templates pass)."""
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
 class ChatTemplate:
   """Renders a list of messages (``{"role", "content"}``, and an assistant's ``tool_calls``, a
   tool message's ``tool_call_id``) to the prompt text that asks for the assistant's turn.
 
   ``source`` is a jinja2 template, rendered in a sandbox with ``messages``, ``tools``,
   ``add_generation_prompt=True``, the tokenizer's special tokens (``bos_token``,
-  ``eos_token``, ...), ``raise_exception`` and ``strftime_now``, with HF's whitespace settings.
+  ``eos_token``, ...), ``raise_exception``, ``strftime_now`` and HF's ``tojson``, with HF's
+  whitespace settings.
   None: the plain format, one ``"{role}: {content}\\n"`` line per message, then
   ``"assistant:"``.
   """
@@ -46,6 +55,7 @@ class ChatTemplate:
       env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                           extensions=["jinja2.ext.loopcontrols"])
       env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+      env.filters["tojson"] = _tojson
       try:
         self._template = env.from_string(source)
       except jinja2.TemplateSyntaxError as e:
@@ -82,6 +92,8 @@ class ChatTemplate:
     file = Path(directory) / TOKENIZER_CONFIG
     config = read_json_object(file) or {}
     source = config.get("chat_template") if override is None else override
+    if source is None and (Path(directory) / CHAT_TEMPLATE_FILE).is_file():
+      source = _read_template(Path(directory) / CHAT_TEMPLATE_FILE)  # where HF now saves it
     if isinstance(source, list):  # HF's named templates: [{"name": ..., "template": ...}]
       named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
       source = named.get("default")
@@ -91,6 +103,30 @@ class ChatTemplate:
     special = {key: special_token(file, config, key)
                for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
     return cls(source, {key: value for key, value in special.items() if value is not None})
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Templates mla_jax ships for checkpoints (by config.json's model_type) whose makers publish
+# their chat format as code rather than as a template.
+SHIPPED_TEMPLATES = {"deepseek_v32": Path(__file__).parent / "templates" / "deepseek_v32.jinja"}
+
+
+def serving_template(directory: str | Path | None, template_file: str | Path | None,
+                     model_type: str | None) -> tuple[ChatTemplate, str]:
+  """The template ``mla-jax serve`` renders chat with, and where it came from: the
+  ``--chat-template`` file, the checkpoint's own, the one shipped for its ``model_type``
+  (``SHIPPED_TEMPLATES``: for a checkpoint with a ``tokenizer.json``, which holds the special
+  tokens the template spells; the byte-level ``recall`` preset has none), or else the plain
+  format (``"plain"``)."""
+  template = ChatTemplate.from_checkpoint(directory, template_file)
+  if template_file is not None:
+    return template, str(template_file)
+  if not template.is_plain:
+    return template, "the checkpoint's"
+  shipped = SHIPPED_TEMPLATES.get(model_type)
+  if shipped is None or not (Path(directory) / TOKENIZER_FILE).is_file():
+    return template, "plain"
+  return ChatTemplate.from_checkpoint(directory, shipped), f"{shipped.name}, shipped with mla_jax"
 
 
 def _read_template(file: Path) -> str:

@@ -43,6 +43,7 @@ from mla_jax.serving.pages import PageTable, pages_for
 from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
                                       Sequence, Status, TokenLogprobs)
 from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
+from mla_jax.serving.stalls import StallGuard
 from mla_jax.serving.step_inputs import Buckets, StepInputs, StepShape
 from mla_jax.serving.step_program import StepProgram
 from mla_jax.step_plan import StepPlan
@@ -247,6 +248,7 @@ class Engine:
     self._seed_rng = np.random.default_rng(seed)
     self._programs: dict[StepShape, tuple[jax.stages.Compiled, CompiledStep]] = {}
     self.stats = EngineStats()
+    self._stall = StallGuard()
     self._last_log = time.perf_counter()
     self._log_tokens = 0
 
@@ -387,7 +389,8 @@ class Engine:
 
   def step(self) -> list[RequestOutput]:
     """Runs one step (or one multi-step decode dispatch); returns the requests that got tokens
-    in it."""
+    in it. ``stalls.EngineStalled`` (naming the requests) after ``MAX_STEPS_WITHOUT_PROGRESS``
+    steps in a row in which no request made progress: an engine bug, rather than a hang."""
     self._only_on_process_0("step")
     t0, compile_before = time.perf_counter(), self.stats.compile_s
     batch = self.scheduler.schedule()
@@ -412,6 +415,7 @@ class Engine:
     compiled = self.stats.compile_s - compile_before
     self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
     self._maybe_log(sum(count for _, count in grown))
+    self._stall.after_step(self._seqs.values())
     return [RequestOutput.of(seq, seq.tokens[len(seq.tokens) - count:]) for seq, count in grown]
 
   def _multi_step(self, batch: StepBatch) -> bool:

@@ -4,7 +4,8 @@ The engine is not thread-safe: only the loop's thread touches it. Handlers send 
 (add, abort, stop) through a queue; the loop runs them between steps, steps while anything is
 unfinished, and hands each update to its request's callback (which must be thread-safe, e.g.
 ``loop.call_soon_threadsafe``). Finished requests are released at once, so nothing grows with
-the number served.
+the number served. ``warmup`` runs on the thread before its first step (the server listens
+meanwhile, its ``/health`` saying so); requests queued meanwhile wait for it.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ class _Request:
 class EngineLoop:
   """Runs ``engine`` on a daemon thread until ``stop``."""
 
-  def __init__(self, engine: Engine, metrics: ServerMetrics | None = None):
-    self.engine, self.metrics = engine, metrics
+  def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, *,
+               warmup: Callable[[], None] | None = None):
+    self.engine, self.metrics, self._warmup = engine, metrics, warmup
     self._commands: queue.SimpleQueue = queue.SimpleQueue()
     self._requests: dict[str, _Request] = {}
     self._thread = threading.Thread(target=self._run, name="mla-jax-engine", daemon=True)
+    self._ready = threading.Event()
 
   # ---- from any thread ------------------------------------------------------------------
 
@@ -54,6 +57,11 @@ class EngineLoop:
   @property
   def alive(self) -> bool:
     return self._thread.is_alive()
+
+  @property
+  def warming_up(self) -> bool:
+    """Started, and still running ``warmup``."""
+    return self.alive and not self._ready.is_set()
 
   def add(self, prompt_ids: list[int], params: SamplingParams,
           deliver: Deliver) -> concurrent.futures.Future:
@@ -80,14 +88,31 @@ class EngineLoop:
 
   def _run(self) -> None:
     try:
+      if self._warmup is not None:
+        self._warmup()
+      self._ready.set()
       while self._handle_commands(block=not self.engine.has_unfinished()):
         if self.engine.has_unfinished():
           self._step()
         self._publish_load()
+    except Exception:  # noqa: BLE001 - said here; /health and new requests say it too
+      logger.exception("the engine loop failed and stopped")
     finally:
       for request_id in list(self._requests):
         self._abort(request_id)
+      self._refuse_queued()
       self._publish_load()
+
+  def _refuse_queued(self) -> None:
+    """Requests still queued when the loop ends (a failed warm-up, a stop) are refused rather
+    than left waiting."""
+    while True:
+      try:
+        kind, payload = self._commands.get_nowait()
+      except queue.Empty:
+        return
+      if kind == "add" and payload[3].set_running_or_notify_cancel():
+        payload[3].set_exception(EngineFailure("the engine loop has stopped"))
 
   def _handle_commands(self, *, block: bool) -> bool:
     """Runs the queued commands (waiting for one when ``block``); False once told to stop."""

@@ -35,6 +35,7 @@ class Choice:
   request_id: str | None = None
   last: RequestOutput | None = None
   logprobs_sent: int = 0
+  text_offset: int = 0  # a stream's next legacy ``text_offset``: the tokens' texts sent so far
   prompt_sent: bool = False  # a stream sent the echo and the prompt log-probabilities
   parser: ChatOutputParser | None = None  # chat output's reasoning / tool-call split
 
@@ -89,7 +90,10 @@ def _completion_logprobs(tokenizer: Tokenizer, tokens: list[int],
                          entries: list[TokenLogprobs | None], offset: int, top: int) -> dict:
   """OpenAI's legacy completions format: tokens, their log-probabilities, the ``top`` most
   likely ones as ``{token text: logprob}`` and each token's character offset (``offset`` for
-  the first). An echoed prompt's first token has no entry: None in both lists."""
+  the first): the lengths of the token texts before it, so a stream's offsets equal the whole
+  response's even where a token is part of a UTF-8 character (its text then is U+FFFD, not a
+  character of the response's text). An echoed prompt's first token has no entry: None in both
+  lists."""
   texts = [token_text(tokenizer, t) for t in tokens]
   offsets, at = [], offset
   for text in texts:
@@ -200,11 +204,12 @@ class ChunkWriter:
     update = choice.last
     first, echo = not choice.prompt_sent, choice.echo or ""
     choice.prompt_sent = True
-    offset = 0 if first else len(echo) + len(choice.text.text)
     text = choice.text.update(update.tokens, finished=update.finished)
-    logprobs = _logprobs(self.settings, choice, self.chat, choice.logprobs_sent, offset,
-                         with_prompt=first and choice.echo is not None)
+    logprobs = _logprobs(self.settings, choice, self.chat, choice.logprobs_sent,
+                         choice.text_offset, with_prompt=first and choice.echo is not None)
     choice.logprobs_sent = len(update.tokens)
+    if logprobs is not None and not self.chat:  # offsets go on where the last token's text ended
+      choice.text_offset += sum(map(len, logprobs["tokens"]))
     entry = {"index": choice.index, "logprobs": logprobs,
              "finish_reason": _finish_reason(update)}
     extra = {}

@@ -116,6 +116,10 @@ def create_app(loop: EngineLoop, settings: ServerSettings, metrics: ServerMetric
 
   @app.get("/health")
   async def health():
+    if loop.warming_up:
+      raise APIError(503, "warming up: the engine is compiling its step programs (requests "
+                     "wait for it; mla-jax serve --no-warmup skips it)", type="unavailable",
+                     code="warming_up", headers={"Retry-After": str(settings.retry_after)})
     if not loop.alive:
       raise APIError(503, "the engine loop has stopped", type="unavailable")
     return {"status": "ok"}
@@ -381,6 +385,8 @@ class _Handlers:
     return responses.full_response(response_id, self.settings, choices, chat)
 
   async def _submit(self, choices: list[Choice], params, updates: asyncio.Queue) -> None:
+    if not self.loop.alive:  # nobody would ever take the request
+      raise APIError(503, "the engine loop has stopped", type="unavailable")
     event_loop = asyncio.get_running_loop()
     self.pending += len(choices)
     try:
@@ -392,6 +398,8 @@ class _Handlers:
       self._release(choices)
       if isinstance(e, (ValueError, TypeError)):  # a refusal past ``_checked``'s (a race)
         raise APIError(400, str(e)) from None
+      if isinstance(e, EngineFailure):
+        raise APIError(503, str(e), type="unavailable") from None
       raise
 
   def _release(self, choices: list[Choice]) -> None:

@@ -1,63 +1,50 @@
-"""Sparse MQA forward as a Mosaic GPU kernel (Hopper, sm_90a): issue 36.
+"""Sparse MQA forward as Mosaic GPU kernels (Hopper, sm_90a): issues 36 and 47.
 
 Semantics are exactly :func:`pallas_kernels.sparse_mqa.sparse_mqa`'s forward for bf16 / f16
 array rows and for ``Fp8LatentRows`` under bf16 queries: returns ``(out_THV, lse_TH)``;
 indices -1 or >= S are invalid slots; a token with no valid slot gives out 0 and LSE +inf;
 NaN in rows that no valid slot selects cannot reach the output.
 
-Design (docs/kernels.md, "Mosaic GPU kernels"):
-- One CTA (one warpgroup) per (token, block of ``BLOCK_H`` = 64 heads, half of the value
-  columns). Heads are wgmma's M dimension, so every gathered row serves 64 heads at once.
-  The value half keeps the fp32 output accumulator at 64 x 256 (128 registers a thread); a
-  64 x 512 accumulator would not fit one warpgroup's registers.
-- The token's top-k is walked ``BLOCK_K`` = 64 slots at a time. The slot indices come in by
-  one TMA copy. Each selected row comes by its own TMA copy (Hopper has no TMA gather; that
-  is sm_100's ``gather4``), issued from a ``fori_loop``, all 64 on one barrier, into an
-  unswizzled tile.
-- The raw tile is read back into registers 64 columns at a time. Invalid slots' rows are set
-  to 0 there, so NaN in row 0 (which invalid slots read) never reaches a dot. The result is
-  stored into a 128-byte-swizzled tile: a one-row TMA copy straight into a swizzled tile
-  does not lower ("divisible by the tile size (8)").
-- fp8 rows come as two raw tiles (e4m3 latent, bf16 RoPE), two TMA copies a slot, and are
-  dequantized in that same pass: each 64-column chunk times its scale tile's per-slot scale.
-  The slots' scales are gathered before the kernel ([T, Z, K] float32, 16 bytes a slot: under
-  TMA's 16-byte minimum a row would be one copy each).
-- QK^T is wgmma(q tile [64, L], rows^T). The online softmax runs in fp32, with invalid
-  slots' logits replaced by a finite negative. P goes to SMEM in the query dtype, and PV is
-  wgmma(P, rows[:, value half]).
-- Shared memory at L = 576 is 225 KB of Hopper's 227: q, the swizzled rows, and the raw rows
-  sharing their bytes with P.
-- No software pipelining yet: the next tile's copies start after this tile's dots.
+Two kernels (docs/kernels.md, "Mosaic GPU kernels"):
+- bf16 / f16 rows: ``sparse_mqa_ws``, warp-specialised (a producer warpgroup gathering rows by
+  ``cp.async`` into a ring of swizzled tiles, two consumer warpgroups), one CTA per (token, 64
+  heads);
+- fp8 rows: ``sparse_mqa_fp8``, one warpgroup per (token, 64 heads, value half), rows
+  dequantized in shared memory.
+
+**Top-k splits.** Each kernel walks a token's top-k in ``num_splits`` parts, one CTA row each,
+and writes each part's output and LSE; :func:`combine_splits` merges them by log-sum-exp. At
+small batch that spreads a token over many CTAs: a decode step of one DeepSeek-V3.2 token (128
+heads, top-k 2,048) runs 64 CTAs, not 2. :func:`split_count` picks the split from the tokens
+of the whole launch (a vmapped batch is one launch), so ``MosaicGpuBackend`` passes it.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import MASK_VALUE
 from pallas_kernels.fp8_rows import Fp8LatentRows
-from pallas_kernels.indexer_logits_tiles import valid_rows
-from pallas_kernels.mosaic_gpu._compat import (gather_rows, plgpu, swizzled,
-                                               unsupported_reason)
+from pallas_kernels.mosaic_gpu import sparse_mqa_fp8, sparse_mqa_ws
+from pallas_kernels.mosaic_gpu._compat import unsupported_reason
 from pallas_kernels.sparse_mqa import _nothing_to_attend, validate_sparse_mqa
 
-BLOCK_H = 64    # heads per CTA: wgmma's M for one warpgroup
-BLOCK_K = 64    # top-k slots per tile
-V_SPLIT = 2     # value halves, one CTA each: a 64 x 256 fp32 accumulator per warpgroup
-_COL = 64       # columns per swizzled tile: 128 bytes of bf16
+BLOCK_H, BLOCK_K = sparse_mqa_ws.BLOCK_H, sparse_mqa_ws.BLOCK_K   # the fp8 kernel's too
+_COL = 64         # columns per swizzled tile: 128 bytes of bf16
+# CTAs a launch should have before the top-k is split: an H100 / H200's SMs, one CTA each
+# (both kernels take most of an SM's shared memory).
+TARGET_CTAS = 132
 
 
-def sparse_mqa_mosaic(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, interpret=None):
+def sparse_mqa_mosaic(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int,
+                      num_splits: int | None = None, interpret=None):
   """Mosaic GPU sparse MQA forward of one sequence; the contract of ``sparse_mqa``.
 
   ``kv_SL``: bf16 / f16 rows [S, L] in the queries' dtype, or ``Fp8LatentRows`` with bf16
   queries. Batch it with ``jax.vmap`` (one kernel launch, the batch an extra grid axis); a
   page pool shared by the batch is an unbatched ``kv_SL`` (``in_axes=None``).
+  ``num_splits``: parts of the top-k walked by CTAs of their own and merged by log-sum-exp;
+  ``None``: :func:`split_count` of this sequence alone (pass the batch's under ``vmap``).
   ``interpret``: ``None`` for the GPU, or ``plgpu.InterpretGPUParams()`` (GPU interpreter).
   Not differentiable by itself (``MosaicGpuBackend`` pairs it with the Triton backward).
   """
@@ -67,184 +54,56 @@ def sparse_mqa_mosaic(q_THL, kv_SL, topk_TK, *, sm_scale: float, d_v: int, inter
   if (empty := _nothing_to_attend(q_THL, kv_SL, topk_TK, d_v)) is not None:
     return empty
   fp8 = isinstance(kv_SL, Fp8LatentRows)
-  check_supported(q_THL.dtype, q_THL.shape[1], q_THL.shape[2], d_v,
-                  kv_SL.tile if fp8 else None)
   (T, H, L), K = q_THL.shape, topk_TK.shape[1]
-  S = kv_SL.num_rows if fp8 else kv_SL.shape[0]
-  dtype = q_THL.dtype
-  # Invalid slots pad the top-k to whole tiles; the kernel masks them like -1.
-  k_pad = pl.cdiv(K, BLOCK_K) * BLOCK_K
-  topk = jnp.pad(topk_TK, ((0, 0), (0, k_pad - K)), constant_values=-1)
-  if fp8:
-    # The slots' scales, gathered here ([T, Z, K]: 16 bytes a slot beside a 656-byte row), so
-    # that a tile's scales of one latent tile come in as one vector; 0 for invalid slots.
-    valid, safe = valid_rows(topk, S)
-    scales = jnp.where(valid[..., None], kv_SL.scales[safe], 0.0)
-    rows = (kv_SL.values, kv_SL.rope.astype(dtype), jnp.swapaxes(scales, 1, 2))
-    raw = (plgpu.SMEM((BLOCK_K, kv_SL.latent_width), kv_SL.values.dtype),
-           plgpu.SMEM((BLOCK_K, L - kv_SL.latent_width), dtype))
-  else:
-    rows = (kv_SL,)
-    raw = (plgpu.SMEM((BLOCK_K, L), dtype),)
-  kernel = functools.partial(_kernel, S=S, d_v=d_v, sm_scale=sm_scale, fp8=fp8,
-                             tile=kv_SL.tile if fp8 else None, raw_types=raw,
-                             num_tiles=k_pad // BLOCK_K, interpreted=interpret is not None)
-  return plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct((T, H, d_v), dtype),
-                jax.ShapeDtypeStruct((T, H), jnp.float32)),
-      scratch_types=(
-          plgpu.SMEM((BLOCK_H, L), dtype, transforms=swizzled(dtype)),
-          plgpu.SMEM((BLOCK_K,), jnp.int32),
-          plgpu.SMEM((kv_SL.scales.shape[1], BLOCK_K) if fp8 else (1, BLOCK_K), jnp.float32),
-          plgpu.SMEM((BLOCK_H,), jnp.float32),
-          plgpu.Barrier(num_arrivals=1),
-          plgpu.Barrier(num_arrivals=2 if fp8 else 1),
-          plgpu.Barrier(num_arrivals=len(raw) * BLOCK_K),
-      ),
-      grid=(T, H // BLOCK_H, V_SPLIT),
-      grid_names=("t", "h", "v"),
-      kernel_name="sparse_mqa_mosaic",
-      interpret=interpret,
-  )(q_THL, topk, *rows)
+  check_supported(q_THL.dtype, H, L, d_v, kv_SL.tile if fp8 else None)
+  if num_splits is None:
+    num_splits = split_count(T, H, K)
+  elif not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"sparse_mqa_mosaic: num_splits must be a positive int, got {num_splits!r}")
+  # Every split walks at least one tile.
+  tiles = pl.cdiv(K, BLOCK_K)
+  num_splits = pl.cdiv(tiles, pl.cdiv(tiles, num_splits))
+  kernel = sparse_mqa_fp8 if fp8 else sparse_mqa_ws
+  out, lse = kernel.forward(q_THL, kv_SL, topk_TK, sm_scale=sm_scale, d_v=d_v,
+                            num_splits=num_splits, interpret=interpret)
+  return combine_splits(out, lse)
+
+
+def split_count(num_tokens: int, num_heads: int, topk: int) -> int:
+  """Parts to split each token's top-k into, so that a launch of ``num_tokens`` tokens (a
+  vmapped batch's included) has about ``TARGET_CTAS`` CTAs, with a tile of slots at least in
+  each part: 1 for a prefill chunk, 32 for one DeepSeek-V3.2 decode token (2 head blocks)."""
+  ctas = max(1, num_tokens) * max(1, num_heads // BLOCK_H)
+  return max(1, min(pl.cdiv(topk, BLOCK_K), pl.cdiv(TARGET_CTAS, ctas)))
+
+
+def combine_splits(out_PTHV, lse_PTH):
+  """Merges per-split outputs (each normalised over its own slots, LSE +inf when it had
+  none) into the token's: the log-sum-exp of the splits' LSEs, and their outputs weighted by
+  ``exp(lse_p - lse)``. All empty: out 0, LSE +inf. One split passes through."""
+  if out_PTHV.shape[0] == 1:
+    return out_PTHV[0], lse_PTH[0]
+  lse_PTH = jnp.where(lse_PTH == jnp.inf, -jnp.inf, lse_PTH)   # an empty split weighs 0
+  top_TH = lse_PTH.max(axis=0)
+  empty_TH = top_TH == -jnp.inf
+  weight_PTH = jnp.exp(lse_PTH - jnp.where(empty_TH, 0.0, top_TH))
+  total_TH = weight_PTH.sum(axis=0)
+  safe_total_TH = jnp.where(empty_TH, 1.0, total_TH)
+  out_THV = jnp.einsum("pth,pthv->thv", weight_PTH / safe_total_TH,
+                       out_PTHV.astype(jnp.float32))
+  lse_TH = jnp.where(empty_TH, jnp.inf, top_TH + jnp.log(safe_total_TH))
+  return out_THV.astype(out_PTHV.dtype), lse_TH
 
 
 def check_supported(dtype, H: int, L: int, d_v: int, fp8_tile: int | None = None) -> None:
-  """What this kernel does not take, named (``MosaicGpuBackend`` sends it to Triton)."""
+  """What these kernels do not take, named (``MosaicGpuBackend`` sends it to Triton)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise NotImplementedError(f"sparse_mqa_mosaic: bf16 or f16 queries only, got "
                               f"{jnp.dtype(dtype)}")
   if fp8_tile is not None and jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
     raise NotImplementedError("sparse_mqa_mosaic: fp8 rows need bf16 queries")
-  if H % BLOCK_H or L % _COL or d_v % (V_SPLIT * _COL) or (fp8_tile or _COL) % _COL:
+  if H % BLOCK_H or L % _COL or d_v % (2 * _COL) or (fp8_tile or _COL) % _COL:
     raise NotImplementedError(
         f"sparse_mqa_mosaic: needs H % {BLOCK_H} == 0, L % {_COL} == 0, "
-        f"d_v % {V_SPLIT * _COL} == 0 and fp8 scale tiles a multiple of {_COL}; got H={H}, "
+        f"d_v % {2 * _COL} == 0 and fp8 scale tiles a multiple of {_COL}; got H={H}, "
         f"L={L}, d_v={d_v}, tile={fp8_tile}")
-
-
-def _kernel(q_ref, topk_ref, *refs, S, d_v, sm_scale, fp8, tile, raw_types, num_tiles,
-            interpreted):
-  *row_refs, out_ref, lse_ref, q_smem, idx_smem, scale_smem, lse_smem, q_bar, idx_bar, \
-      rows_bar = refs
-  t, hb, vh = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("v")
-  h0 = hb * BLOCK_H
-  dv_half = d_v // V_SPLIT
-  v0 = vh * dv_half
-  L = q_ref.shape[-1]
-  dtype = q_ref.dtype
-  row_layout = plgpu.Layout.WGMMA.reduce(1)   # one value per head
-  col_layout = plgpu.Layout.WGMMA.reduce(0)   # one value per slot
-
-  plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h0, BLOCK_H)], q_smem, q_bar)
-  plgpu.barrier_wait(q_bar)
-
-  def walk(raw_or_p, rows):
-    raw, p_smem = raw_or_p
-
-    def tile_body(j, carry):
-      acc, m_i, l_i = carry
-      plgpu.copy_gmem_to_smem(topk_ref.at[t, pl.ds(j * BLOCK_K, BLOCK_K)], idx_smem, idx_bar)
-      if fp8:
-        plgpu.copy_gmem_to_smem(row_refs[2].at[t, :, pl.ds(j * BLOCK_K, BLOCK_K)], scale_smem,
-                                idx_bar)
-      plgpu.barrier_wait(idx_bar)
-
-      gather_rows(row_refs[:len(raw)], raw, idx_smem, S, rows_bar)
-      idx_col = plgpu.load(idx_smem, layout=col_layout, optimized=False)
-      valid_col = valid_rows(idx_col, S)[0]
-      # After the wait, not before: with this load ahead of it, Mosaic's layout inference
-      # searched for minutes and failed (jax 0.12.0.1).
-      plgpu.barrier_wait(rows_bar)
-      idx_row = plgpu.load(idx_smem, layout=row_layout, optimized=False)
-      valid_row = valid_rows(idx_row, S)[0]
-      _swizzle_rows(raw, rows, scale_smem, valid_row, fp8=fp8, tile=tile, dtype=dtype)
-      plgpu.commit_smem()
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, rows.transpose((1, 0)))
-        return acc_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32)) * sm_scale
-      valid = lax.broadcast_in_dim(valid_col, s.shape, [1])
-      s = jnp.where(valid, s, MASK_VALUE)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      p = jnp.where(valid, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-      alpha = jnp.exp(m_i - m_new)
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p_smem[...] = p.astype(dtype)
-      plgpu.commit_smem()
-
-      def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, rows.at[:, pl.ds(v0, dv_half)])
-      if interpreted:
-        # The GPU interpreter has no rule for a wgmma into an initialised accumulator
-        # (pl.run_state), so it adds a fresh one. Compiled, that would hold a second 64 x 256
-        # fp32 tile (128 more registers a thread) and spill.
-        acc = acc + pl.run_scoped(lambda ref: (pv(ref), ref[...])[1],
-                                  plgpu.ACC((BLOCK_H, dv_half), jnp.float32))
-      else:
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      # Every warp's PV has read the rows and P before any thread starts the next tile's row
-      # copies into those bytes (or, after the loop, the output tile that reuses them).
-      plgpu.commit_smem()
-      return acc, m_new, l_i
-
-    acc = plgpu.layout_cast(jnp.zeros((BLOCK_H, dv_half), jnp.float32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), MASK_VALUE, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row_layout)
-    return lax.fori_loop(0, num_tiles, tile_body, (acc, m_i, l_i))
-
-  # The row tiles live only while the loop runs; the output tile reuses their SMEM. P shares
-  # the raw tiles' bytes (576-wide rows: 233 KB otherwise, over Hopper's 227 KB): a tile's raw
-  # rows are copied into the swizzled ones before P is written, and P's last reader (the PV
-  # wgmma, awaited when its accumulator is read) is done before the next tile's row copies.
-  acc, m_i, l_i = pl.run_scoped(
-      walk,
-      plgpu.RefUnion(raw_types,
-                     plgpu.SMEM((BLOCK_H, BLOCK_K), dtype, transforms=swizzled(dtype))),
-      plgpu.SMEM((BLOCK_K, L), dtype, transforms=swizzled(dtype)))
-
-  empty = l_i == 0.0   # no valid slot: out 0, LSE +inf
-  safe_l = jnp.where(empty, 1.0, l_i)
-  out = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
-
-  def write(o_smem):
-    o_smem[...] = out
-    lse_smem[...] = jnp.where(empty, jnp.inf, m_i + jnp.log(safe_l))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[t, pl.ds(h0, BLOCK_H), pl.ds(v0, dv_half)])
-
-    @pl.when(vh == 0)
-    def _():
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[t, pl.ds(h0, BLOCK_H)])
-    plgpu.wait_smem_to_gmem(0)
-  pl.run_scoped(write, plgpu.SMEM((BLOCK_H, dv_half), dtype, transforms=swizzled(dtype)))
-
-
-def _swizzle_rows(raw, rows, scale_smem, valid_row, *, fp8, tile, dtype):
-  """The gathered raw rows -> the swizzled tile wgmma reads, 64 columns at a time through
-  registers: invalid slots' rows zeroed (NaN in row 0, which they read, stays out of the
-  dots), fp8 latent values times their tile's scale."""
-  keep = lax.broadcast_in_dim(valid_row, (BLOCK_K, _COL), [0])
-  load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
-  zero = jnp.zeros((BLOCK_K, _COL), dtype)
-  if not fp8:
-    def chunk_copy(c, carry):
-      chunk = load(raw[0].at[:, pl.ds(c * _COL, _COL)])
-      rows[:, pl.ds(c * _COL, _COL)] = jnp.where(keep, chunk, zero)
-      return carry
-    lax.fori_loop(0, rows.shape[1] // _COL, chunk_copy, None)
-    return
-  values, rope = raw
-  A = values.shape[1]
-  for z in range(A // tile):
-    scale = lax.broadcast_in_dim(
-        plgpu.load(scale_smem.at[z], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False),
-        (BLOCK_K, _COL), [0])
-    for c in range(z * tile // _COL, (z + 1) * tile // _COL):
-      chunk = load(values.at[:, pl.ds(c * _COL, _COL)]).astype(jnp.float32) * scale
-      rows[:, pl.ds(c * _COL, _COL)] = jnp.where(keep, chunk.astype(dtype), zero)
-  for c in range(rope.shape[1] // _COL):
-    rows[:, pl.ds(A + c * _COL, _COL)] = jnp.where(keep, load(rope.at[:, pl.ds(c * _COL, _COL)]),
-                                                   zero)

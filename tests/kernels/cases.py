@@ -108,3 +108,37 @@ def batched(case, B):
   """``case`` vmapped over a leading batch of ``B`` (as the backends call the kernels)."""
   fn, args = case
   return jax.vmap(fn), tuple(sds((B, *a.shape), a.dtype) for a in args)
+
+
+def mosaic_sparse_case(T, H, D, d_v, S, K, fp8=False, batch=None):
+  """The Mosaic GPU sparse MQA forward (bf16 rows, or fp8 rows with tiles of 128); given
+  ``batch``, vmapped over that many sequences reading one shared pool of S rows, as a decode
+  step does. The top-k split is ``MosaicGpuBackend``'s for the launch."""
+  from pallas_kernels.mosaic_gpu.sparse_mqa import sparse_mqa_mosaic, split_count
+
+  run = functools.partial(sparse_mqa_mosaic, sm_scale=D**-0.5, d_v=d_v,
+                          num_splits=split_count((batch or 1) * T, H, K))
+  if fp8:
+    rows = (sds((S, d_v), FP8), sds((S, d_v // 128), F32), sds((S, D - d_v), BF16))
+    call = lambda q, i, v, s, r: run(q, Fp8LatentRows(v, s, r), i)
+  else:
+    rows = (sds((S, D), BF16),)
+    call = lambda q, i, kv: run(q, kv, i)
+  q, idx = sds((T, H, D), BF16), sds((T, K), I32)
+  if batch is None:
+    return call, (q, idx, *rows)
+  return (jax.vmap(call, in_axes=(0, 0) + (None,) * len(rows)),
+          (sds((batch, *q.shape), BF16), sds((batch, *idx.shape), I32), *rows))
+
+
+def mosaic_indexer_case(T, G, I, S, dtype=BF16, pool_rows=None):
+  """The Mosaic GPU indexer logits: fp8 keys with per-key scales; given ``pool_rows``, S row
+  ids into a pool of that many rows."""
+  from pallas_kernels.mosaic_gpu.indexer_logits import indexer_logits_mosaic
+
+  fn = lambda q, k, w, s, e, ks, rows: indexer_logits_mosaic(q, k, w, s, e, k_scale_S=ks,
+                                                             key_rows_S=rows)
+  held = pool_rows or S
+  return fn, (sds((T, G, I), dtype), sds((held, I), dtype), sds((T, G), F32), sds((T,), I32),
+              sds((T,), I32), sds((held,), F32) if dtype == FP8 else None,
+              sds((S,), I32) if pool_rows else None)

@@ -25,7 +25,9 @@ if (_reason := unsupported_reason()) is not None:
   pytest.skip(_reason, allow_module_level=True)
 
 from pallas_kernels.mosaic_gpu.indexer_logits import indexer_logits_mosaic  # noqa: E402
-from pallas_kernels.mosaic_gpu.sparse_mqa import sparse_mqa_mosaic  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+from pallas_kernels.mosaic_gpu.sparse_mqa import (combine_splits, sparse_mqa_mosaic,  # noqa: E402
+                                                  split_count)
 
 sds = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -57,16 +59,57 @@ def _case(seed, T, H, L, S, K):
   return q, kv, idx
 
 
-@pytest.mark.parametrize("T, H, L, d_v, S, K", [
-    (3, 64, 128, 128, 100, 70),    # top-k padded to two tiles of 64
-    (2, 128, 192, 128, 300, 64),   # two head blocks; rope columns past d_v
+@pytest.mark.parametrize("T, H, L, d_v, S, K, splits, races", [
+    (3, 64, 128, 128, 100, 64, 1, True),     # one tile: the ring's first slot only
+    (2, 64, 128, 128, 100, 300, 1, True),    # ragged, 5 tiles: both rings wrap around
+    (2, 128, 192, 128, 300, 200, 2, True),   # two head blocks, two splits, rope past d_v
+    (1, 64, 128, 128, 3000, 2048, 1, False),  # 32 tiles: 16 turns of the row ring
 ])
-def test_interpreter_matches_float64(T, H, L, d_v, S, K):
+def test_interpreter_matches_float64(T, H, L, d_v, S, K, splits, races):
+  """The warp-specialised kernel (producer, two consumers, rings of barriers); with the GPU
+  interpreter's race detector on, a missing wait between the warpgroups fails it (off at K =
+  2,048, where it would take 30 s)."""
   q, kv, idx = _case(T * H + K, T, H, L, S, K)
+  if splits > 1:
+    idx[0, :K // splits] = -1   # a split without a valid slot weighs 0 in the merge
   out, lse = sparse_mqa_mosaic(jnp.asarray(q, BF16), jnp.asarray(kv, BF16), jnp.asarray(idx),
-                               sm_scale=L**-0.5, d_v=d_v, interpret=interpret_params())
+                               sm_scale=L**-0.5, d_v=d_v, num_splits=splits,
+                               interpret=plgpu.InterpretGPUParams(detect_races=races))
   ref_out, ref_lse = numpy_sparse_mqa(_as_bf16(q), _as_bf16(kv), idx, L**-0.5, d_v)
   assert_attention_matches(out, lse, ref_out, ref_lse, rtol=2e-2, lse_rtol=2e-2, lse_atol=2e-2)
+
+
+def test_splits_merge_by_log_sum_exp():
+  """``combine_splits`` against float64: splits with and without valid slots, a token with
+  none in any split (out 0, LSE +inf), and NaN kept where a split holds it."""
+  rng = np.random.default_rng(3)
+  out = rng.standard_normal((3, 4, 2, 8)).astype(np.float32)
+  lse = rng.standard_normal((3, 4, 2)).astype(np.float32) * 3
+  lse[1, 0, :] = np.inf    # token 0: split 1 had no valid slot
+  out[1, 0, :] = 0.0
+  lse[:, 1, :] = np.inf    # token 1: no split had one
+  out[:, 1, :] = 0.0
+  lse[2, 2, 1] = np.nan    # token 2, head 1: a selected row held NaN
+  got_out, got_lse = combine_splits(jnp.asarray(out), jnp.asarray(lse))
+  weight = np.exp(np.where(np.isinf(lse), -np.inf, lse.astype(np.float64)))
+  total = weight.sum(axis=0)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    want_lse = np.where(total == 0, np.inf, np.log(total))
+    want_out = np.where(total[..., None] == 0, 0.0,
+                        (weight[..., None] * out).sum(axis=0) / total[..., None])
+  np.testing.assert_allclose(got_lse, want_lse, rtol=1e-5)
+  np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-6)
+  assert np.isnan(got_lse[2, 1]) and np.isnan(got_out[2, 1]).all()
+
+
+@pytest.mark.parametrize("tokens, heads, topk, splits", [
+    (1, 128, 2048, 32),     # DeepSeek-V3.2 decode, batch 1: 64 CTAs (2 head blocks x 32)
+    (64, 128, 2048, 2),     # batch 64: 256 CTAs
+    (1024, 128, 2048, 1),   # a prefill chunk: no split
+    (1, 64, 100, 2),        # never more splits than tiles
+])
+def test_split_count_spreads_small_batches(tokens, heads, topk, splits):
+  assert split_count(tokens, heads, topk) == splits
 
 
 @pytest.mark.parametrize("pool", [False, True])
@@ -261,7 +304,7 @@ def test_benchmark_checks_mosaic_against_float32(capsys):
     mosaic_gpu.main(["--only", "small_indexer_fp8", "--iters", "1"])
   assert done.value.code == 0
   row = [line for line in capsys.readouterr().out.splitlines() if "small_indexer_fp8" in line]
-  assert row and "| ok " in row[0] and row[0].count("|") == 8
+  assert row and "| ok " in row[0] and row[0].count("|") == 10
 
 
 def test_benchmark_fails_a_wrong_mosaic_kernel(monkeypatch, capsys):
@@ -274,6 +317,17 @@ def test_benchmark_fails_a_wrong_mosaic_kernel(monkeypatch, capsys):
     mosaic_gpu.main(["--only", "small_indexer", "--iters", "1"])
   assert done.value.code == 1
   assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_benchmark_costs_the_parts_of_sparse_mqa(capsys):
+  """``--parts`` (gpu_check.sh's stage): the kernel whole, without PV, without the gather."""
+  from benchmarks import mosaic_gpu
+
+  with pytest.raises(SystemExit) as done:
+    mosaic_gpu.main(["--parts", "--only", "small_sparse", "--iters", "1"])
+  assert done.value.code == 0
+  row = [line for line in capsys.readouterr().out.splitlines() if "small_sparse" in line]
+  assert row and row[0].count("|") == 2 + len(mosaic_gpu.PARTS) and "n/a" not in row[0]
 
 
 @pytest.mark.parametrize("S, K", [(16384, 512), (132, 128)])

@@ -1,0 +1,37 @@
+"""A hang is a failure with a name: ``StallGuard`` watches an engine's steps and raises
+``EngineStalled``, naming the stuck requests, once steps stop making progress (a token lost to
+a bug would otherwise keep ``Engine.generate`` stepping forever)."""
+
+from __future__ import annotations
+
+from mla_jax.serving.requests import Status
+
+# Steps in a row without progress before ``Engine.step`` raises ``EngineStalled``.
+MAX_STEPS_WITHOUT_PROGRESS = 16
+
+
+class EngineStalled(RuntimeError):
+  """Steps ran without any request making progress: an engine bug named, not a hang."""
+
+
+class StallGuard:
+  """Raises ``EngineStalled`` once ``limit`` steps in a row left every unfinished request as it
+  was: no token taken, nothing finished, no prompt row computed."""
+
+  def __init__(self, limit: int = MAX_STEPS_WITHOUT_PROGRESS):
+    self.limit, self.idle, self.last = limit, 0, None
+
+  def after_step(self, seqs) -> None:
+    """Called after each step with the engine's sequences (finished ones are skipped)."""
+    stuck = [s for s in seqs if s.status is not Status.FINISHED]
+    state = [(s.request_id, len(s.tokens), s.num_cached) for s in stuck]
+    self.idle = self.idle + 1 if stuck and state == self.last else 0
+    self.last = state
+    if self.idle >= self.limit:
+      self.idle = 0
+      raise EngineStalled(
+          f"the engine ran {self.limit} steps without progress: no request took a token, "
+          "finished or computed a prompt row; stuck: " + "; ".join(
+              f"{s.request_id!r} ({s.status.value}, {s.num_cached} of {len(s.tokens)} tokens "
+              f"computed, {len(s.output)} of max_tokens {s.params.max_tokens} generated)"
+              for s in stuck))
