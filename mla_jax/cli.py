@@ -447,17 +447,26 @@ DEFAULT_PLAN_MESH = "tensor=8"
 
 
 def _plan_v4(args) -> int:
-  """DeepSeek-V4's plan: whole-model bytes, split evenly (it has no partition rules yet)."""
-  from mla_jax.v4.plan import format_plan, make_plan
+  """DeepSeek-V4's plans: bytes a device on each ``--mesh`` by V4's partition rules, then the
+  mesh of 1, 2, 4 and 8 GPUs of each kind that holds the most 128K sequences."""
+  from mla_jax.v4 import plan as v4_plan
 
-  if args.mesh or args.dtype != "bf16" or args.cache_dtype != "bf16" or args.lower:
-    raise SystemExit(f"error: --mesh, --dtype fp8, --cache-dtype fp8 and --lower are not "
-                     f"supported for {args.model} yet (docs/models.md)")
-  print(format_plan(make_plan(args.model)))
-  print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): loading "
-        "it sharded over GPUs (V4 has no partition rules: the figures above are what an even "
-        "split would need, not a deployment that runs), its fp8 / fp4 weights kept in memory, "
-        "and mla-jax serve; mla-jax generate runs a V4 checkpoint on one device")
+  if args.cache_dtype != "bf16" or args.lower:
+    raise SystemExit(f"error: --cache-dtype fp8 and --lower are not supported for "
+                     f"{args.model} yet (docs/models.md)")
+  abstract = v4_plan.abstract_model(v4_plan.V4_SIZES[args.model], args.dtype)
+  plans = [v4_plan.make_plan(args.model, mesh, args.dtype, abstract)
+           for mesh in args.mesh or [DEFAULT_PLAN_MESH]]
+  print(v4_plan.describe(args.model, args.dtype, plans[0].total_param_bytes))
+  print(v4_plan.format_plans(plans))
+  print(f"fits: parameters + caches <= {v4_plan.FIT_FRACTION:.0%} of the GPU's memory; caches "
+        "split over 'data' only, whole on every device of a data shard")
+  print("\nthe mesh of each GPU count that holds the most 128K sequences:")
+  print(v4_plan.format_best(args.model, args.dtype, abstract))
+  print("\npartition rules:")
+  print(v4_plan.format_rules())
+  print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): "
+        "mla-jax serve (the engine's paged caches for V4), fp8 caches, a 'context' axis")
   return 0
 
 
@@ -660,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="e.g. data=1,tensor=2,expert=4 (repeat for several meshes; default "
                          f"{DEFAULT_PLAN_MESH}: one host of 8 GPUs)")
   plan.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
-                    help="parameter storage (fp8: 128x128 block-scaled e4m3 projections)")
+                    help="parameter storage: bf16, or fp8 as released (128x128 block-scaled "
+                         "e4m3 projections; DeepSeek-V4: and MXFP4 routed experts)")
   plan.add_argument("--cache-dtype", choices=("bf16", "fp8"), default="bf16")
   plan.add_argument("--batch", type=int_in(1), default=1)
   plan.add_argument("--context", type=int_in(1), default=131072, help="tokens per sequence")

@@ -292,14 +292,14 @@ def format_pages(plans: list[Plan], page_size: int) -> str:
   return "\n".join(lines)
 
 
-def format_rules() -> str:
-  """The partition rules as a markdown table (pipes in the regexes escaped)."""
-  lines = ["| HF parameter (regex) | PartitionSpec |", "|---|---|"]
-  for pattern, spec in sharding.PARTITION_RULES:
+def format_rules(rules=sharding.PARTITION_RULES, leading=sharding.LEADING_AXIS_SPECS,
+                 names: str = "HF parameter") -> str:
+  """Partition rules (V3.2's by default) as a markdown table (pipes in the regexes escaped)."""
+  lines = [f"| {names} (regex) | PartitionSpec |", "|---|---|"]
+  for pattern, spec in rules:
     escaped = pattern.replace("|", "\\|")
     lines.append(f"| `{escaped}` | `{spec}` |")
-  lines += [f"| stacked {kind} axis | `{axis}` |"
-            for kind, axis in sharding.LEADING_AXIS_SPECS.items()]
+  lines += [f"| stacked {kind} axis | `{axis}` |" for kind, axis in leading.items()]
   return "\n".join(lines)
 
 

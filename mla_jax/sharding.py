@@ -150,17 +150,19 @@ def axis_size(mesh, axis: str) -> int:
   return mesh.shape.get(axis, 1) if mesh is not None else 1
 
 
-def hf_rule(hf_name: str) -> P:
-  """The PartitionSpec of the HF tensor ``hf_name`` (first matching rule)."""
-  for pattern, spec in PARTITION_RULES:
+def hf_rule(hf_name: str, rules=PARTITION_RULES) -> P:
+  """The PartitionSpec of the HF tensor ``hf_name`` (first matching rule of ``rules``: V3.2's,
+  or another model's table in the same vocabulary, e.g. ``mla_jax.v4.sharding``'s)."""
+  for pattern, spec in rules:
     if re.search(pattern, hf_name):
       return spec
   raise AssertionError("the catch-all rule matches every name")
 
 
-def param_spec(hf_name: str, leading_axes: tuple[str, ...], ndim: int) -> P:
+def param_spec(hf_name: str, leading_axes: tuple[str, ...], ndim: int,
+               rules=PARTITION_RULES) -> P:
   """Spec of a parameter that stacks ``leading_axes`` in front of the HF tensor ``hf_name``."""
-  rule = tuple(hf_rule(hf_name))
+  rule = tuple(hf_rule(hf_name, rules))
   rule += (None,) * (ndim - len(leading_axes) - len(rule))
   return P(*(LEADING_AXIS_SPECS[a] for a in leading_axes), *rule)
 

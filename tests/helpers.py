@@ -122,3 +122,27 @@ def two_process_engine(tmp_path, mesh_spec: str):
   got = np.load(out)
   prompts = [p.tolist() for p in np.split(got["prompt_ids"], np.cumsum(got["prompt_lens"])[:-1])]
   return got, prompts
+
+
+def routed_case(rng, num_experts: int, d: int, tokens: int = 16, top: int = 2):
+  """Inputs of a grouped expert matmul: ``x`` [T, D], expert ids [T, top] in which expert 2
+  is never picked and expert 1 by many, and combine weights."""
+  x = rng.standard_normal((tokens, d)).astype(np.float32)
+  idx = np.stack([rng.permutation([0, 1, 3])[:top] for _ in range(tokens)]).astype(np.int32)
+  idx[:6, 0] = 1
+  combine = rng.uniform(0.1, 1.0, (tokens, top)).astype(np.float32)
+  return x, idx, combine
+
+
+def routed_reference(x, idx, combine, gate, up, down, limit=None):
+  """float64 ``sum_k combine * down(silu(gate x) * up x)`` of each token's experts (gate and
+  up clipped at ``limit`` first, as DeepSeek-V4's SwiGLU)."""
+  expected = np.zeros((x.shape[0], down.shape[1]))
+  for t in range(x.shape[0]):
+    for e, w in zip(idx[t], combine[t]):
+      g, u = gate[e] @ x[t], up[e] @ x[t]
+      if limit is not None:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+      expected[t] += w * (down[e] @ (g / (1 + np.exp(-g)) * u))
+  return expected
+

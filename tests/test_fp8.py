@@ -19,6 +19,7 @@ from mla_jax.models.hf_layout import hf_params
 from mla_jax.models.moe import routed_experts
 from mla_jax.quant import BlockScaledArray, BlockScaledWeight, scale_shape
 from tests.checkpoint_models import TOPK, fp8_config, random_model, write_fp8_checkpoint
+from tests.helpers import routed_case, routed_reference
 
 BLOCK = (128, 128)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -56,10 +57,6 @@ def test_linear_with_block_scales_matches_float64():
     BlockScaledWeight(values, scale[:, :1], BLOCK)
 
 
-def _silu(x):
-  return x / (1 + np.exp(-x))
-
-
 @pytest.mark.parametrize("impl", ["ragged_dot", "tiled"])
 def test_grouped_expert_matmul_with_block_scales(impl):
   """Experts [E, 200, 136] / [E, 136, 200]: block scales per expert, ragged edges, one expert
@@ -68,21 +65,14 @@ def test_grouped_expert_matmul_with_block_scales(impl):
   num_experts, f, d, tokens, top = 4, 200, 136, 16, 2
   weights = [_block_scaled(rng, shape) for shape in
              ((num_experts, f, d), (num_experts, f, d), (num_experts, d, f))]
-  x = rng.standard_normal((tokens, d)).astype(np.float32)
-  idx = np.stack([rng.permutation([0, 1, 3])[:top] for _ in range(tokens)]).astype(np.int32)
-  idx[:6, 0] = 1
-  combine = rng.uniform(0.1, 1.0, (tokens, top)).astype(np.float32)
+  x, idx, combine = routed_case(rng, num_experts, d, tokens, top)
   run = jax.jit(functools.partial(routed_experts, impl=impl))
   out = run(x, idx, combine, *(BlockScaledArray(jnp.asarray(v), jnp.asarray(s), BLOCK)
                                for v, s in weights))
   gate, up, down = (_dequantize64(v, s) for v, s in weights)
   dequantized_first = run(x, idx, combine, *(w.astype(np.float32) for w in (gate, up, down)))
   np.testing.assert_allclose(out, dequantized_first, rtol=1e-5, atol=1e-5)
-  expected = np.zeros((tokens, d))
-  for t in range(tokens):
-    for e, w in zip(idx[t], combine[t]):
-      h = _silu(gate[e] @ x[t]) * (up[e] @ x[t])
-      expected[t] += w * (down[e] @ h)
+  expected = routed_reference(x, idx, combine, gate, up, down)
   assert mt.relative_error(out, expected) < 1e-5
 
 

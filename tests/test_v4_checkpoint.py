@@ -173,8 +173,9 @@ def test_cli_generates_from_a_v4_checkpoint(saved, capsys):
 
 def test_cli_refuses_what_v4_lacks(saved):
   _, path = saved
-  with pytest.raises(SystemExit, match="--mesh.*not supported for DeepSeek-V4"):
-    cli.main(["generate", "--checkpoint", str(path), "--mesh", "tensor=1"])
+  with pytest.raises(SystemExit, match="--mesh with a 'context' axis.*not supported for "
+                                       "DeepSeek-V4"):
+    cli.main(["generate", "--checkpoint", str(path), "--mesh", "context=8"])
 
 
 def test_v3_loader_points_v4_checkpoints_to_their_loader(saved):
@@ -228,14 +229,14 @@ def test_fp8_weight_without_scales_is_named(saved, tmp_path):
   tensors[name] = quantize_fp8(tensors[name], (16, 16))[0]
   write_safetensors(tensors, tmp_path / "model.safetensors")
   (tmp_path / "config.json").write_text((path / "config.json").read_text())
-  with pytest.raises(CheckpointError, match=f"{name}: float8 without a block scale"):
+  with pytest.raises(CheckpointError, match=f"{name}: float8 without its scales"):
     load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
 
 
-def test_fp4_experts_are_refused_by_name():
-  with pytest.raises(CheckpointError, match="fp4 experts are not supported"):
+def test_unknown_expert_dtype_is_refused_by_name():
+  with pytest.raises(CheckpointError, match="int4 experts are not supported"):
     v4_config_from_hf(hf_config(quantization_config={"quant_method": "fp8"},
-                                expert_dtype="fp4"))
+                                expert_dtype="int4"))
 
 
 def test_one_routed_expert_round_trips(tmp_path):

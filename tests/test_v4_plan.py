@@ -11,7 +11,7 @@ from flax import nnx
 from mla_jax import cli
 from mla_jax.v4.config import tiny_v4_config
 from mla_jax.v4.model import V4CausalLM
-from mla_jax.v4.plan import cache_bytes, param_bytes
+from mla_jax.v4.plan import abstract_model, cache_bytes, param_bytes
 
 
 def _bytes(tree) -> int:
@@ -29,14 +29,20 @@ def test_cache_bytes_are_what_init_cache_allocates(capacity):
 def test_param_bytes_are_the_models():
   config = tiny_v4_config()
   model = V4CausalLM(config, rngs=nnx.Rngs(0), backend="xla", param_dtype=jnp.bfloat16)
-  assert param_bytes(config) == _bytes(nnx.state(model))
+  assert param_bytes(abstract_model(config)) == (_bytes(nnx.state(model)),) * 2
 
 
-@pytest.mark.slow
-def test_cli_plans_v4_flash(capsys):
-  assert cli.main(["plan", "--model", "deepseek_v4_flash"]) == 0
+@pytest.mark.slow  # a full-size eval_shape (about 10 s)
+def test_cli_plans_v4_flash_as_released(capsys):
+  assert cli.main(["plan", "--model", "deepseek_v4_flash", "--dtype", "fp8",
+                   "--mesh", "tensor=8", "--mesh", "data=2,tensor=2,expert=1"]) == 0
   out = capsys.readouterr().out
   assert "43 layers (2 sliding, 21 CSA, 20 HCA)" in out
+  assert "fp8 projections, fp4 (MXFP4) routed experts" in out
   assert "6,880 B per token" in out  # 21 x (512 + 128) x 2 / 4 + 20 x 512 x 2 / 128
-  with pytest.raises(SystemExit, match="--mesh"):
-    cli.main(["plan", "--model", "deepseek_v4_flash", "--mesh", "tensor=8"])
+  assert "| tensor=8 | 8 | 19.2 |" in out
+  assert "| H200 141GB | 1 | none: the weights do not fit |" in out
+  assert "| H200 141GB | 4 | data=2,tensor=2,expert=1 | 73.2 | 124 |" in out
+  assert "`self_attn\\.o_a_proj\\.weight(_scale_inv)?$` | `P('tensor', None)`" in out
+  with pytest.raises(SystemExit, match="--cache-dtype fp8 and --lower"):
+    cli.main(["plan", "--model", "deepseek_v4_flash", "--lower"])

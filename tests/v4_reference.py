@@ -157,27 +157,56 @@ def moe(x_TD, ids_T, p, pre, config: V4Config, mlp_type):
   return out + swiglu(x_TD, *shared, config.swiglu_limit)
 
 
-def forward(p: dict, config: V4Config, ids_T) -> np.ndarray:
-  """Logits [T, V] of one sequence."""
-  c = config
-  eps = c.rms_norm_eps
+def decoder_layer(streams, ids_T, p, pre, config: V4Config, layer_type, mlp_type):
+  """One block's attention and MoE, each read from and written back to the mHC streams."""
+  eps = config.rms_norm_eps
+  for hc, block in (("attn_hc", "attn"), ("ffn_hc", "ffn")):
+    post, comb, collapsed = hyper(streams, p, f"{pre}.{hc}", config)
+    if block == "attn":
+      out = attention(rms(collapsed, eps, p[f"{pre}.input_layernorm.weight"]), p,
+                      f"{pre}.self_attn", config, layer_type)
+    else:
+      out = moe(rms(collapsed, eps, p[f"{pre}.post_attention_layernorm.weight"]), ids_T, p,
+                f"{pre}.mlp", config, mlp_type)
+    streams = post[..., None] * out[:, None, :] + np.einsum("tjk,tjd->tkd", comb, streams)
+  return streams
+
+
+def final_streams(p: dict, config: V4Config, ids_T) -> np.ndarray:
+  """The residual streams [T, N, D] after the last layer, before ``hc_head``."""
   x = p["model.embed_tokens.weight"][ids_T]
-  streams = np.repeat(x[:, None, :], c.hc_mult, axis=1)
-  for i, (layer_type, mlp_type) in enumerate(zip(c.layer_types, c.mlp_layer_types)):
-    pre = f"model.layers.{i}"
-    for hc, block in (("attn_hc", "attn"), ("ffn_hc", "ffn")):
-      post, comb, collapsed = hyper(streams, p, f"{pre}.{hc}", c)
-      if block == "attn":
-        out = attention(rms(collapsed, eps, p[f"{pre}.input_layernorm.weight"]), p,
-                        f"{pre}.self_attn", c, layer_type)
-      else:
-        out = moe(rms(collapsed, eps, p[f"{pre}.post_attention_layernorm.weight"]), ids_T, p,
-                  f"{pre}.mlp", c, mlp_type)
-      streams = post[..., None] * out[:, None, :] + np.einsum("tjk,tjd->tkd", comb, streams)
+  streams = np.repeat(x[:, None, :], config.hc_mult, axis=1)
+  for i, (layer_type, mlp_type) in enumerate(zip(config.layer_types, config.mlp_layer_types)):
+    streams = decoder_layer(streams, ids_T, p, f"model.layers.{i}", config, layer_type,
+                            mlp_type)
+  return streams
+
+
+def logits_of(streams, p, config: V4Config, hc_head="model.hc_head",
+              norm="model.norm.weight"):
+  """``hc_head``'s collapse of the streams, the final norm, the LM head."""
+  eps = config.rms_norm_eps
   flat = rms(streams.reshape(streams.shape[0], -1), eps)
   sig = lambda z: 1 / (1 + np.exp(-z))
-  head_pre = sig(flat @ p["model.hc_head.hc_fn"].T * p["model.hc_head.hc_scale"]
-                 + p["model.hc_head.hc_base"]) + c.hc_eps
-  hidden = rms(np.einsum("tn,tnd->td", head_pre, streams), eps, p["model.norm.weight"])
-  head = p["model.embed_tokens.weight"] if c.tie_word_embeddings else p["lm_head.weight"]
+  head_pre = sig(flat @ p[f"{hc_head}.hc_fn"].T * p[f"{hc_head}.hc_scale"]
+                 + p[f"{hc_head}.hc_base"]) + config.hc_eps
+  hidden = rms(np.einsum("tn,tnd->td", head_pre, streams), eps, p[norm])
+  head = p["model.embed_tokens.weight"] if config.tie_word_embeddings else p["lm_head.weight"]
   return hidden @ head.T
+
+
+def forward(p: dict, config: V4Config, ids_T) -> np.ndarray:
+  """Logits [T, V] of one sequence."""
+  return logits_of(final_streams(p, config, ids_T), p, config)
+
+
+def mtp(p: dict, config: V4Config, streams_TND, next_ids_T, index: int = 0):
+  """MTP layer ``index`` over a whole sequence from position 0 (docs/models.md): its logits
+  [T, V] and output streams. Row t pairs ``streams_TND[t]`` with token ``next_ids_T[t]``."""
+  pre, eps = f"mtp.{index}", config.rms_norm_eps
+  embed = p["model.embed_tokens.weight"][next_ids_T]
+  embed[0] = 0  # position 0's embedding is masked
+  x = (rms(streams_TND, eps, p[f"{pre}.hnorm.weight"]) @ p[f"{pre}.h_proj.weight"].T
+       + (rms(embed, eps, p[f"{pre}.enorm.weight"]) @ p[f"{pre}.e_proj.weight"].T)[:, None])
+  out = decoder_layer(x, next_ids_T, p, f"{pre}.block", config, SLIDING, "moe")
+  return logits_of(out, p, config, f"{pre}.hc_head", f"{pre}.norm.weight"), out

@@ -190,7 +190,7 @@ def _float_dtype(value, name: str, none_means: str) -> jnp.dtype | None:
   return resolved
 
 
-def _param_dtype(dtype, compute_dtype=None) -> tuple[jnp.dtype, bool]:
+def resolve_dtypes(dtype, compute_dtype=None) -> tuple[jnp.dtype, bool]:
   """(dtype of the parameters that are not fp8, whether fp8 weights stay fp8).
 
   The model computes in the dtype of its parameters (activations follow the embedding), so
@@ -271,7 +271,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
     ValueError: a bad ``dtype``, ``compute_dtype``, ``attention`` or ``grouped_matmul``, or a
       mesh the model cannot be split over.
   """
-  param_dtype, keep_fp8 = _param_dtype(dtype, compute_dtype)
+  param_dtype, keep_fp8 = resolve_dtypes(dtype, compute_dtype)
   grouped_matmul = resolve_grouped_matmul(grouped_matmul)
   if attention not in ATTENTION_KINDS:
     raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")

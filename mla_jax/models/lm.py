@@ -268,7 +268,7 @@ class CausalLM(nnx.Module):
     key = rngs.params()
     build = lambda k: _Parts(config, k, param_dtype, scan_layers, backend=backend, mesh=mesh,
                              grouped_matmul=grouped_matmul, attention_class=attention_class)
-    parts = build(key) if mesh is None else _build_sharded(build, key, mesh)
+    parts = build(key) if mesh is None else build_sharded(build, key, mesh)
     self.model, self.lm_head, self.mtp = parts.model, parts.lm_head, parts.mtp
 
   @property
@@ -621,11 +621,15 @@ def layer_cache_shardings(c: LayerCache, mesh) -> LayerCache:
       mesh, sharding.cache_spec(batch_axis, a.ndim)), c)
 
 
-def _build_sharded(build, key, mesh):
+def build_sharded(build, key, mesh, shardings_of=None):
   """``build(key)`` compiled with every parameter's output sharding: each device makes only
-  its own shards (random init included), so no full copy exists anywhere."""
-  abstract = nnx.eval_shape(lambda: build(key))
-  graphdef, abstract_state = nnx.split(abstract)
-  shardings = state_shardings(abstract_state, mesh)
+  its own shards (random init included), so no full copy exists anywhere.
+
+  ``shardings_of(abstract module, mesh)`` gives the shardings of its state (default: this
+  model's rules, ``state_shardings``)."""
+  abstract = nnx.eval_shape(build, key)
+  graphdef = nnx.graphdef(abstract)
+  shardings = (shardings_of or (lambda m, mesh: state_shardings(nnx.state(m), mesh)))(
+      abstract, mesh)
   state = jax.jit(lambda k: nnx.split(build(k))[1], out_shardings=shardings)(key)
   return nnx.merge(graphdef, state)

@@ -32,10 +32,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.backends import Backend
+from mla_jax.backends.on_mesh import MeshOps
 from mla_jax.indexer import topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
-from mla_jax.v4.compressor import Compressor, write_entries
+from mla_jax.v4.compressor import Compressor, ring_rows, write_entries, write_ring
 from mla_jax.v4.config import CSA, HCA, SLIDING, V4Config
 from mla_jax.v4.hyper import unweighted_rms_norm
 
@@ -61,23 +62,14 @@ def compressed_selection(layer, capacity: int) -> CompressedSelection:
   return CompressedSelection.SCORED
 
 
-def window_indices(start_B, num_new: int, window: int):
-  """Rows of each query's window in ``[ring (W) | this step's rows (T)]``: [B, T, W], -1 where
-  the position is before the sequence. The ring holds position p at slot ``p % W``."""
+def window_indices(start_B, num_new: int, window: int, ring: int | None = None):
+  """Rows of each query's window (its last ``window`` positions) in ``[ring (R) | this step's
+  rows (T)]``: [B, T, W], -1 where the position is before the sequence. The ring holds
+  position p at slot ``p % R``; R is ``window``, or more to hold spare slots (``ring_rows``)."""
   pos_BT = start_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
   key_BTW = pos_BT[..., None] - jnp.arange(window, dtype=jnp.int32)
-  row_BTW = jnp.where(key_BTW >= start_B[:, None, None],
-                      window + key_BTW - start_B[:, None, None], key_BTW % window)
+  row_BTW = ring_rows(key_BTW, start_B[:, None, None], window if ring is None else ring)
   return jnp.where(key_BTW >= 0, row_BTW, -1)
-
-
-def write_window(ring_BWL, kv_BTL, start_B):
-  """The ring after this step: its last ``min(T, W)`` tokens at slots ``pos % W``."""
-  window, num_new = ring_BWL.shape[1], kv_BTL.shape[1]
-  kept = min(num_new, window)
-  pos_BK = start_B[:, None] + jnp.arange(num_new - kept, num_new, dtype=jnp.int32)
-  batch_BK = jnp.broadcast_to(jnp.arange(ring_BWL.shape[0])[:, None], pos_BK.shape)
-  return ring_BWL.at[batch_BK, pos_BK % window].set(kv_BTL[:, num_new - kept:])
 
 
 def merge_with_sink(parts, sink_H):
@@ -109,7 +101,7 @@ class V4Attention(nnx.Module):
       raise TypeError(f"{cls.__name__} declares skips_complete_scoring without scoring")
 
   def __init__(self, config: V4Config, *, rngs: nnx.Rngs, backend: Backend,
-               param_dtype=jnp.float32):
+               param_dtype=jnp.float32, mesh=None):
     d, h, dh = config.hidden_size, config.num_attention_heads, config.head_dim
     eps = config.rms_norm_eps
     lin = lambda i, o: Linear(i, o, rngs=rngs, param_dtype=param_dtype)
@@ -122,7 +114,7 @@ class V4Attention(nnx.Module):
     self.o_b_proj = lin(config.o_groups * config.o_lora_rank, d)
     self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
     self.rope = config.main_rope if self.layer_type == SLIDING else config.compress_rope
-    self.config, self.backend = config, backend
+    self.config, self.backend, self.mesh = config, backend, mesh
     if self.compressed:
       self.compressor = Compressor(
           d, dh, self.ratio, overlap=self.scored, rope_dim=config.rope_dim,
@@ -138,20 +130,28 @@ class V4Attention(nnx.Module):
       self.indexer.weights_proj = lin(d, config.index_n_heads)
 
   @property
+  def ops(self) -> MeshOps:
+    """The backend's ops, under ``shard_map`` on a mesh: heads over tensor, batch over data."""
+    return MeshOps(self.backend, self.mesh)
+
+  @property
   def ratio(self) -> int:
     return self.config.compress_ratio(self.layer_type)
 
-  def init_cache(self, batch: int, capacity: int, dtype) -> dict:
-    """This layer's cache for sequences of up to ``capacity`` tokens (all zeros)."""
-    cache = {"window": jnp.zeros((batch, self.config.sliding_window, self.config.head_dim),
-                                 dtype)}
+  def init_cache(self, batch: int, capacity: int, dtype, spare: int = 0) -> dict:
+    """This layer's cache for sequences of up to ``capacity`` tokens (all zeros); its rings
+    (window, compressor state) hold ``spare`` more slots, for steps that run ahead of the
+    next step's start (``compressor`` module docstring)."""
+    cache = {"window": jnp.zeros((batch, self.config.sliding_window + spare,
+                                  self.config.head_dim), dtype)}
     if self.compressed:
       cache["entries"] = jnp.zeros((batch, capacity // self.ratio, self.config.head_dim), dtype)
-      cache["pool_kv"], cache["pool_gate"] = self.compressor.init_state(batch, dtype)
+      cache["pool_kv"], cache["pool_gate"] = self.compressor.init_state(batch, dtype, spare)
     if self.scored:
       cache["index_keys"] = jnp.zeros((batch, capacity // self.ratio,
                                        self.config.index_head_dim), dtype)
-      cache["index_pool_kv"], cache["index_pool_gate"] = self.indexer.init_state(batch, dtype)
+      cache["index_pool_kv"], cache["index_pool_gate"] = self.indexer.init_state(batch, dtype,
+                                                                                 spare)
     return cache
 
   def _rotate(self, x, pos_BT, *, inverse: bool = False):
@@ -177,10 +177,10 @@ class V4Attention(nnx.Module):
     with jax.named_scope("v4_window"):
       kv_BTL = kv_BTL.astype(cache["window"].dtype)  # as the ring holds it
       rows_BSL = jnp.concatenate([cache["window"], kv_BTL], 1)
-      idx_BTW = window_indices(start_B, t, config.sliding_window)
-      parts = [self.backend.sparse_mqa(q_BTHL, rows_BSL.astype(q_BTHL.dtype), idx_BTW,
-                                       sm_scale=sm_scale, d_v=dh)]
-      cache["window"] = write_window(cache["window"], kv_BTL, start_B)
+      idx_BTW = window_indices(start_B, t, config.sliding_window, cache["window"].shape[1])
+      parts = [self.ops.sparse_mqa(q_BTHL, rows_BSL.astype(q_BTHL.dtype), idx_BTW,
+                                   sm_scale=sm_scale, d_v=dh)]
+      cache["window"] = write_ring(cache["window"], kv_BTL, start_B)
     if self.compressed:
       entries, window_BJ, cache["pool_kv"], cache["pool_gate"] = self.compressor(
           x_BTD, cache["pool_kv"], cache["pool_gate"], start_B)
@@ -188,8 +188,8 @@ class V4Attention(nnx.Module):
       selection = compressed_selection(self, cache["entries"].shape[1])
       with jax.named_scope(selection.scope):
         idx_BTK = self._select(selection, x_BTD, q_res_BTC, pos_BT, start_B, cache)
-        parts.append(self.backend.sparse_mqa(q_BTHL, cache["entries"].astype(q_BTHL.dtype),
-                                             idx_BTK, sm_scale=sm_scale, d_v=dh))
+        parts.append(self.ops.sparse_mqa(q_BTHL, cache["entries"].astype(q_BTHL.dtype),
+                                         idx_BTK, sm_scale=sm_scale, d_v=dh))
     out_BTHL = merge_with_sink(parts, self.sinks[...]).astype(x_BTD.dtype)
     out_BTHL = self._rotate(out_BTHL, pos_BT, inverse=True)
     groups = config.o_groups
@@ -214,7 +214,7 @@ class V4Attention(nnx.Module):
     g, i = config.index_n_heads, config.index_head_dim
     q_BTGI = self._rotate(self.indexer.q_b_proj(q_res_BTC).reshape(b, t, g, i), pos_BT)
     w_BTG = self.indexer.weights_proj(x_BTD).astype(jnp.float32) * (g**-0.5 * i**-0.5)
-    logits_BTC = self.backend.indexer_logits(
+    logits_BTC = self.ops.indexer_logits(
         q_BTGI, cache["index_keys"].astype(q_BTGI.dtype), w_BTG, jnp.zeros_like(visible_BT),
         visible_BT)
     return topk_indices(logits_BTC, min(config.index_topk, capacity))

@@ -14,7 +14,10 @@ features).
 A step of T new tokens needs the projections of the tokens before it that no entry has used
 up yet: the last ``m`` tokens' (``2m`` with overlap). They are the compressor's state
 (``pool_kv`` / ``pool_gate``), a fixed-size buffer whatever the sequence's length, so a step
-costs O(T + m) and never reads the sequence again.
+costs O(T + m) and never reads the sequence again. The buffer is a ring addressed by position
+(position p in slot p % R, ``ring_rows``), as the attention's window is: with R = 2m + k (k
+spare rows) a step may run k tokens past the position the next step starts from, and none of
+what those tokens wrote is read (speculative decoding's rejected drafts, ``mla_jax.v4.mtp``).
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ class Compressor(nnx.Module):
     """Tokens of projections the state keeps: m, or 2m with overlap."""
     return self.ratio * (2 if self.overlap else 1)
 
-  def init_state(self, batch: int, dtype):
-    shape = (batch, self.state_tokens, self.kv_proj.weight.shape[0])
+  def init_state(self, batch: int, dtype, spare: int = 0):
+    """Zero rings of the last ``state_tokens`` (+ ``spare``) tokens' projections."""
+    shape = (batch, self.state_tokens + spare, self.kv_proj.weight.shape[0])
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
   def __call__(self, x_BTD, pool_kv_BRX, pool_gate_BRX, start_B):
@@ -66,13 +70,13 @@ class Compressor(nnx.Module):
     gate_BTX = self.gate_proj(x_BTD).astype(pool_gate_BRX.dtype)
     src_kv = jnp.concatenate([pool_kv_BRX, kv_BTX], axis=1)
     src_gate = jnp.concatenate([pool_gate_BRX, gate_BTX], axis=1)
-    pool = functools.partial(self._pool, num_new=x_BTD.shape[1])
+    pool = functools.partial(self._pool, num_new=x_BTD.shape[1], ring=pool_kv_BRX.shape[1])
     entries, window = jax.vmap(pool)(src_kv, src_gate, start_B)
-    keep = self.state_tokens
-    return entries.astype(x_BTD.dtype), window, src_kv[:, -keep:], src_gate[:, -keep:]
+    return (entries.astype(x_BTD.dtype), window, write_ring(pool_kv_BRX, kv_BTX, start_B),
+            write_ring(pool_gate_BRX, gate_BTX, start_B))
 
-  def _pool(self, src_kv_SX, src_gate_SX, start, *, num_new: int):
-    m, width, state = self.ratio, self.width, self.state_tokens
+  def _pool(self, src_kv_SX, src_gate_SX, start, *, num_new: int, ring: int):
+    m, width = self.ratio, self.width
     num_windows = -(-num_new // m)
     window_J = start // m + jnp.arange(num_windows, dtype=jnp.int32)
     complete_J = (window_J + 1) * m <= start + num_new
@@ -80,8 +84,8 @@ class Compressor(nnx.Module):
     bias_MX = self.position_bias[...]
 
     def slots(pos_JM, half: slice):
-      # Source row of a position: the state holds the `state` tokens before `start`.
-      row_JM = jnp.clip(pos_JM - start + state, 0, src_kv_SX.shape[0] - 1)
+      # Positions before 0 are masked below, past the step are incomplete windows' (dropped).
+      row_JM = jnp.clip(ring_rows(pos_JM, start, ring), 0, src_kv_SX.shape[0] - 1)
       kv = src_kv_SX[row_JM][..., half].astype(jnp.float32)
       gate = src_gate_SX[row_JM][..., half].astype(jnp.float32) + bias_MX[:, half]
       return kv, jnp.where((pos_JM >= 0)[..., None], gate, -jnp.inf)
@@ -99,6 +103,23 @@ class Compressor(nnx.Module):
                       interleaved=True, max_position=self.max_position)
     entries_JW = jnp.concatenate([entries_JW[:, :width - self.rope_dim], rope], axis=-1)
     return entries_JW, jnp.where(complete_J, window_J, -1)
+
+
+def ring_rows(pos, start, ring: int):
+  """Row of position ``pos`` in ``[ring (R rows, position p in slot p % R) | a step's rows
+  from position start]``."""
+  return jnp.where(pos >= start, ring + pos - start, pos % ring)
+
+
+def write_ring(ring_BRX, new_BTX, start_B):
+  """The ring after a step of T rows from ``start_B``: its last ``min(T, R)`` rows in slots
+  ``pos % R`` (in the ring's dtype)."""
+  size, num_new = ring_BRX.shape[1], new_BTX.shape[1]
+  kept = min(num_new, size)
+  pos_BK = start_B[:, None] + jnp.arange(num_new - kept, num_new, dtype=jnp.int32)
+  batch_BK = jnp.broadcast_to(jnp.arange(ring_BRX.shape[0])[:, None], pos_BK.shape)
+  return ring_BRX.at[batch_BK, pos_BK % size].set(new_BTX[:, num_new - kept:].astype(
+      ring_BRX.dtype))
 
 
 def write_entries(entries_BCW, new_BJW, window_BJ):

@@ -52,6 +52,7 @@ class V4Config:
   compress_rope: RopeConfig = RopeConfig(theta=160000.0)
   max_position_embeddings: int = 1048576
   tie_word_embeddings: bool = False
+  num_mtp_layers: int = 0  # MTP layers held beside the model (mla_jax.v4.mtp)
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads",
@@ -60,6 +61,8 @@ class V4Config:
                  "index_topk", "n_routed_experts", "num_experts_per_tok", "hc_mult",
                  "hc_sinkhorn_iters", "max_position_embeddings"):
       _positive_int(name, getattr(self, name))
+    _require(type(self.num_mtp_layers) is int and self.num_mtp_layers >= 0, "num_mtp_layers",
+             self.num_mtp_layers, "an int >= 0")
     for name in ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps"):
       _positive_float(name, getattr(self, name))
     _require(self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, "rope_dim",

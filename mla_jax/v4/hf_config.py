@@ -16,8 +16,8 @@ The rules are those of transformers 5.25's ``DeepseekV4Config.__post_init__``:
   ``attention_factor`` 1.0 for V4).
 
 What mla_jax cannot run is refused with a ``CheckpointError`` naming the field: biases, a
-non-SiLU activation, more than one KV head, a quantization other than fp8 blocks (the
-releases' fp4 experts among them).
+non-SiLU activation, more than one KV head, a quantization other than fp8 blocks (with fp4
+MXFP4 or fp8 experts, ``expert_dtype``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ HF_V4_DEFAULTS = dict(
     rope_theta=10000.0, compress_rope_theta=160000.0, hc_mult=4, hc_sinkhorn_iters=20,
     hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8, o_lora_rank=1024,
     index_n_heads=64, index_head_dim=128, index_topk=512, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
+    num_nextn_predict_layers=1)
 _LEGACY_RATIOS = {0: SLIDING, 4: CSA, 128: HCA}
 _DEFAULT_HASH_LAYERS = 3
 _DEFAULT_ROPE_FACTOR = 64 / 512
@@ -45,7 +46,8 @@ _INT_FIELDS = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden
                "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
                "num_experts_per_tok", "n_routed_experts",
                "max_position_embeddings", "hc_mult", "hc_sinkhorn_iters", "sliding_window",
-               "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
+               "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
+               "num_nextn_predict_layers")
 _FLOAT_FIELDS = ("routed_scaling_factor", "rope_theta", "compress_rope_theta", "hc_eps",
                  "swiglu_limit", "rms_norm_eps")
 
@@ -165,9 +167,9 @@ def _refuse_unsupported(hf: dict) -> None:
       raise CheckpointError(f"quantization_config: quant_method {method!r} is not supported "
                             "(fp8 block-scaled weights are)")
     expert_dtype = quant.get("expert_dtype", hf.get("expert_dtype"))
-    if expert_dtype not in (None, "fp8", "bf16"):
+    if expert_dtype not in (None, "fp4", "fp8", "bf16"):
       raise CheckpointError(f"expert_dtype {expert_dtype!r}: {expert_dtype} experts are not "
-                            "supported yet (fp8 and bf16 are)")
+                            "supported (fp4 as MXFP4, fp8 and bf16 are)")
 
 
 def v4_config_from_hf(hf: dict) -> V4Config:
@@ -194,7 +196,8 @@ def v4_config_from_hf(hf: dict) -> V4Config:
         **fields, head_dim=head_dim, rope_dim=_rope_dim(hf, head_dim),
         csa_ratio=rates.get(CSA, 4), hca_ratio=rates.get(HCA, 128),
         layer_types=_layer_types(hf, n), mlp_layer_types=_mlp_layer_types(hf, n),
-        main_rope=main_rope, compress_rope=compress_rope)
+        main_rope=main_rope, compress_rope=compress_rope,
+        num_mtp_layers=_field(hf, "num_nextn_predict_layers"))
   except ValueError as e:
     raise CheckpointError(str(e)) from None
 
@@ -229,5 +232,5 @@ def v4_config_to_hf(config: V4Config) -> dict:
       rope_parameters={
           "main": _rope_to_hf(config.main_rope, config.rope_dim, config.head_dim),
           "compress": _rope_to_hf(config.compress_rope, config.rope_dim, config.head_dim)},
-      num_nextn_predict_layers=0)
+      num_nextn_predict_layers=config.num_mtp_layers)
   return hf

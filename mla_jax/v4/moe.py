@@ -17,7 +17,7 @@ from flax import nnx
 from mla_jax.models.config import MoEConfig
 from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE
-from mla_jax.v4.config import HASH_MOE, V4Config
+from mla_jax.v4.config import V4Config
 
 
 def expert_scores(logits_TE, scoring_func: str):
@@ -66,7 +66,7 @@ class V4Router(nnx.Module):
 class V4MoE(MoE):
   """``MoE`` with V4's router; ``__call__`` also takes the token ids (hash routing)."""
 
-  def __init__(self, config: V4Config, layer: int, *, rngs: nnx.Rngs,
+  def __init__(self, config: V4Config, *, hashed: bool, rngs: nnx.Rngs,
                grouped_matmul: str = "auto", mesh=None, param_dtype=jnp.float32):
     # One shared expert of moe_intermediate_size whatever n_shared_experts says, as HF's
     # DeepseekV4SparseMoeBlock builds it.
@@ -76,7 +76,7 @@ class V4MoE(MoE):
                     routed_scaling_factor=config.routed_scaling_factor)
     super().__init__(config.hidden_size, moe, rngs=rngs, grouped_matmul=grouped_matmul,
                      mesh=mesh, param_dtype=param_dtype)
-    self.gate = V4Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE, rngs=rngs)
+    self.gate = V4Router(config, hashed=hashed, rngs=rngs)
     self.swiglu_limit = config.swiglu_limit
     self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size, rngs=rngs,
                               param_dtype=param_dtype, swiglu_limit=config.swiglu_limit)
