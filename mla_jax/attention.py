@@ -384,12 +384,12 @@ class MLAAttentionBase(nnx.Module):
       return shared_topk_BTK
     if step.index_logits_BTS is not None:
       return topk_indices(step.index_logits_BTS, self.config.indexer.topk)  # scored once
-    if plan.key_chunk is not None:  # a flat step over a page pool: up to the live reach
+    if plan.key_chunk is not None:  # a flat step over a page pool: each row's own keys
       key_pool, key_rows = step.cache.index_key_pool()
       with jax.named_scope("indexer_score"):
-        return self.indexer.select_in_key_chunks(
+        return self.indexer.select_in_blocks(
             step.x_BTD, step.q_resid_BTC, step.positions_BT, key_pool, key_rows, self.ops,
-            key_chunk=plan.key_chunk, num_keys=jnp.max(step.cache.num_cached_B),
+            blocks=step.cache.buffers.key_blocks, key_chunk=plan.key_chunk,
             context_topk=plan.context_topk)
     # A paged cache's keys are read in place: its pool and each position's physical row.
     keys, key_rows_BS = step.cache.index_keys(plan.kv_rows)

@@ -6,7 +6,7 @@ gathers outside attention are partitioned by XLA (a masked local scatter; a mask
 an all-reduce). The two reads that scale with the context run here, under ``shard_map``, each
 rank over its own rows only:
 
-* the indexer (``MeshOps.topk_key_chunk``): each rank scores its own keys and keeps a running
+* the indexer (``MeshOps.ragged_topk``): each rank scores its own keys and keeps its own
   top-k of them. ``exact`` mode then all-gathers the ``k x C`` candidates (ids and scores,
   never rows) and takes the global top-k, equal to one device's (``merge_candidates``);
   ``union`` mode keeps each rank's own top-k, ``C x k`` indices in all, and exchanges nothing.

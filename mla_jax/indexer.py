@@ -9,6 +9,7 @@ selected and never displaces a finite one (see ``topk_indices``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -48,21 +49,6 @@ def topk_indices(logits_BTS, k: int):
   if width < k:
     idx = jnp.pad(idx, ((0, 0), (0, 0), (0, k - width)), constant_values=-1)
   return idx
-
-
-def merge_topk(values_BTK, idx_BTK, logits_BTC, start):
-  """The top-k of ``(values_BTK, idx_BTK)`` (a running selection, -inf / -1 padded) and the
-  logits of keys ``start + c`` (``logits_BTC``): exactly ``topk_indices`` over all the keys
-  seen so far, with their values. Candidates are ordered by key index before ``lax.top_k``
-  (the running ones precede the chunk's, and among equal values they are in index order), so
-  ties still go to the lower index; a NaN logit counts as -inf."""
-  k = values_BTK.shape[-1]
-  logits_BTC = jnp.where(jnp.isnan(logits_BTC), -jnp.inf, logits_BTC)
-  cols_C = start + jnp.arange(logits_BTC.shape[-1], dtype=jnp.int32)
-  values = jnp.concatenate([values_BTK, logits_BTC], axis=-1)
-  idx = jnp.concatenate([idx_BTK, jnp.broadcast_to(cols_C, logits_BTC.shape)], axis=-1)
-  top_BTK, picked = jax.lax.top_k(values, k)
-  return top_BTK, jnp.where(top_BTK == -jnp.inf, -1, jnp.take_along_axis(idx, picked, -1))
 
 
 def _scoring_operands(q_BTGI, keys, w_BTG, *, pooled: bool):
@@ -166,36 +152,88 @@ class Indexer(nnx.Module):
                                                   to_chunks(ends_BT)))
     return jnp.moveaxis(idx, 0, 1).reshape(b, n * chunk_size, topk)[:, :t]
 
-  def select_in_key_chunks(self, x_BTD, q_resid_BTC, positions_BT, key_pool, key_rows,
-                           ops, *, key_chunk: int, num_keys, context_topk: str = "exact"):
-    """``select`` over a page pool, scoring ``key_chunk`` key positions at a time and only
-    up to ``num_keys`` (a traced scalar: the longest row's reach), so the work follows the
-    live context rather than a static bound. Equal to ``select`` (the same indices in the
-    same order: ``merge_topk``).
+  def select_in_blocks(self, x_BTD, q_resid_BTC, positions_BT, key_pool, key_rows,
+                       ops, *, blocks: KeyBlocks, key_chunk: int, context_topk: str = "exact"):
+    """``select`` over a page pool for a flat step (each row b one token, ``T`` = 1),
+    scoring only each row's own keys: the (row, key chunk) pairs of ``blocks``, each
+    ``key_chunk`` positions, then a per-row top-k over them (``segmented_topk``): [B, 1, k]. So the work
+    grows with the sum of the rows' reaches, not rows x the longest, and no loop runs on a
+    traced bound. Equal to ``select`` (the same indices in the same order).
 
     ``key_pool``: the pool of key rows (as ``select``'s pooled ``keys_BSI``);
-    ``key_rows(positions_BC)``: the pool row of each sequence's key positions (-1: none);
-    ``ops``: the layer's ``MeshOps``. On a mesh with a ``context`` axis each rank keeps a
-    top-k of the keys it holds, and ``context_topk`` says how they become the selection
-    (``mla_jax.context_parallel``): ``"exact"`` equals one device's, ``"union"`` is every
-    rank's own top-k, [B, T, context x topk].
+    ``key_rows(rows_N, positions_NC)``: the pool row of each position of row ``rows_N``'s
+    sequence (-1: none); ``ops``: the layer's ``MeshOps``. On a mesh with a ``context`` axis
+    ``context_topk`` says how the ranks' selections combine (``MeshOps.ragged_topk``).
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
     q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, key_pool, w_BTG, pooled=True)
-    ends_BT = positions_BT + 1  # causal, self included
-    b, t = ends_BT.shape
-    topk = self.config.indexer.topk
+    b = positions_BT.shape[0]
+    rows_N = jnp.minimum(blocks.row_N, b - 1)  # padding blocks: any row, an empty window
+    starts_N = blocks.start_N
+    ends_N1 = jnp.where((blocks.row_N < b)[:, None],
+                        jnp.clip(positions_BT[rows_N, :1] + 1 - starts_N[:, None], 0, key_chunk),
+                        0)
+    positions_NC = starts_N[:, None] + jnp.arange(key_chunk, dtype=jnp.int32)
+    return ops.ragged_topk(q_BTGI[rows_N], keys, w_BTG[rows_N], ends_N1, k_scale,
+                           key_rows(rows_N, positions_NC), blocks,
+                           self.config.indexer.topk, context_topk)[:, None]
 
-    def chunk(c, carry):
-      start = c * key_chunk
-      positions_BC = jnp.broadcast_to(start + jnp.arange(key_chunk, dtype=jnp.int32),
-                                      (b, key_chunk))
-      return ops.topk_key_chunk(*carry, q_BTGI, keys, w_BTG, jnp.zeros_like(ends_BT),
-                                jnp.clip(ends_BT - start, 0, key_chunk), k_scale=k_scale,
-                                key_rows_BC=key_rows(positions_BC), start=start)
 
-    width = topk * ops.context
-    init = (jnp.full((b, t, width), -jnp.inf, jnp.float32), jnp.full((b, t, width), -1, jnp.int32))
-    values_BTN, idx_BTN = jax.lax.fori_loop(0, (num_keys + key_chunk - 1) // key_chunk, chunk,
-                                            init)
-    return ops.finish_topk(values_BTN, idx_BTN, topk, context_topk)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyBlocks:
+  """The (row, key chunk) pairs a flat step's indexer scores: block n covers key positions
+  ``[start_N[n], start_N[n] + key_chunk)`` of row ``row_N[n]``'s sequence (its window ends at
+  the row's reach). A row's blocks are consecutive, rows in order: row r's are
+  ``[first_R[r], first_R[r] + count_R[r])``; padding blocks (``row_N`` = rows, past every
+  real row) come last."""
+
+  row_N: jax.Array
+  start_N: jax.Array
+  first_R: jax.Array
+  count_R: jax.Array
+
+  @classmethod
+  def for_reaches(cls, reach_R, key_chunk: int, num_blocks: int) -> KeyBlocks:
+    """The blocks of rows whose keys end at ``reach_R`` (0: none) in ``num_blocks`` slots
+    (on the device, from the rows' reaches alone; ``blocks_needed`` of them are real, the
+    rest padding). More than ``num_blocks`` needed is the caller's error: the rows past the
+    slots would score nothing."""
+    reach_R = jnp.asarray(reach_R, jnp.int32)
+    count_R = (reach_R + key_chunk - 1) // key_chunk
+    ends_R = jnp.cumsum(count_R, dtype=jnp.int32)
+    first_R = ends_R - count_R
+    n_N = jnp.arange(num_blocks, dtype=jnp.int32)
+    row_N = jnp.searchsorted(ends_R, n_N, side="right").astype(jnp.int32)  # padding: R
+    start_N = (n_N - first_R[jnp.minimum(row_N, len(count_R) - 1)]) * key_chunk
+    return cls(row_N, jnp.where(row_N < len(count_R), start_N, 0), first_R, count_R)
+
+
+def blocks_needed(reach_R, key_chunk: int) -> int:
+  """How many key blocks rows reaching ``reach_R`` keys need (``KeyBlocks.for_reaches``)."""
+  return int((-(-np.asarray(reach_R, np.int64) // key_chunk)).sum())
+
+
+def segmented_topk(logits_NC, blocks: KeyBlocks, k: int):
+  """``(values [R, k], positions [R, k])``: each row's top-k over the logits of its own blocks
+  (``logits_NC[n, c]``: key ``blocks.start_N[n] + c`` of row ``blocks.row_N[n]``), as
+  ``topk_indices`` orders them (by value, ties to the lower position; a NaN counts as -inf;
+  -1 / -inf where a row has fewer finite scores than k).
+
+  Each block keeps its own top ``min(k, C)`` (every key of a row's top-k is in its block's),
+  then one stable sort by (row, -value) lays each row's candidates end to end in selection
+  order: the work follows the blocks, never rows x the longest row."""
+  n, c = logits_NC.shape
+  width = min(k, c)
+  values_NW, cols_NW = jax.lax.top_k(jnp.where(jnp.isnan(logits_NC), -jnp.inf, logits_NC),
+                                     width)
+  positions_NW = blocks.start_N[:, None] + cols_NW
+  rows_NW = jnp.broadcast_to(blocks.row_N[:, None], (n, width))
+  # Stable: within a row, blocks come in position order and top_k puts ties lower first.
+  _, neg_M, positions_M = jax.lax.sort(
+      (rows_NW.reshape(-1), -values_NW.reshape(-1), positions_NW.reshape(-1)), num_keys=2,
+      is_stable=True)
+  j_K = jnp.arange(k, dtype=jnp.int32)
+  take_RK = jnp.minimum(blocks.first_R[:, None] * width + j_K, n * width - 1)
+  values_RK = jnp.where(j_K < (blocks.count_R * width)[:, None], -neg_M[take_RK], -jnp.inf)
+  return values_RK, jnp.where(values_RK > -jnp.inf, positions_M[take_RK], -1)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from mla_jax import fp8_cache
 from mla_jax.cache import CacheView, _readable, _row_array, empty_layer_cache, scatter_part
 from mla_jax.config import MLAConfig
+from mla_jax.indexer import KeyBlocks
 
 
 @jax.tree_util.register_dataclass
@@ -68,6 +69,7 @@ class PagedLayerCache:
   num_cached_B: jax.Array
   page_size: int = dataclasses.field(metadata=dict(static=True))
   segment_ids_B: jax.Array | None = None
+  key_blocks: KeyBlocks | None = None
   reps: int = dataclasses.field(default=1, metadata=dict(static=True))
   context: int = dataclasses.field(default=1, metadata=dict(static=True))
 
@@ -115,10 +117,11 @@ class PagedLayerView(CacheView):
   def segment_ids_B(self):
     return self.stacked.segment_ids_B
 
-  def physical_rows(self, positions):
-    """Pool rows (within a layer) of logical ``positions`` [B, ...]; -1 stays -1."""
+  def physical_rows(self, positions, table=None):
+    """Pool rows (within a layer) of logical ``positions`` [B, ...] (of the sequences of
+    ``table``'s rows: the block table's by default); -1 stays -1."""
     page = self.stacked.page_size
-    table = self.stacked.block_table_BN
+    table = self.stacked.block_table_BN if table is None else table
     safe = jnp.clip(positions, 0, self.capacity - 1)
     pages = jnp.take_along_axis(table, (safe // page).reshape(table.shape[0], -1), axis=1)
     rows = pages.reshape(positions.shape) * page + safe % page
@@ -177,11 +180,12 @@ class PagedLayerView(CacheView):
     return self._in_flat_pool(keys, self.physical_rows(self._positions(num_rows)))
 
   def index_key_pool(self):
-    """The whole key pool (layers flattened into rows) and, for logical key positions
-    [B, S], their rows in it: ``(pool, rows_of)``; the indexer scores chunks of positions
-    through it (``Indexer.select_in_key_chunks``)."""
-    keys = self.stacked.index_keys_RI
-    rows_of = lambda positions_BS: self._flat_rows(self.physical_rows(positions_BS))
+    """The whole key pool (layers flattened into rows) and ``rows_of(rows_N, positions_NC)``:
+    the rows in it of logical key positions of row ``rows_N``'s sequence; the indexer scores a
+    flat step's key blocks through it (``Indexer.select_in_blocks``)."""
+    keys, table = self.stacked.index_keys_RI, self.stacked.block_table_BN
+    rows_of = lambda rows_N, positions_NC: self._flat_rows(
+        self.physical_rows(positions_NC, table[rows_N]))
     return fp8_cache.readable(keys), rows_of
 
   def write(self, latent_BTL, keys_BTI, new_lens_B) -> PagedLayerView:

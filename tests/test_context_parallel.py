@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from mla_jax import cli, context_parallel, sharding
 from mla_jax.backends import XlaBackend
 from mla_jax.backends.on_mesh import MeshOps
-from mla_jax.indexer import Indexer
+from mla_jax.indexer import Indexer, KeyBlocks
 from mla_jax.models.config import tiny_lm, tiny_moe_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.paged_cache import PagedLayerCache
@@ -171,14 +171,20 @@ def test_exact_top_k_equals_one_device_and_union_holds_it(ranks):
   positions = jnp.asarray(np.stack([lens - 2, lens - 1], 1), jnp.int32)
   mesh = _mesh(f"context={ranks}")
 
+  # One token a row (a flat step's layout): row r is query r % 2 of sequence r // 2.
+  seq_R = np.repeat(np.arange(b), 2)
+  blocks = KeyBlocks.for_reaches(np.asarray(positions).reshape(-1) + 1, 8, 32)
+
   def select(ranks, ops, mode):
     pool, view = _paged_keys(ranks, keys, jnp.asarray(table), page)
     if ranks > 1:
       pool = jax.device_put(pool, NamedSharding(mesh, sharding.POOL_SPEC))
-    rows_of = lambda positions_BC: view._flat_rows(view.physical_rows(positions_BC))
-    return np.asarray(jax.jit(lambda pool: indexer.select_in_key_chunks(
-        x, q_resid, positions, pool, rows_of, ops, key_chunk=8, num_keys=s,
-        context_topk=mode))(pool))
+    rows_of = lambda rows_N, positions_NC: view._flat_rows(
+        view.physical_rows(positions_NC, jnp.asarray(table)[seq_R][rows_N]))
+    flat = lambda a: a.reshape(2 * b, 1, *a.shape[2:])
+    return np.asarray(jax.jit(lambda pool: indexer.select_in_blocks(
+        flat(x), flat(q_resid), flat(positions), pool, rows_of, ops, blocks=blocks,
+        key_chunk=8, context_topk=mode))(pool)).reshape(b, 2, -1)
 
   one = select(1, MeshOps(XlaBackend()), "exact")
   assert (one >= 0).sum(-1).tolist() == np.minimum(positions + 1, TOPK).tolist()

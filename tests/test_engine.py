@@ -477,7 +477,7 @@ def test_dense_capable_steps_mixing_fresh_and_continuing_chunks_stay_sparse(monk
 
 
 def test_shared_programs_keep_only_the_most_recently_used(model, prompts, reference, monkeypatch):
-  from mla_jax.serving import engine as engine_module
+  from mla_jax.serving import runner as engine_module
 
   monkeypatch.setattr(engine_module, "_COMPILED", ProgramCache(max_size=1))
   engine = _engine(model)

@@ -13,7 +13,8 @@ from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine, engine_pools
 from mla_jax.serving.requests import SamplingParams
-from mla_jax.serving.step_inputs import StepShape
+from mla_jax.serving.step_inputs import Sampler, StepShape
+from mla_jax.traces import summarize_jaxpr
 from tests.test_engine import _model, _mqa_only_contract, _no_leaks, _reference
 
 
@@ -73,6 +74,9 @@ def test_stops_inside_a_dispatch_match_single_steps(model, prompts):
         SamplingParams(max_tokens=NEW, stop_token_ids=(reference[0][3],))])
     runs[steps] = [(list(o.tokens), o.finish_reason, o.text) for o in outputs + ended]
     computed[steps] = device_stops.stats.computed_tokens
+    # Steps run ahead of their outputs: a request that stops may waste its row of the step
+    # after (a stop id, an eos id; never max_tokens, which the host foresees).
+    assert device_stops.stats.wasted_tokens <= 2 * steps
   assert runs[8] == runs[1]
   assert computed[8] == computed[1]
   tokens = [t for t, _, _ in runs[8]]
@@ -94,24 +98,30 @@ def test_warmup_compiles_every_program_and_serving_compiles_none(model, prompts)
   compiled = engine.stats.compile_s
   outputs = engine.generate(prompts, max_tokens=NEW)
   assert [list(o.tokens) for o in outputs] == _reference(model, prompts, NEW)
-  assert engine.stats.compile_s == compiled and len(engine.programs) == len(shapes)
+  # No step waited for a compile: smaller key-block buckets compiled in the background.
+  engine.runner.wait_for_compiles()
+  assert engine.stats.compile_s == compiled and engine.runner.background_compile_s > 0
+  assert {engine.buckets.covering(c.shape) for c in engine.programs} == set(shapes)
+  assert [list(o.tokens) for o in engine.generate(prompts, max_tokens=NEW)] == _reference(
+      model, prompts, NEW)  # and on their own programs
 
 
 def test_default_settings_need_few_programs():
   """``mla-jax serve``'s defaults (512 tokens a step, 32 seats, 8 decode steps) on the tiny
-  model: steps of 8..512 token rows (7), decode dispatches of 1..32 rows, greedy or sampled
-  (12): at most 24 programs, counted without compiling any. A dense-capable model adds its
-  fresh steps' (7 more)."""
+  model, counted without compiling any: steps of 8..512 token rows (7), their greedy variants
+  up to the seats' 32 rows (3) and their ``FULL`` variants at every other size (4), decode
+  dispatches of 1..32 rows, greedy or sampled (12): 26 programs to warm up. A dense-capable
+  model adds its fresh steps' (7 more)."""
   def shapes(attention):
     model = nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0),
                                             backend="xla"))
     return Engine(model, num_pages=512).buckets.all_shapes()
 
   default = shapes("mqa-only")
-  assert len(default) == len(set(default)) == 19 <= 24
+  assert len(default) == len(set(default)) == 26
   assert not any(s.fresh for s in default)
   dense = shapes("dense-capable")
-  assert set(dense) - set(default) == {s for s in dense if s.fresh} and len(dense) == 26
+  assert set(dense) - set(default) == {s for s in dense if s.fresh} and len(dense) == 33
 
 
 def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
@@ -134,24 +144,97 @@ def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
 
 
 @pytest.mark.parametrize("shape, cache_dtype", [
-    (StepShape(1, 1, 4, decode_steps=8, greedy=True), "fp32"), (StepShape(1, 1, 4), "fp32"),
-    (StepShape(1, 1, 4, decode_steps=8, greedy=True), "fp8")],
+    (StepShape(1, 1, 4, 4, decode_steps=8, sampler=Sampler.GREEDY), "fp32"),
+    (StepShape(8, 8, 4, 8), "fp32"),
+    (StepShape(1, 1, 4, 4, decode_steps=8, sampler=Sampler.GREEDY), "fp8")],
     ids=["decode-dispatch", "flat-step", "decode-dispatch-fp8"])
 def test_step_programs_update_the_pools_in_place(model, monkeypatch, shape, cache_dtype):
   """The compiled program copies no pool: a copy of one costs in proportion to the pool, not
   the step (a reshape between the key write and the chunked indexer's read of it made XLA copy
   each key pool 8 times per decode step, seen with one row, whose scatter XLA makes an update
-  slice)."""
+  slice; a multi-step dispatch's scan carries the pools)."""
   texts = []
   compile_ = jax.stages.Lowered.compile
   monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: texts.append(
       compile_(self, *a, **k)) or texts[-1])
   num_pages = 40  # pools of their own: no program compiled by another test is reused
   engine = Engine(model, **{**SETTINGS, "num_pages": num_pages, "cache_dtype": cache_dtype})
-  engine._program(shape)
+  engine.runner.program_shape(shape)
   pools = jax.eval_shape(lambda: engine_pools(model, num_pages * SETTINGS["page_size"],
                                               engine.cache_dtype, mtp=False))
   pool_shapes = {f"[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(pools)}
   (text,) = [compiled.as_text() for compiled in texts]
   copies = re.findall(r"= \w+(\[[\d,]+\])\S* copy\(", text)
   assert not pool_shapes & set(copies), copies
+
+
+# ---- no host round trips ----------------------------------------------------------------
+
+# A loop or branch whose predicate lives on the device: XLA:GPU copies the predicate to the
+# host and blocks on it (every iteration of a ``while``), and splits its CUDA graphs there.
+DEVICE_PREDICATED = frozenset({"while", "cond"})
+
+
+def device_predicated(engine) -> dict:
+  """Every warm-up program's device-predicated loops and branches outside kernels (traced,
+  not compiled): ``{shape: {primitive: count}}`` of those that hold any."""
+  found = {}
+  for shape in engine.buckets.all_shapes():
+    _, traced = engine.trace_step(shape)
+    primitives = summarize_jaxpr(traced.jaxpr).primitives
+    held = {p: n for p, n in primitives.items() if p in DEVICE_PREDICATED}
+    if held:
+      found[shape] = held
+  return found
+
+
+@pytest.mark.parametrize("attention, extra", [
+    ("mqa-only", {}), ("dense-capable", {}), ("mqa-only", {"prompt_logprobs": True}),
+    ("mqa-only", {"cache_dtype": "fp8", "decode_steps": 1})])
+def test_no_step_program_waits_on_the_device(attention, extra):
+  """Every program an engine warms up (one step, FULL, scoring, multi-step dispatches, fresh
+  steps, fp8 pools) holds no ``while`` or ``cond`` outside kernels: multi-step decode is a
+  fixed-length scan, the indexer scores each row's own key blocks in one call, penalties are
+  a compile-time variant. (A ``cond`` back in the penalties, or the key-chunk loop on a traced
+  bound, fails this.)"""
+  model = nnx.eval_shape(lambda: CausalLM(tiny_lm(attention), rngs=nnx.Rngs(0), backend="xla"))
+  engine = Engine(model, **{**SETTINGS, "max_step_tokens": 16, "max_num_seqs": 2, **extra})
+  assert device_predicated(engine) == {}
+
+
+def test_the_next_step_is_dispatched_before_the_last_one_is_read(model, prompts):
+  """A recording stand-in around the runner: step N + 1 goes to the device before any output
+  of step N is read on the host (multi-step dispatches and single steps alike), and the
+  tokens are ``generate``'s."""
+  events = []
+  for steps in (1, 8):
+    engine = Engine(model, decode_steps=steps, **SETTINGS)
+    dispatch = engine.runner.dispatch
+
+    def recorded(shape, inputs, dispatch=dispatch):
+      flight = dispatch(shape, inputs)
+      n = sum(kind == "dispatch" for kind, _ in events)
+      events.append(("dispatch", n))
+      read = flight.read
+      flight.read = lambda: events.append(("read", n)) or read()
+      return flight
+
+    engine.runner.dispatch = recorded
+    events.clear()
+    outputs = engine.generate(prompts, max_tokens=NEW)
+    assert [list(o.tokens) for o in outputs] == _reference(model, prompts, NEW)
+    order = {event: i for i, event in enumerate(events)}
+    dispatches = sum(kind == "dispatch" for kind, _ in events)
+    assert dispatches > 3 and len(events) == 2 * dispatches
+    for n in range(dispatches - 1):
+      assert order["dispatch", n + 1] < order["read", n], (steps, events)
+
+
+def test_a_one_token_budget_prefills_without_multi_step_dispatches(model, prompts):
+  """With a step budget of one token a prompt is prefilled a token a step: those one-token
+  chunks are no decodes and never run as a multi-step dispatch (which would sample after a
+  prompt token that is not the last, and compute no row)."""
+  engine = Engine(model, **{**SETTINGS, "max_step_tokens": 1})
+  outputs = engine.generate(prompts[:2], max_tokens=4)
+  assert [list(o.tokens) for o in outputs] == _reference(model, prompts[:2], 4)
+  assert engine.stats.decode_dispatches > 0  # the decodes, once every prompt is computed

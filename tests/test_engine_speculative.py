@@ -14,7 +14,7 @@ from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.decoding import speculative
 from mla_jax.decoding.programs import ProgramCache
-from mla_jax.serving import engine as engine_module
+from mla_jax.serving import runner as engine_module
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.requests import SamplingParams
 from tests.test_engine import _logprobs_reference, _mqa_only_contract

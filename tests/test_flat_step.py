@@ -1,5 +1,5 @@
 """An engine's flat step, below the engine: its plans (segmented, from the bucket alone), the
-indexer's chunked key scan (exactly the one-shot top-k), and a flat step of several sequences
+indexer's per-row key blocks (exactly the one-shot top-k), and a flat step of several sequences
 against each sequence run alone."""
 
 import itertools
@@ -13,7 +13,7 @@ from flax import nnx
 import mla_jax as m
 from mla_jax import testing as mt
 from mla_jax.backends import XlaBackend
-from mla_jax.indexer import merge_topk, topk_indices
+from mla_jax.indexer import KeyBlocks, blocks_needed, segmented_topk, topk_indices
 from mla_jax.paged_cache import PagedLayerCache, empty_pools
 from mla_jax.routing import PrefillRoute, route_for_layers
 from mla_jax.step_plan import StepPlan, plan_flat_step
@@ -59,21 +59,26 @@ def test_segmented_plans_that_cannot_be_built(fields, match):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
-def test_merging_chunks_is_the_one_shot_topk(chunk):
-  """Ties (repeated values), NaN and -inf logits, rows with fewer finite scores than k: the
-  merged selection is the same indices in the same order, chunk by chunk."""
+def test_each_rows_own_blocks_give_the_one_shot_topk(chunk):
+  """Ties (repeated values), NaN and -inf logits, rows with fewer finite scores than k, rows
+  of different reaches (0 among them) and spare blocks: the per-row top-k over each row's own
+  key blocks is ``topk_indices`` over its keys, the same indices in the same order."""
   rng = np.random.default_rng(chunk)
-  logits = rng.integers(-3, 4, size=(2, 5, 50)).astype(np.float32)  # many ties
-  logits[0, 1, 7] = np.nan
-  logits[1, 2, :] = -np.inf
-  logits[1, 2, 3:5] = 1.0  # two finite scores only
-  logits = jnp.asarray(logits)
-  want = topk_indices(logits, TOPK)
-  values = jnp.full((2, 5, TOPK), -jnp.inf)
-  idx = jnp.full((2, 5, TOPK), -1, jnp.int32)
-  for start in range(0, 50, chunk):
-    values, idx = merge_topk(values, idx, logits[..., start:start + chunk], start)
-  np.testing.assert_array_equal(idx, want)
+  reach = np.array([50, 3, 0, 17, TOPK, 2 * TOPK + 1])
+  logits = rng.integers(-3, 4, size=(len(reach), 50)).astype(np.float32)  # many ties
+  logits[0, 7] = np.nan
+  logits[3, :] = -np.inf
+  logits[3, 3:5] = 1.0  # two finite scores only
+  logits[np.arange(50)[None, :] >= reach[:, None]] = -np.inf  # past each row's reach
+  want = topk_indices(jnp.asarray(logits)[:, None], TOPK)[:, 0]
+  spare = 3
+  blocks = KeyBlocks.for_reaches(reach, chunk, blocks_needed(reach, chunk) + spare)
+  cols = np.asarray(blocks.start_N)[:, None] + np.arange(chunk)
+  row = np.minimum(np.asarray(blocks.row_N), len(reach) - 1)
+  block_logits = np.where(cols < reach[row][:, None],
+                          logits[row[:, None], np.minimum(cols, 49)], -np.inf)
+  _, got = segmented_topk(jnp.asarray(block_logits), blocks, TOPK)
+  np.testing.assert_array_equal(got, want)
 
 
 def _pool(config, rows, seed):
@@ -86,7 +91,7 @@ def _pool(config, rows, seed):
 def test_a_flat_step_equals_each_sequence_alone():
   """Three sequences (a decode after 30 cached rows, a continuing chunk of 6 after 20, a fresh
   prompt of 5) laid end to end, one token per row, through one sparse layer: the outputs, the
-  rows written and the indexer's chunked scan equal each sequence run alone on its own pages
+  rows written and the indexer's key blocks equal each sequence run alone on its own pages
   through the batched path (which test_attention.py checks against the float64 reference)."""
   config = m.tiny()
   layer = m.DeepseekV32Attention(config, rngs=nnx.Rngs(0), backend="xla")
@@ -103,8 +108,9 @@ def test_a_flat_step_equals_each_sequence_alone():
   kv_rows = page * tables.shape[1]
   plan = plan_flat_step([layer], layer.backend, fresh_tokens=None, kv_rows=kv_rows,
                         key_chunk=16)
+  blocks = KeyBlocks.for_reaches((pos + 1) * real, 16, 32)
   flat = PagedLayerCache(latent, keys, jnp.asarray(tables[seq]), jnp.asarray(pos)[None], page,
-                         jnp.asarray(seq))
+                         jnp.asarray(seq), blocks)
   x_T1D = jnp.concatenate([*x, jnp.zeros((1, 2, config.hidden_size))], axis=1)[0][:, None]
   got = layer.attend(x_T1D, flat.layer_view(0), plan, new_lens_B=jnp.asarray(real))
   for s, (start, n) in enumerate(zip(starts, counts)):

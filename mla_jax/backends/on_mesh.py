@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from mla_jax import context_parallel, sharding
 from mla_jax.backends.base import Backend
-from mla_jax.indexer import merge_topk
+from mla_jax.indexer import KeyBlocks, segmented_topk
 
 # Candidates and union top-k: each context rank's k columns side by side.
 _SPLIT_TOPK_SPEC = P(sharding.DATA, None, sharding.CONTEXT)
@@ -51,7 +52,7 @@ class MeshOps:
     replicated: every data shard's sequences index it; or, on a context axis, split over it,
     each rank attending over the rows it holds).
 
-    ``split_rows``: the rows are a union top-k (``topk_key_chunk``), each context rank's own
+    ``split_rows``: the rows are a union top-k (``ragged_topk``), each context rank's own
     k columns of ``topk_BTK`` on that rank."""
     fn = lambda q, kv, idx: self.backend.sparse_mqa(q, kv, idx, sm_scale=sm_scale, d_v=d_v,
                                                     batched_rows=batched_rows)
@@ -94,45 +95,42 @@ class MeshOps:
     return self.backend.indexer_logits(q, keys, w, starts, ends, k_scale_BS=k_scale,
                                        key_rows_BS=rows)
 
-  def _on_pool(self, fn, carry_spec=()):
-    """``fn(*carry, q, keys, w, starts, ends, key scales, key rows)`` under ``shard_map``:
-    the pool and its scales split over ``context``, the rest over ``data`` (``carry_spec``
-    for the leading carried arrays); the output over ``data``, or like the carry."""
+  def _on_pool(self, fn):
+    """``fn(q, keys, w, starts, ends, key scales, key rows)`` under ``shard_map``: the pool
+    and its scales split over ``context``, the rest (and the output) over ``data``."""
     batch, pool = sharding.BATCH_SPEC, sharding.POOL_SPEC
-    in_specs = (*carry_spec, batch, pool, batch, batch, batch, pool, batch)
-    return sharding.shard_map(fn, self.mesh, in_specs, carry_spec or batch)
+    in_specs = (batch, pool, batch, batch, batch, pool, batch)
+    return sharding.shard_map(fn, self.mesh, in_specs, batch)
 
-  def topk_key_chunk(self, values_BTN, idx_BTN, q_BTGI, keys, w_BTG, starts_BT, ends_BT,
-                     *, k_scale, key_rows_BC, start):
-    """A running top-k (``values, idx`` [B, T, N]) merged with the scores of keys ``start +
-    c`` of a pool (``indexer.merge_topk``). On a context axis each rank keeps its own top-k of
-    its own keys: N is ``context x k``, each rank's k columns on that rank (``finish_topk``
-    merges them)."""
+  def ragged_topk(self, q_NTGI, keys, w_NTG, ends_NT, k_scale, key_rows_NC,
+                  blocks: KeyBlocks, k: int, mode: str):
+    """Each row's top-k over the keys of its own blocks (``Indexer.select_in_blocks``):
+    the blocks' logits (one query token a block, ``T`` = 1) and ``indexer.segmented_topk``,
+    [R, k]. On a context axis each rank scores the keys it holds and keeps its own top-k:
+    ``union`` mode keeps every rank's, [R, context x k] (each rank's k columns on that rank);
+    ``exact`` mode all-gathers the candidates (scores and positions, never rows) and takes
+    the global top-k, equal to one device's (``context_parallel.merge_candidates``)."""
+    starts_NT = jnp.zeros_like(ends_NT)
     if self.context == 1:
-      logits_BTC = self.indexer_logits(q_BTGI, keys, w_BTG, starts_BT, ends_BT,
-                                       k_scale_BS=k_scale, key_rows_BS=key_rows_BC)
-      return merge_topk(values_BTN, idx_BTN, logits_BTC, start)
+      logits_NTC = self.indexer_logits(q_NTGI, keys, w_NTG, starts_NT, ends_NT,
+                                       k_scale_BS=k_scale, key_rows_BS=key_rows_NC)
+      return segmented_topk(logits_NTC[:, 0], blocks, k)[1]
+    union = context_parallel.check_mode(mode) == "union"
 
-    def chunk(values, idx, *args):
-      return merge_topk(values, idx, self._local_logits(*args), start)
+    def local(q, keys, w, starts, ends, k_scale, key_rows, blocks):
+      values_RK, idx_RK = segmented_topk(
+          self._local_logits(q, keys, w, starts, ends, k_scale, key_rows)[:, 0], blocks, k)
+      if union:
+        return idx_RK
+      gather = lambda a: jax.lax.all_gather(a, sharding.CONTEXT, axis=1, tiled=True)[:, None]
+      return context_parallel.merge_candidates(gather(values_RK), gather(idx_RK), k)[:, 0]
 
-    carry = (_SPLIT_TOPK_SPEC, _SPLIT_TOPK_SPEC)
-    return self._on_pool(chunk, carry)(values_BTN, idx_BTN, q_BTGI, keys, w_BTG, starts_BT,
-                                       ends_BT, k_scale, key_rows_BC)
-
-  def finish_topk(self, values_BTN, idx_BTN, k: int, mode: str):
-    """The selection of ``topk_key_chunk``'s running top-k: as it is on one rank (or in
-    union mode: every rank's own k, [B, T, context x k]); in exact mode on a context axis the
-    ranks all-gather their candidates and take the global top-k [B, T, k]."""
-    if self.context == 1 or context_parallel.check_mode(mode) == "union":
-      return idx_BTN
-
-    def exact(values, idx):
-      gather = lambda a: jax.lax.all_gather(a, sharding.CONTEXT, axis=2, tiled=True)
-      return context_parallel.merge_candidates(gather(values), gather(idx), k)
-
-    return sharding.shard_map(exact, self.mesh, (_SPLIT_TOPK_SPEC,) * 2,
-                              sharding.BATCH_SPEC)(values_BTN, idx_BTN)
+    # The blocks stay whole on every rank (they index the step's rows, not the pool).
+    whole, pool = P(), sharding.POOL_SPEC
+    in_specs = (whole, pool, whole, whole, whole, pool, whole, whole)
+    out_spec = P(None, sharding.CONTEXT) if union else whole
+    return sharding.shard_map(local, self.mesh, in_specs, out_spec)(
+        q_NTGI, keys, w_NTG, starts_NT, ends_NT, k_scale, key_rows_NC, blocks)
 
   def dense_mha(self, q_BTHQ, k_BSHQ, v_BSHV, *, sm_scale: float, q_offset_B, kv_len_B,
                 segment_ids_BT=None):

@@ -5,9 +5,9 @@ An engine keeps every cached token's id in a pool beside its key pools (``token_
 int32 per token row, at the same page slots as its keys), so a step finds a sequence's
 tokens through its block table as attention finds its keys: prefix hits and preemptions need
 nothing of their own. Counting costs a gather of the block table's rows and a scatter into
-``[S, V]``; a one-step program does it only when some sequence asks (``lax.cond``), and a
-penalized sequence never runs in a multi-step decode dispatch (the engine's rule: counting
-in its loop made every such program's compile about 0.8 s longer).
+``[S, V]``; only the ``FULL`` step programs do it (``decoding.logits``: a step whose batch
+asks for a penalty, a bias, log-probabilities or ``min_tokens`` runs one), never a multi-step
+decode dispatch.
 
 The rules, per sequence, on the logits before temperature: a token seen in the prompt or the
 output has its logit divided by ``repetition`` if positive, multiplied by it otherwise; then
@@ -52,22 +52,3 @@ def penalized(logits_SJV, counts_SV, seen_SV, repetition_S, frequency_S, presenc
                                              logits_SJV * rep_S11), logits_SJV)
   return (logits_SJV - frequency_S[:, None, None] * counts_S1V
           - presence_S[:, None, None] * (counts_S1V > 0))
-
-
-def any_penalty(repetition_S, frequency_S, presence_S):
-  """Whether some sequence asks for a penalty (a step counts tokens only then)."""
-  return ((repetition_S != 1) | (frequency_S != 0) | (presence_S != 0)).any()
-
-
-def penalize_rows(logits_SJV, token_ids, table_SN, last_S, num_prompt_S, page_size: int,
-                  repetition_S, frequency_S, presence_S):
-  """``penalized`` with the counts of ``context_counts``, in a step where some sequence asks
-  for a penalty; the logits as they are otherwise (nothing gathered or counted)."""
-  settings = (repetition_S, frequency_S, presence_S)
-
-  def apply(logits_SJV):
-    counts = context_counts(token_ids, table_SN, last_S, num_prompt_S, page_size,
-                            logits_SJV.shape[-1])
-    return penalized(logits_SJV, *counts, *settings)
-
-  return jax.lax.cond(any_penalty(*settings), apply, lambda x: x, logits_SJV)

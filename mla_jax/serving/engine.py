@@ -1,16 +1,23 @@
-"""``Engine``: continuous batching over paged latent + indexer-key caches.
+"""``Engine``: continuous batching over paged latent + indexer-key caches, the engine's core:
+requests, scheduling, stats and the step loop; the device side (pools, programs, dispatch) is
+its ``ModelRunner``.
 
-Each ``step`` asks the scheduler for this step's work (decodes and prefill chunks) and runs
-it as one compiled program over one flat batch of tokens (``step_inputs``): every scheduled
-token in a row of its own, nothing padded per sequence. A program is compiled once per shape
-bucket (token rows; whether every sequence is fresh; decode steps) and resolves its
-``StepPlan`` from that bucket alone (``plan_flat_step``): the engine adds no routing of its
-own. A program may take the dense-MHA route only when the model class and backend both can
-and every sequence of the step starts empty with all its keys within the top-k; a mixed step
-never does, and an MQA-only model never compiles one. When a step holds plain decodes only
-and nothing waits, one dispatch runs up to ``decode_steps`` of them. ``warmup`` compiles
-every program the settings can run; ``programs`` records what each contains (its traced
-scopes), so tests walk them all.
+Each ``step`` asks the scheduler for the next step's work (decodes and prefill chunks), builds
+its inputs from the persistent input batch and dispatches it as one compiled program over one
+flat batch of tokens, *before* reading the outputs of the step in flight: the host schedules
+and prepares step N + 1 while the device runs step N, and settles N (its tokens, stops and
+finished requests) while N + 1 runs. A decode whose last token is still being computed carries
+a placeholder the program fills on the device; a request that finished in step N may waste
+one row of step N + 1, and its pages are freed once N is read (every later step runs after
+N + 1 on the device). A step program is compiled per shape bucket (token rows; key blocks;
+whether every sequence is fresh; decode steps; its sampler) and resolves its ``StepPlan`` from
+that bucket alone (``plan_flat_step``): the engine adds no routing of its own. A program may
+take the dense-MHA route only when the model class and backend both can and every sequence of
+the step starts empty with all its keys within the top-k; a mixed step never does, and an
+MQA-only model never compiles one. When a step holds plain decodes only and nothing waits,
+one dispatch runs up to ``decode_steps`` of them. ``warmup`` compiles every kind of program
+the settings can run; ``programs`` records what each contains (its traced scopes), so tests
+walk them all.
 """
 
 from __future__ import annotations
@@ -23,73 +30,31 @@ import time
 from collections.abc import Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mla_jax import checks, context_parallel, sharding
 from mla_jax.cache import resolve_cache_dtype
-from mla_jax.checks import functionalize
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
-from mla_jax.decoding.text import IncrementalText
-from mla_jax.decoding.programs import ProgramCache, signature
 from mla_jax.decoding.requests import check_fits, checked_prompt
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.decoding.text import IncrementalText
 from mla_jax.models.lm import CausalLM
-from mla_jax.paged_cache import empty_pools
 from mla_jax.routing import PrefillRoute
 from mla_jax.serving import step_inputs
+from mla_jax.serving.input_batch import InputBatch
 from mla_jax.serving.pages import PageTable, pages_for
 from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
                                       Sequence, Status, TokenLogprobs)
+from mla_jax.serving.runner import (CompiledStep, InFlight, ModelRunner, engine_pools,
+                                    page_bytes)
 from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
 from mla_jax.serving.stalls import StallGuard
-from mla_jax.serving.step_inputs import Buckets, StepInputs, StepShape
-from mla_jax.serving.step_program import StepProgram
+from mla_jax.serving.step_inputs import Buckets, StepShape
 from mla_jax.step_plan import StepPlan
-from mla_jax.traces import ProgramSummary, summarize_jaxpr
+
+__all__ = ["Engine", "EngineStats", "CompiledStep", "engine_pools", "page_bytes"]
 
 logger = logging.getLogger("mla_jax")
-
-
-# Compiled step programs of every engine in the process, keyed by shape, model and pools: the
-# most recently used ones (an engine also holds its own while it lives).
-_COMPILED = ProgramCache(max_size=256)
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledStep:
-  shape: StepShape
-  plan: StepPlan
-  summary: ProgramSummary  # what the traced program contains (scopes, primitives, kernels)
-  compile_s: float
-
-
-def engine_pools(model: CausalLM, rows: int, cache_dtype, *, mtp: bool):
-  """An engine's page pools of ``rows`` token rows: ``(main pools per group and unit, MTP
-  pools per MTP layer, or () without speculative decoding, each row's token id)`` (the ids:
-  ``mla_jax.decoding.penalties``)."""
-  config, cache_dtype = model.config, resolve_cache_dtype(cache_dtype, "cache_dtype")
-  main = tuple(
-      tuple(empty_pools(config.mla, group.reps, rows, cache_dtype,
-                        index_keys=not config.shares_topk(group.layer(0, u)))
-            for u in range(group.unit_len))
-      for group in model.layer_groups)
-  mtp_pools = tuple(empty_pools(config.mla, 1, rows, cache_dtype, index_keys=True)
-                    for _ in range(config.num_mtp_layers if mtp else 0))
-  return main, mtp_pools, jnp.zeros((rows,), jnp.int32)
-
-
-def page_bytes(model: CausalLM, page_size: int, cache_dtype="fp32", *, mtp: bool = False) -> int:
-  """The bytes one page of ``page_size`` tokens takes in every pool of an engine on one
-  device (shapes only: nothing is allocated). The engine holds its pools whole on every
-  device, or on a mesh with a ``context`` axis each device 1/context of the layers' pools
-  (and the token ids whole): the bytes of a page, averaged over the ranks."""
-  main, mtp_pools, token_ids = jax.eval_shape(
-      lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp))
-  size = lambda tree: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
-  ranks = sharding.axis_size(model.mesh, sharding.CONTEXT)
-  return -(-size((main, mtp_pools)) // ranks) + size(token_ids)
 
 
 @dataclasses.dataclass
@@ -97,48 +62,43 @@ class EngineStats:
   steps: int = 0               # dispatches (a multi-step decode dispatch counts once)
   decode_dispatches: int = 0   # of which multi-step decode dispatches
   computed_tokens: int = 0     # rows written (prompts, recomputes and decodes)
+  wasted_tokens: int = 0       # rows of requests that had finished in the step before
   output_tokens: int = 0
   draft_tokens: int = 0        # speculative decoding: drafts verified
   accepted_tokens: int = 0     # and accepted
-  compile_s: float = 0.0
-  run_s: float = 0.0
-  host_s: float = 0.0          # scheduling and step-input building (compiles excluded)
+  compile_s: float = 0.0       # compiles a step waited for (background ones excluded)
+  run_s: float = 0.0           # dispatch to outputs on the host, summed over steps
+  wait_s: float = 0.0          # the host blocked on a step's outputs
+  host_s: float = 0.0          # the rest of ``step``: scheduling, inputs, dispatch, commit
 
 
-@dataclasses.dataclass(frozen=True)
-class _Results:
-  """What one dispatch gave the host, per chunk (slot) b: its new tokens, the accepted drafts,
-  token j's log-probabilities, and the drafts its next step verifies."""
+@dataclasses.dataclass
+class _Dispatched:
+  """A step sent to the device and not read yet: its batch (``Scheduler.dispatched``'s) and
+  outputs."""
 
-  outputs: tuple
+  batch: StepBatch
+  flight: InFlight
   multi: bool
 
-  def tokens(self, b: int, chunk: Chunk) -> list[int]:
+  def tokens(self, outputs: dict) -> list[list[int]]:
+    """Each step slot's new tokens (a multi-step dispatch's column stops at -1)."""
+    chunks = self.batch.chunks
     if self.multi:
-      column = self.outputs[0][:, b]
-      return [int(t) for t in column[column >= 0]]
-    if not chunk.samples:
-      return []
-    return self.outputs[0][b, :int(self.outputs[1][b]) + 1].tolist()
+      columns = outputs["tokens"].T[:len(chunks)].tolist()
+      return [[t for t in column if t >= 0] for column in columns]
+    rows = outputs["tokens"][:len(chunks)].tolist()
+    accepted = outputs["accepted"][:len(chunks)].tolist()
+    return [row[:a + 1] if c.samples else [] for row, a, c in zip(rows, accepted, chunks)]
 
-  def accepted(self, b: int) -> int:
-    return 0 if self.multi else int(self.outputs[1][b])
 
-  def logprobs(self, b: int, j: int, n: int) -> TokenLogprobs:
-    """(A step's: a multi-step dispatch runs only when no sequence asks for them.)"""
-    tokens, chosen, top_ids, top = (a[b, j] for a in (self.outputs[0], *self.outputs[2:5]))
-    return TokenLogprobs(int(tokens), float(chosen),
-                         tuple(zip(top_ids[:n].tolist(), top[:n].tolist())))
+class CheckedPrompt(list):
+  """A prompt's token ids as ``Engine.check_request`` accepted them, for these params on this
+  engine (a list of ints like any prompt)."""
 
-  def drafts(self, b: int) -> list[int]:
-    """The drafts the program made for slot b's next step (as many as it meant)."""
-    return self.outputs[5][b, :int(self.outputs[6][b])].tolist()
-
-  def row_score(self, t: int, token: int, n: int) -> TokenLogprobs:
-    """(A scoring step's:) row t's log-probability of ``token``, the token after it."""
-    chosen, rank, top_ids, top = (a[t] for a in self.outputs[7:11])
-    return TokenLogprobs(token, float(chosen), tuple(zip(top_ids[:n].tolist(),
-                                                         top[:n].tolist())), int(rank))
+  def __init__(self, ids, checked_by: Engine, params: SamplingParams):
+    super().__init__(ids)
+    self.checked_by, self.params = checked_by, params
 
 
 class Engine:
@@ -216,37 +176,35 @@ class Engine:
     self.log_interval = _checked_interval(log_interval)
     seed = checks.static_int(seed, "seed", minimum=0, maximum=2**63 - 1)
     self.model = model
-    self._graphdef, state = nnx.split(model)
-    self._state_leaves, self._state_def = jax.tree.flatten(state)
     self._multiprocess = jax.process_count() > 1
-    mesh = model.mesh
-    data_shards = sharding.axis_size(mesh, sharding.DATA)
-    self.context = sharding.axis_size(mesh, sharding.CONTEXT)
+    data_shards = sharding.axis_size(model.mesh, sharding.DATA)
+    self.context = sharding.axis_size(model.mesh, sharding.CONTEXT)
     self.context_topk = context_parallel.check_mode(context_topk)
     if self.num_pages % self.context:
       raise ValueError(f"num_pages {self.num_pages} cannot be split over mesh axis 'context' "
                        f"of size {self.context}: give a multiple of {self.context}")
-    # Where the pools live on the mesh, which every compiled step keeps (None: no mesh).
-    self._pool_placement = None if mesh is None else self._pool_shardings()
-    self._pools = self._empty_pools() if mesh is None else jax.jit(
-        self._empty_pools, out_shardings=self._pool_placement)()
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
     self.scheduler = Scheduler(
         self.pages, max_num_seqs=self.max_num_seqs, max_step_tokens=self.max_step_tokens,
         prefix_caching=prefix_caching)
-    indexer = mla.indexer
-    # The indexer scores keys this many positions at a time, up to the live reach only.
-    self._key_chunk = None if indexer is None else model.backend.key_chunk
+    # The indexer scores a flat step's keys in blocks of this many positions, each row its own.
+    self._key_chunk = None if mla.indexer is None else model.backend.key_chunk
     self._logit_rows = 1 + self.max_speculative_tokens
-    self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs,
-                           pages_for(self.max_model_len, self.page_size),
-                           self._dense_bound(), self.decode_steps, data_shards,
-                           scores=prompt_logprobs)
+    max_pages = pages_for(self.max_model_len, self.page_size)
+    self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs, max_pages, self.page_size,
+                           self._key_chunk, self._dense_bound(), self.decode_steps,
+                           data_shards, scores=prompt_logprobs)
+    self.runner = ModelRunner(
+        model, num_rows=self.num_pages * self.page_size, page_size=self.page_size,
+        cache_dtype=self.cache_dtype, num_slots=self.max_num_seqs, logit_rows=self._logit_rows,
+        mtp=bool(self.max_speculative_tokens), context_topk=self.context_topk,
+        buckets=self.buckets, plan_of=self._plans)
+    self._inputs = InputBatch(self.max_num_seqs, max_pages)
+    self._in_flight: _Dispatched | None = None
     self._seqs: dict[str, Sequence] = {}
     self._ids = itertools.count()
     self._seed_rng = np.random.default_rng(seed)
-    self._programs: dict[StepShape, tuple[jax.stages.Compiled, CompiledStep]] = {}
     self.stats = EngineStats()
     self._stall = StallGuard()
     self._last_log = time.perf_counter()
@@ -272,19 +230,16 @@ class Engine:
     """The plan of the step program compiled for ``shape``, from the shape alone."""
     return self._flat_plan(self.buckets.dense_bound if shape.fresh else None, shape.kv_pages)
 
-  def _empty_pools(self):
-    return engine_pools(self.model, self.num_pages * self.page_size, self.cache_dtype,
-                        mtp=bool(self.max_speculative_tokens))
+  def _plans(self, shape: StepShape) -> tuple[StepPlan, StepPlan | None]:
+    """A shape's plan and, in a speculative engine's one-step programs, its drafts' plan."""
+    drafts = self._logit_rows > 1 and shape.decode_steps == 1
+    return self.step_plan(shape), (self._flat_plan(None, shape.kv_pages, segmented=False)
+                                   if drafts else None)
 
-  def _pool_shardings(self):
-    """Where the pools live on the model's mesh: the layers' rows split over ``context``
-    (``sharding.POOL_SPEC``), the token ids whole on every device."""
-    main, mtp, _ = jax.eval_shape(self._empty_pools)
-    placed = lambda spec: jax.sharding.NamedSharding(self.model.mesh, spec)
-    rows = lambda tree: jax.tree.map(lambda _: placed(sharding.POOL_SPEC), tree)
-    return rows(main), rows(mtp), placed(sharding.REPLICATED)
-
-  # ---- requests -------------------------------------------------------------------------
+  @property
+  def _pools(self):
+    """The page pools (the runner's)."""
+    return self.runner.pools
 
   def add_request(self, prompt, params: SamplingParams | None = None, *,
                   request_id: str | None = None) -> str:
@@ -297,7 +252,9 @@ class Engine:
     """
     self._only_on_process_0("add_request")
     params = SamplingParams() if params is None else params
-    tokens = self.check_request(prompt, params)
+    checked = (isinstance(prompt, CheckedPrompt) and prompt.checked_by is self
+               and prompt.params is params)
+    tokens = list(prompt) if checked else self.check_request(prompt, params)
     if request_id is None:
       request_id = f"req-{next(self._ids)}"
     elif not isinstance(request_id, str) or not request_id:
@@ -314,11 +271,13 @@ class Engine:
     self.scheduler.add(seq)
     return request_id
 
-  def check_request(self, prompt, params: SamplingParams, name: str = "prompt") -> list[int]:
+  def check_request(self, prompt, params: SamplingParams, name: str = "prompt"
+                    ) -> CheckedPrompt:
     """The prompt's token ids, once the request is known to fit; refused by name otherwise
     (see ``add_request``; ``name`` is what errors call the prompt). The one check of a
-    request (the server calls it before queueing); it reads only the engine's fixed
-    settings, so any thread may call it."""
+    request: ``add_request`` given these ids (a ``CheckedPrompt``) and the same params does
+    not check again (the server and ``generate`` check before queueing). It reads only the
+    engine's fixed settings, so any thread may call it."""
     if not isinstance(params, SamplingParams):
       raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str):
@@ -355,7 +314,7 @@ class Engine:
                        + ("" if self.max_speculative_tokens else
                           " (Engine(..., max_speculative_tokens=K) with a model that has MTP "
                           "layers)"))
-    return ids
+    return CheckedPrompt(ids, self, params)
 
   def abort(self, request_id: str) -> None:
     """Stops a request (waiting or running) and frees its pages; ``KeyError`` if unknown."""
@@ -366,7 +325,8 @@ class Engine:
       self.scheduler.abort(seq)
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished()
+    """Whether a request is waiting or running, or a step is in flight."""
+    return self.scheduler.has_unfinished() or self._in_flight is not None
 
   def output(self, request_id: str) -> RequestOutput:
     """A request's output so far; ``KeyError`` naming an unknown id."""
@@ -388,60 +348,108 @@ class Engine:
   # ---- steps ----------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
-    """Runs one step (or one multi-step decode dispatch); returns the requests that got tokens
-    in it. ``stalls.EngineStalled`` (naming the requests) after ``MAX_STEPS_WITHOUT_PROGRESS``
-    steps in a row in which no request made progress: an engine bug, rather than a hang."""
+    """Dispatches the next step (or multi-step decode dispatch), then settles the one before
+    it; returns the requests that got tokens (or finished) in the settled step. So a step's
+    tokens come back from the next call (``has_unfinished`` is true while a step is in
+    flight). A step whose next one needs its outputs on the host first (a speculative
+    request's drafts) is settled before scheduling. ``stalls.EngineStalled`` (naming the
+    requests) after ``MAX_STEPS_WITHOUT_PROGRESS`` calls in a row in which no request made
+    progress: an engine bug, rather than a hang."""
     self._only_on_process_0("step")
-    t0, compile_before = time.perf_counter(), self.stats.compile_s
-    batch = self.scheduler.schedule()
-    if self._multi_step(batch):
-      self.stats.decode_dispatches += 1
-    results, run_s = (self._run(batch) if batch else (None, 0.0))
+    t0, compile_before, wait_before = (time.perf_counter(), self.runner.compile_s,
+                                       self.stats.wait_s)
+    updates = []
+    if self._in_flight is not None and self._drafts_needed(self._in_flight.batch):
+      updates += self._settle(self._in_flight)
+      self._in_flight = None
+    dispatched = self._dispatch(self.scheduler.schedule())
+    if self._in_flight is not None:
+      updates += self._settle(self._in_flight)
+    self._in_flight = dispatched
+    # Progress: rows sent to the device, rows and tokens settled, requests finished.
+    self._stall.after_step((self.scheduler.rows_dispatched, self.stats.computed_tokens,
+                            self.stats.output_tokens, self.scheduler.num_finished),
+                           lambda: list(self._seqs.values()))
+    compiled = self.runner.compile_s - compile_before
+    self.stats.compile_s += compiled
+    self.stats.host_s += (time.perf_counter() - t0 - compiled
+                          - (self.stats.wait_s - wait_before))
+    return updates
+
+  @staticmethod
+  def _drafts_needed(batch: StepBatch) -> bool:
+    return any(c.samples and c.seq.params.speculative_tokens for c in batch.chunks)
+
+  def _dispatch(self, batch: StepBatch) -> _Dispatched | None:
+    if not batch:
+      return None
+    multi = self._multi_step(batch)
+    shape = self.buckets.shape(batch.chunks, batch.decode_steps)
+    program = self.runner.program_shape(shape)
+    inputs = self._inputs.build(batch.chunks, self.runner.layout(program), batch.decode_steps)
+    flight = self.runner.dispatch(program, inputs)
+    self.stats.steps += 1
+    self.stats.decode_dispatches += multi
+    return _Dispatched(self.scheduler.dispatched(batch), flight, multi)
+
+  def _settle(self, dispatched: _Dispatched) -> list[RequestOutput]:
+    """Reads a dispatched step's outputs and commits them: tokens, stops, finished requests,
+    log-probabilities and drafts."""
+    t0 = time.perf_counter()
+    outputs = dispatched.flight.read()
+    done = time.perf_counter()
+    self.stats.wait_s += done - t0
+    self.stats.run_s += done - dispatched.flight.dispatched_at
+    batch = dispatched.batch
     chunks = batch.chunks
-    sampled = {id(c): results.tokens(b, c) for b, c in enumerate(chunks)}
+    sampled = {id(c): new for c, new in zip(chunks, dispatched.tokens(outputs))}
     # A multi-step dispatch wrote a row for every token it emitted; a step, its chunks' rows.
-    computed = (sum(map(len, sampled.values())) if batch.decode_steps > 1 else
-                sum(c.num_computed for c in chunks))
-    if results is not None and not results.multi:
-      self._record_scores(chunks, results)
+    # The rows of a request that had finished when the step ran (it ended in the step before,
+    # still in flight when this one was scheduled) were wasted.
+    for c in chunks:
+      rows = min(len(sampled[id(c)]), c.emits) if dispatched.multi else c.num_computed
+      if c.seq.status is Status.FINISHED:
+        self.stats.wasted_tokens += rows
+      else:
+        self.stats.computed_tokens += rows
+    if "row_logprob" in outputs:
+      self._record_scores(chunks, outputs)
     grown = self.scheduler.commit(batch, sampled, self._stop_reason)
     slot = {id(c.seq): (b, c) for b, c in enumerate(chunks)}
     for seq, count in grown:
-      self._record(seq, count, *slot[id(seq)], results)
-    self.stats.steps += 1
-    self.stats.run_s += run_s
-    self.stats.computed_tokens += computed
-    self.stats.output_tokens += sum(count for _, count in grown)
-    compiled = self.stats.compile_s - compile_before
-    self.stats.host_s += time.perf_counter() - t0 - run_s - compiled
-    self._maybe_log(sum(count for _, count in grown))
-    self._stall.after_step(self._seqs.values())
-    return [RequestOutput.of(seq, seq.tokens[len(seq.tokens) - count:]) for seq, count in grown]
+      self._record(seq, count, *slot[id(seq)], outputs)
+    new_tokens = sum(count for _, count in grown)
+    self.stats.output_tokens += new_tokens
+    self._maybe_log(new_tokens)
+    return [RequestOutput.of(seq, count) for seq, count in grown]
 
   def _multi_step(self, batch: StepBatch) -> bool:
     """Whether ``batch`` runs as a multi-step decode dispatch (pages reserved if so): plain
-    decodes only (no drafts, no log-probabilities or penalties asked), nothing waiting, and
-    every stop id checkable on the device."""
+    decodes only (no drafts; no log-probabilities, bias, penalties or held-back stop ids
+    asked: ``step_inputs.wants_full``), nothing waiting, and every stop id checkable on the
+    device."""
     if self.decode_steps == 1 or self.scheduler.waiting or not batch.decodes or any(
-        c.seq.params.speculative_tokens or c.seq.params.logprobs is not None
-        or c.seq.params.penalized or len(c.seq.stop_ids) > step_inputs.STOP_IDS
-        for c in batch.decodes):
+        c.seq.params.speculative_tokens or step_inputs.wants_full(c)
+        or len(c.seq.stop_ids) > step_inputs.STOP_IDS for c in batch.decodes):
       return False
     return self.scheduler.reserve_decode_steps(batch, self.decode_steps)
 
   @staticmethod
-  def _record_scores(chunks: list[Chunk], results: _Results) -> None:
+  def _record_scores(chunks: list[Chunk], outputs: dict) -> None:
     """The prompt log-probabilities a scoring step computed: the entry of prompt token p + 1
     from row p, for each chunk whose request asks (rows lie end to end, chunk by chunk)."""
     t = 0
     for c in chunks:
       seq = c.seq
       if step_inputs.wants_scores(c):
+        n = seq.params.prompt_logprobs
         last = min(c.num_cached + c.num_tokens, seq.num_prompt - 1)  # rows [num_cached, last)
         for p in range(c.num_cached, last):
-          seq.prompt_logprobs[p + 1] = results.row_score(t + p - c.num_cached,
-                                                         seq.tokens[p + 1],
-                                                         seq.params.prompt_logprobs)
+          r = t + p - c.num_cached
+          top = zip(outputs["row_top_ids"][r, :n].tolist(), outputs["row_top"][r, :n].tolist())
+          seq.prompt_logprobs[p + 1] = TokenLogprobs(
+              seq.tokens[p + 1], float(outputs["row_logprob"][r]), tuple(top),
+              int(outputs["row_rank"][r]))
         seq.num_scored = max(seq.num_scored, last)
       t += c.num_computed
 
@@ -451,22 +459,27 @@ class Engine:
     ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
     return tuple(dict.fromkeys(ids))
 
-  def _record(self, seq: Sequence, count: int, b: int, chunk: Chunk, results: _Results) -> None:
+  def _record(self, seq: Sequence, count: int, b: int, chunk: Chunk, outputs: dict) -> None:
     """After ``seq`` took ``count`` tokens of slot ``b``: their log-probabilities (if asked),
     its text when it finished, the drafts' tally and the drafts its next step verifies."""
     if seq.params.logprobs is not None:
-      seq.logprobs.extend(results.logprobs(b, j, seq.params.logprobs) for j in range(count))
+      n = seq.params.logprobs
+      for j in range(count):
+        top = zip(outputs["top_ids"][b, j, :n].tolist(), outputs["top"][b, j, :n].tolist())
+        seq.logprobs.append(TokenLogprobs(int(outputs["tokens"][b, j]),
+                                          float(outputs["logprob"][b, j]), tuple(top)))
     if seq.status is Status.FINISHED and seq.detok is not None:
       seq.detok.flush()
       seq.text = seq.detok.text
-    if not seq.params.speculative_tokens:
+    if not seq.params.speculative_tokens or "drafts" not in outputs:
       return
-    accepted = results.accepted(b)
+    accepted = int(outputs["accepted"][b])
     seq.num_drafted += len(chunk.drafts)
     seq.num_accepted += accepted
     self.stats.draft_tokens += len(chunk.drafts)
     self.stats.accepted_tokens += accepted
-    seq.drafts = results.drafts(b) if seq.status is not Status.FINISHED else []
+    seq.drafts = (outputs["drafts"][b, :int(outputs["wanted"][b])].tolist()
+                  if seq.status is not Status.FINISHED else [])
 
   def _stop_reason(self, seq: Sequence) -> str | None:
     """After ``seq`` took a token: "stop" at a stop id or stop string, "length" at its last
@@ -479,32 +492,9 @@ class Engine:
       return "stop"
     if seq.detok is not None and seq.detok.stop_at is not None:
       return "stop"
-    if len(seq.output) >= seq.params.max_tokens:
+    if len(seq.tokens) - seq.num_prompt >= seq.params.max_tokens:
       return "length"
     return None
-
-  def _run(self, batch: StepBatch) -> tuple[_Results, float]:
-    """Runs one compiled step program over ``batch`` (on every process): what it gave the
-    host, and the seconds it ran."""
-    shape = self.buckets.shape(batch.chunks, batch.decode_steps)
-    inputs = step_inputs.build(batch.chunks, shape, logit_rows=self._logit_rows)
-    if self._multiprocess:
-      step_inputs.broadcast(shape.header(), inputs)
-    outputs, seconds = self._execute(shape, inputs)
-    return _Results(outputs, shape.decode_steps > 1), seconds
-
-  def _execute(self, shape: StepShape, inputs: StepInputs):
-    program = self._program(shape)
-    mesh = self.model.mesh
-    arrays = inputs.arrays()
-    if mesh is not None:  # token rows split over ``data``; the sequences' few values whole
-      n = StepInputs.NUM_TOKEN_ARRAYS
-      arrays = ([sharding.put(a, mesh, sharding.BATCH_SPEC) for a in arrays[:n]]
-                + [sharding.put(a, mesh, sharding.REPLICATED) for a in arrays[n:]])
-    t0 = time.perf_counter()
-    outputs, self._pools = program(self._state_leaves, self._pools, *arrays)
-    outputs = [sharding.fetch(a) for a in outputs]  # collectives with several processes
-    return outputs, time.perf_counter() - t0
 
   # ---- several processes ------------------------------------------------------------------
 
@@ -513,14 +503,13 @@ class Engine:
     ``shutdown``. Each process builds the same ``Engine`` (same model and settings)."""
     if not self._multiprocess or jax.process_index() == 0:
       raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
-    while (received := step_inputs.receive(self._logit_rows)) is not None:
-      self._execute(*received)
+    self.runner.follow()
 
   def shutdown(self) -> None:
     """On process 0 of a multi-process run: releases the followers from ``follow``."""
     if self._multiprocess:
       self._only_on_process_0("shutdown")
-      step_inputs.broadcast(step_inputs.STOP_HEADER, None)
+      self.runner.shutdown()
 
   def _only_on_process_0(self, what: str) -> None:
     if jax.process_index() != 0:
@@ -532,69 +521,33 @@ class Engine:
   @property
   def programs(self) -> list[CompiledStep]:
     """Every step program compiled so far, with its plan and what its trace contains."""
-    return [entry for _, entry in self._programs.values()]
+    return self.runner.programs
 
   def warmup(self, *, progress: bool = False) -> tuple[int, float]:
-    """Compiles every step program this engine's settings can run (``Buckets.all_shapes``),
-    so that serving never compiles; returns ``(programs compiled, seconds)``. Programs
-    already compiled (by this engine or another over the same model and pools) are reused.
-    ``progress``: a progress bar on stderr."""
+    """Compiles every kind of step program this engine's settings can run
+    (``Buckets.all_shapes``: each at its covering key blocks), so that serving never waits
+    for a compile; returns ``(programs compiled, seconds)``. Programs already compiled (by
+    this engine or another over the same model and pools) are reused. ``progress``: a
+    progress bar on stderr."""
     from mla_jax.progress import progress_bar
 
-    t0, before = time.perf_counter(), self.stats.compile_s
+    t0, before = time.perf_counter(), self.runner.compile_s
     shapes = self.buckets.all_shapes()
     with progress_bar(len(shapes), "compiling step programs", unit="program",
                       enabled=progress) as bar:
       for shape in shapes:
-        self._program(shape)
+        self.runner.program_shape(shape)
         bar.update(1)
     seconds = time.perf_counter() - t0
+    self.stats.compile_s += self.runner.compile_s - before
     logger.info("engine warm-up: %d step programs ready in %.1f s (%.1f s compiling, the rest "
-                "reused)", len(shapes), seconds, self.stats.compile_s - before)
+                "reused)", len(shapes), seconds, self.runner.compile_s - before)
     return len(shapes), seconds
 
-  def _program(self, shape: StepShape):
-    if shape in self._programs:
-      return self._programs[shape][0]
-    key = (shape, self.page_size, self._logit_rows, self.context_topk, self._graphdef,
-           self._state_def, signature((self._state_leaves, self._pools)))
-    # Engines over the same model, pool shapes and selection share programs.
-    self._programs[shape], seconds = _COMPILED.lookup(key, lambda: self._compile(shape))
-    self.stats.compile_s += seconds
-    return self._programs[shape][0]
-
   def trace_step(self, shape: StepShape):
-    """``(plan, traced)``: the step program of ``shape`` traced (``jax.stages.Traced``), not
-    compiled; ``summarize_jaxpr(traced.jaxpr)`` says what it contains (the routing contract
-    is asserted on it without compiling, e.g. for a backend whose kernels only run on a
-    GPU)."""
-    mesh = self.model.mesh
-    plan = self.step_plan(shape)
-    drafts = self._logit_rows > 1 and shape.decode_steps == 1
-    program = StepProgram(plan, self._flat_plan(None, shape.kv_pages, segmented=False)
-                          if drafts else None, mtp=bool(self.max_speculative_tokens),
-                          page_size=self.page_size, logit_rows=self._logit_rows,
-                          decode_steps=shape.decode_steps, greedy=shape.greedy,
-                          scores=shape.scores, context=self.context)
-    step = program.build(self._graphdef, self._state_def, self.model.layer_groups,
-                         self._pool_placement)
-    jitted = jax.jit(functionalize(step, False), donate_argnums=1)
-    arrays = StepInputs.zeros(shape, self._logit_rows, step_inputs.STOP_IDS).arrays()
-    n = StepInputs.NUM_TOKEN_ARRAYS
-    placed = lambda spec: None if mesh is None else jax.sharding.NamedSharding(mesh, spec)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed(
-        sharding.BATCH_SPEC if i < n else sharding.REPLICATED)) for i, a in enumerate(arrays)]
-    return plan, jitted.trace(self._state_leaves, self._pools, *args)
-
-  def _compile(self, shape: StepShape):
-    t0 = time.perf_counter()
-    plan, traced = self.trace_step(shape)
-    compiled = traced.lower().compile()
-    seconds = time.perf_counter() - t0
-    logger.debug("compiled step program %s (route %s) in %.1f s", shape, plan.route.name,
-                 seconds)
-    run = lambda *args: compiled(*args)[1]  # (check error: always None unchecked, outputs)
-    return run, CompiledStep(shape, plan, summarize_jaxpr(traced.jaxpr), seconds)
+    """``(plan, traced)``: the step program of ``shape`` traced, not compiled
+    (``ModelRunner.trace_step``)."""
+    return self.runner.trace_step(shape)
 
   # ---- offline and streaming ------------------------------------------------------------
 
@@ -618,6 +571,8 @@ class Engine:
     token_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
     ids = [self.add_request(tokens, p) for tokens, p in zip(token_ids, per_prompt)]
     while any(self._seqs[i].status is not Status.FINISHED for i in ids):
+      self.step()
+    while self._in_flight is not None:  # a last step dispatched for requests now finished
       self.step()
     return [self.release(i) for i in ids]
 
@@ -643,7 +598,7 @@ class Engine:
                 "%.1f tokens/s, %d programs%s", len(self.scheduler.running),
                 len(self.scheduler.waiting), self.pages.num_in_use, self.num_pages,
                 self.pages.num_cached, self._log_tokens / (now - self._last_log),
-                len(self._programs),
+                len(self.programs),
                 f", draft acceptance {self.stats.accepted_tokens / drafts:.2f}" if drafts else "")
     self._last_log, self._log_tokens = now, 0
 

@@ -29,11 +29,13 @@ class OutOfPages(RuntimeError):
 
 
 def page_keys(tokens: Sequence[int], page_size: int, salt, start: int = 0,
-              parent=None) -> list:
-  """Chain keys of the full pages of ``tokens`` from page ``start`` on (``parent``: the key of
-  page ``start - 1``, or None at the root)."""
+              parent=None, stop: int | None = None) -> list:
+  """Chain keys of the full pages of ``tokens`` from page ``start`` on, before page ``stop``
+  (default: every full page; ``parent``: the key of page ``start - 1``, or None at the
+  root). Only those pages' tokens are read."""
   keys, key = [], parent if start else (salt,)
-  for first in range(start * page_size, len(tokens) - page_size + 1, page_size):
+  end = len(tokens) if stop is None else min(len(tokens), stop * page_size)
+  for first in range(start * page_size, end - page_size + 1, page_size):
     key = hash((key, tuple(tokens[first:first + page_size])))
     keys.append(key)
   return keys

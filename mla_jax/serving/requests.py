@@ -3,6 +3,7 @@ reports of it (``RequestOutput``). Plain Python: the scheduler and the server us
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
 import math
@@ -199,13 +200,22 @@ class Sequence:
   num_drafted: int = 0            # draft tokens verified so far
   num_accepted: int = 0           # of which accepted
 
+  slot: int | None = None         # its persistent slot while running (step inputs, last token)
+  admissions: int = 0             # times admitted (a preempted one returns with new pages)
+  num_pending: int = 0            # tokens sampled by a step in flight, not read yet
+
   @property
   def output(self) -> list[int]:
     return self.tokens[self.num_prompt:]
 
   @property
+  def num_output(self) -> int:
+    """Tokens generated, those in flight included."""
+    return len(self.tokens) + self.num_pending - self.num_prompt
+
+  @property
   def num_uncomputed(self) -> int:
-    return len(self.tokens) - self.num_cached
+    return len(self.tokens) + self.num_pending - self.num_cached
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,11 +251,60 @@ class RequestOutput:
     return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
   @classmethod
-  def of(cls, seq: Sequence, new_tokens=()) -> RequestOutput:
-    return cls(seq.request_id, tuple(seq.tokens[:seq.num_prompt]), tuple(seq.output),
-               tuple(new_tokens), seq.status is Status.FINISHED, seq.finish_reason, seq.text,
-               seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_prompt,
-               seq.num_preemptions,
-               None if seq.params.logprobs is None else tuple(seq.logprobs),
-               None if seq.params.prompt_logprobs is None else tuple(seq.prompt_logprobs),
-               seq.num_drafted, seq.num_accepted)
+  def of(cls, seq: Sequence, num_new: int = 0) -> RequestOutput:
+    """``seq`` as it is now, its last ``num_new`` tokens new. Its token and log-probability
+    lists are taken as ``Snapshot`` views (they only ever grow), so an update costs the same
+    however long the request has run (and its fields are set in one go: a frozen dataclass's
+    ``__init__`` sets them one by one, four times slower, once per request and step)."""
+    end = len(seq.tokens)
+    params = seq.params
+    out = object.__new__(cls)
+    out.__dict__.update(
+        request_id=seq.request_id, prompt_tokens=Snapshot(seq.tokens, 0, seq.num_prompt),
+        tokens=Snapshot(seq.tokens, seq.num_prompt, end),
+        new_tokens=tuple(seq.tokens[end - num_new:end]), finished=seq.status is Status.FINISHED,
+        finish_reason=seq.finish_reason, text=seq.text, arrival_time=seq.arrival_time,
+        first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+        num_cached_prompt_tokens=seq.num_cached_prompt, num_preemptions=seq.num_preemptions,
+        logprobs=None if params.logprobs is None else Snapshot(seq.logprobs, 0,
+                                                              len(seq.logprobs)),
+        prompt_logprobs=(None if params.prompt_logprobs is None else
+                         tuple(seq.prompt_logprobs)),
+        num_draft_tokens=seq.num_drafted, num_accepted_tokens=seq.num_accepted)
+    return out
+
+
+class Snapshot(collections.abc.Sequence):
+  """``items[start:stop]`` of a list that only grows, without copying it: a read-only sequence
+  equal to the tuple it stands for."""
+
+  __slots__ = ("_items", "_start", "_stop")
+
+  def __init__(self, items: list, start: int, stop: int):
+    self._items, self._start, self._stop = items, start, stop
+
+  def __len__(self) -> int:
+    return self._stop - self._start
+
+  def __getitem__(self, index):
+    return tuple(self)[index] if isinstance(index, slice) else self._items[
+        self._start + range(len(self))[index]]
+
+  def __iter__(self):
+    return iter(self._items[self._start:self._stop])
+
+  def __eq__(self, other) -> bool:
+    if isinstance(other, (tuple, list, Snapshot)):
+      return tuple(self) == tuple(other)
+    return NotImplemented
+
+  __hash__ = None
+
+  def __add__(self, other):
+    return tuple(self) + tuple(other)
+
+  def __radd__(self, other):
+    return other + (list if isinstance(other, list) else tuple)(self)
+
+  def __repr__(self) -> str:
+    return repr(tuple(self))

@@ -26,21 +26,32 @@ from mla_jax.serving.pages import PageTable, page_keys, pages_for
 from mla_jax.serving.requests import Sequence, Status
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Chunk:
-  """``num_tokens`` tokens of ``seq`` from position ``num_cached``; ``samples``: it reaches the last
-  token, so the step samples the sequence's next token. A decode (one token) may carry
-  ``drafts`` to verify after it (speculative decoding)."""
+  """``num_tokens`` tokens of ``seq`` from position ``num_cached``; ``samples``: it reaches the
+  last token (known or in flight), so the step samples the sequence's next token. A decode
+  (one token) may carry ``drafts`` to verify after it (speculative decoding). ``token_ids``:
+  the tokens, -1 for one still being computed by the step in flight (a placeholder the program
+  fills on the device). ``emits``: tokens the step is expected to give it (set on dispatch: 1,
+  or a multi-step dispatch's steps up to its last allowed token; fewer only if it stops)."""
 
   seq: Sequence
   num_cached: int
   num_tokens: int
   drafts: tuple[int, ...] = ()
+  samples: bool = False
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  emits: int = 0
+  num_computed: int = 0  # rows the step computes: the tokens and the drafts
 
-  @property
-  def num_computed(self) -> int:
-    """Rows the step computes: the tokens and the drafts."""
-    return self.num_tokens + len(self.drafts)
+  @classmethod
+  def of(cls, seq: Sequence, num_tokens: int, drafts: tuple[int, ...] = ()) -> Chunk:
+    start, known = seq.num_cached, len(seq.tokens)
+    ids = seq.tokens[start:start + num_tokens]
+    if len(ids) < num_tokens:  # in flight (only ever a decode's one token)
+      ids += [-1] * (num_tokens - len(ids))
+    return cls(seq, start, num_tokens, drafts, start + num_tokens == known + seq.num_pending, ids,
+               0, num_tokens + len(drafts))
 
   @property
   def rows(self) -> int:
@@ -53,14 +64,6 @@ class Chunk:
     last = self.seq.num_prompt + self.seq.params.max_tokens  # rows [0, last) at most
     return max(self.num_computed,
                min(self.num_tokens + len(self.drafts) + k - 1, last - self.num_cached))
-
-  @property
-  def samples(self) -> bool:
-    return self.num_cached + self.num_tokens == len(self.seq.tokens)
-
-  @property
-  def token_ids(self) -> list[int]:
-    return self.seq.tokens[self.num_cached:self.num_cached + self.num_tokens]
 
 
 @dataclasses.dataclass
@@ -101,6 +104,9 @@ class Scheduler:
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []  # in admission order
     self.num_preemptions = 0
+    self.rows_dispatched = 0  # rows a dispatched step computes, ever (progress: stall guard)
+    self.num_finished = 0
+    self._free_slots = list(range(max_num_seqs))[::-1]  # a running sequence's persistent slot
 
   def add(self, seq: Sequence) -> None:
     self.waiting.append(seq)
@@ -109,50 +115,80 @@ class Scheduler:
     return bool(self.waiting or self.running)
 
   def abort(self, seq: Sequence) -> None:
-    """Removes ``seq`` wherever it is and frees its pages."""
-    if seq in self.running:
+    """Removes ``seq`` wherever it is and frees its pages (a step in flight may still write
+    them: every later step runs after it)."""
+    self._end(seq, "abort")
+
+  def _end(self, seq: Sequence, reason: str) -> None:
+    if seq.status is Status.RUNNING:
       self.running.remove(seq)
-    elif seq in self.waiting:
+    elif seq.status is Status.WAITING:
       self.waiting.remove(seq)
     self._release(seq)
-    self._finish(seq, "abort")
+    self._finish(seq, reason)
+    self.num_finished += 1
 
   # ---- scheduling -----------------------------------------------------------------------
 
   def schedule(self) -> StepBatch:
+    """This step's chunks. Tokens still in flight count as computed (their rows are being
+    written) and as the sequences' own (a decode of one in flight reads it on the device); a
+    sequence whose last allowed token is in flight is left out."""
     batch, budget = StepBatch(), self.max_step_tokens
     for seq in list(self.running):
       if budget == 0:
         break
-      if seq not in self.running:  # preempted by an older sequence of this step
-        continue
+      if seq.status is not Status.RUNNING or 0 < seq.params.max_tokens <= seq.num_output:
+        continue  # preempted by an older sequence of this step; or all its tokens in flight
       if seq.num_uncomputed == 1:  # a decode, with as many of its drafts as the budget takes
-        chunk = Chunk(seq, seq.num_cached, 1, tuple(seq.drafts[:budget - 1]))
+        chunk = Chunk.of(seq, 1, tuple(seq.drafts[:budget - 1]))
       else:
-        chunk = Chunk(seq, seq.num_cached, min(seq.num_uncomputed, budget))
+        chunk = Chunk.of(seq, min(seq.num_uncomputed, budget))
       if chunk.num_tokens == 0 or not self._reserve(seq, chunk.rows, batch):
         continue
       batch.add(chunk)
       budget -= chunk.num_computed
     while self.waiting and budget and len(self.running) < self.max_num_seqs:
       seq = self.waiting[0]
-      if not self._admit(seq):
+      if seq.num_pending or not self._admit(seq):  # (its token in flight decides it first)
         break
       self.waiting.popleft()
       self.running.append(seq)
       seq.status = Status.RUNNING
-      count = min(seq.num_uncomputed, budget)
-      chunk = Chunk(seq, seq.num_cached, count)
+      seq.slot = self._free_slots.pop()
+      seq.admissions += 1
+      chunk = Chunk.of(seq, min(seq.num_uncomputed, budget))
       self._reserve(seq, chunk.rows, batch)  # admission checked that all its rows fit
       batch.add(chunk)
-      budget -= count
+      budget -= chunk.num_tokens
+    return batch
+
+  def dispatched(self, batch: StepBatch) -> StepBatch:
+    """Records that ``batch`` was sent to the device: its rows count as computed and its
+    samples as in flight (``commit`` settles them once read); sets each chunk's ``emits``.
+    Returns the batch."""
+    steps = batch.decode_steps
+    for chunk in batch.chunks:
+      seq = chunk.seq
+      emits = 0
+      if chunk.samples and seq.params.max_tokens:
+        emits = min(steps, _tokens_left(seq)) if steps > 1 else 1
+      advance = emits if steps > 1 else chunk.num_tokens
+      seq.num_cached += advance
+      seq.num_pending += emits
+      self.rows_dispatched += advance
+      self._register_full_pages(seq)
+      chunk.emits = emits
     return batch
 
   def reserve_decode_steps(self, batch: StepBatch, steps: int) -> bool:
     """For a step of plain decodes only: pages for ``steps`` decode steps of each (never past
     a request's last token), taken only if the free pages hold them all; preempts nothing.
     True when reserved (``batch.decode_steps`` is then ``steps``)."""
-    if batch.prefills or not batch.decodes or any(c.drafts for c in batch.decodes):
+    # (A one-token chunk of a prompt that does not reach its end is no decode: a step budget of
+    # one token prefills that way.)
+    if batch.prefills or not batch.decodes or any(c.drafts or not c.samples
+                                                  for c in batch.decodes):
       return False
     size = self.pages.page_size
     extra = [max(0, pages_for(c.num_cached + min(steps, _tokens_left(c.seq)), size)
@@ -195,12 +231,14 @@ class Scheduler:
     """Pages for ``count`` more tokens of ``seq``, preempting newer sequences if need be;
     False when ``seq`` itself had to be preempted."""
     need = pages_for(seq.num_cached + count, self.pages.page_size) - len(seq.pages)
+    if need <= 0:
+      return True
     while need > self.pages.num_free:
       victim = self.running[-1]
       self._preempt(victim, batch)
       if victim is seq:
         return False
-    seq.pages.extend(self.pages.allocate(max(need, 0)))
+    seq.pages.extend(self.pages.allocate(need))
     return True
 
   def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
@@ -215,60 +253,63 @@ class Scheduler:
 
   def _release(self, seq: Sequence) -> None:
     self.pages.release(seq.pages)
-    seq.pages, seq.page_keys, seq.num_cached, seq.drafts = [], [], 0, []
+    if seq.slot is not None:
+      self._free_slots.append(seq.slot)
+    seq.pages, seq.page_keys, seq.num_cached, seq.drafts, seq.slot = [], [], 0, [], None
 
   # ---- after the step -------------------------------------------------------------------
 
   def commit(self, batch: StepBatch, sampled: dict[int, list[int]], stops
              ) -> list[tuple[Sequence, int]]:
-    """Records a step: computed rows, newly full pages into the prefix cache, the new tokens
-    (``sampled[id(chunk)]``: the sampled one, after the accepted drafts of a speculative
-    decode); ``stops(seq)`` is the finish reason after a new token, or None, and a sequence
-    takes no token past its finish. Returns each sequence that got tokens, with how many (a
-    request of ``max_tokens`` 0 finishes with none once its prompt is computed)."""
+    """Settles a dispatched step (``dispatched``'s batch) once its outputs are read: the new
+    tokens (``sampled[id(chunk)]``: the sampled one, after the accepted drafts of a
+    speculative decode), newly full pages into the prefix cache; ``stops(seq)`` is the finish
+    reason after a new token, or None, and a sequence takes no token past its finish (the
+    rows a later step computed for it are wasted, its pages freed now). A sequence that
+    finished (or was aborted) since is skipped. Returns each sequence that got tokens, with
+    how many (a request of ``max_tokens`` 0 finishes with none once its prompt is
+    computed)."""
     grown = []
-    for chunk in (*batch.decodes, *batch.prefills):
+    for chunk in batch.chunks:
       seq = chunk.seq
+      if seq.status is Status.FINISHED:
+        continue
       if chunk.samples and seq.params.max_tokens == 0:  # scored its prompt, generates nothing
-        seq.num_cached += chunk.num_tokens
-        self._register_full_pages(seq)
         seq.first_token_time = time.perf_counter()
         grown.append((seq, 0))
-        self.running.remove(seq)
-        self._release(seq)
-        self._finish(seq, "length")
+        self._end(seq, "length")
         continue
-      new = sampled[id(chunk)] if chunk.samples else []
-      reason = None
+      if not chunk.emits:
+        continue
+      new = sampled[id(chunk)]
+      seq.num_pending -= chunk.emits
+      reason, count = None, 0
       for count, token in enumerate(new, 1):
         seq.tokens.append(token)
         reason = stops(seq)
         if reason is not None:
           break
-      # The accepted drafts' rows are computed too; never past the tokens kept.
-      seq.num_cached = min(seq.num_cached + chunk.num_tokens + max(len(new) - 1, 0),
-                           len(seq.tokens))
+      if batch.decode_steps == 1 and seq.status is Status.RUNNING:
+        seq.num_cached += count - 1  # a speculative decode's accepted drafts
       self._register_full_pages(seq)
-      if not new:
-        continue
       if seq.first_token_time is None:
         seq.first_token_time = time.perf_counter()
       grown.append((seq, count))
       if reason is not None:
-        self.running.remove(seq)
-        self._release(seq)
-        self._finish(seq, reason)
+        self._end(seq, reason)
     return grown
 
   def _register_full_pages(self, seq: Sequence) -> None:
+    """Full pages of known tokens go into the prefix cache (their rows written, or being
+    written by a step every later one follows)."""
     if not self.prefix_caching:
       return
     size, done = self.pages.page_size, len(seq.page_keys)
-    full = seq.num_cached // size
+    full = min(seq.num_cached, len(seq.tokens)) // size
     if full <= done:
       return
-    keys = page_keys(seq.tokens[:full * size], size, self.pages.salt, start=done,
-                     parent=seq.page_keys[-1] if done else None)
+    keys = page_keys(seq.tokens, size, self.pages.salt, start=done,
+                     parent=seq.page_keys[-1] if done else None, stop=full)
     for page, key in zip(seq.pages[done:full], keys):
       self.pages.register(page, key)
     seq.page_keys.extend(keys)
@@ -280,5 +321,5 @@ class Scheduler:
 
 
 def _tokens_left(seq: Sequence) -> int:
-  """Tokens a running sequence may still emit."""
-  return seq.params.max_tokens - len(seq.output)
+  """Tokens a running sequence may still emit (those in flight counted as emitted)."""
+  return seq.params.max_tokens - seq.num_output

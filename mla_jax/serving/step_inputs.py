@@ -1,25 +1,35 @@
-"""A flat step's inputs: every scheduled token in one row each, padded to a few shape buckets,
-and how they reach every process.
+"""A flat step's shape, inputs and outputs, and how they travel: every scheduled token in a row
+of its own, padded to a few shape buckets, packed into two host-to-device transfers and one
+device-to-host transfer.
 
 A step's tokens are laid end to end, each sequence's consecutive and in order (decode
-tokens, drafts to verify, prefill chunks alike): per token its id, its sequence's slot and its
-position; per sequence slot its block table and sampling settings and which of its tokens'
-logits it samples from. The scheduling process (process 0) builds them from the scheduler's
-chunks; with several processes it broadcasts them (a small header with the shape, then the
-arrays), and every process runs the same compiled program on them.
+tokens, drafts to verify, prefill chunks alike): per token its id, its sequence's step slot
+and its position; per step slot its request's persistent slot, block table and sampling
+settings and which of its tokens' logits it samples from; per (row, key chunk) pair the keys
+the indexer scores (``indexer.KeyBlocks``). A decode token still being computed by the step in
+flight is a placeholder (-1), which the program fills from the device's last token of the
+request's persistent slot, so the host never waits for a token to schedule the next step.
+The scheduling process (process 0) builds the inputs from the scheduler's chunks; with several
+processes it broadcasts them (a small header with the shape, then the two packed arrays), and
+every process runs the same compiled program on them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mla_jax.cache import power_of_two_bucket as bucket
-from mla_jax.serving.requests import MAX_LOGIT_BIAS
+from mla_jax.decoding.logits import Sampler
+from mla_jax.serving.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from mla_jax.serving.scheduler import Chunk
 
 MIN_TOKENS = 8  # the smallest token bucket of a step program
+STOP_IDS = 8  # stop ids per sequence the device checks (multi-step dispatches, min_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,32 +38,49 @@ class StepShape:
 
   ``tokens``: token rows (a power of two, a multiple of the mesh's data axis); ``seqs``:
   sequence slots (as many, but at most the engine's seats' bucket). ``kv_pages``: block-table
-  width (a sequence's longest table). ``fresh``: every sequence starts empty and holds at most
-  the dense bound of tokens (the plan may then take the dense route; only an engine whose
-  model can take it makes such shapes). ``decode_steps``: 1 for one step; more for a
-  multi-step decode dispatch (row s is sequence s, one token per step), whose ``greedy``
-  variant takes every sequence's argmax and draws nothing. ``scores``: a step that also
+  width (a sequence's longest table). ``key_blocks``: the (row, key chunk) pairs its indexer
+  scores (a multiple of ``tokens``; 0 where it scores none: no indexer, or the dense route).
+  ``fresh``: every sequence starts empty and holds at most the dense bound of tokens (the
+  plan may then take the dense route; only an engine whose model can take it makes such
+  shapes). ``decode_steps``: 1 for one step; more for a multi-step decode dispatch (row s is
+  sequence s, one token per step). ``sampler``: see ``Sampler``. ``scores``: a step that also
   returns every row's log-probability of the token after it (prompt log-probabilities).
   """
 
   tokens: int
   seqs: int
   kv_pages: int
+  key_blocks: int = 0
   fresh: bool = False
   decode_steps: int = 1
-  greedy: bool = False
+  sampler: Sampler = Sampler.SAMPLE
   scores: bool = False
 
+  _SAMPLERS = tuple(Sampler)
+
   def header(self, command: int = 1) -> np.ndarray:
-    return np.array([command, self.tokens, self.seqs, self.kv_pages, int(self.fresh),
-                     self.decode_steps, int(self.greedy), int(self.scores)], np.int32)
+    return np.array([command, self.tokens, self.seqs, self.kv_pages, self.key_blocks,
+                     int(self.fresh), self.decode_steps, self._SAMPLERS.index(self.sampler),
+                     int(self.scores)], np.int32)
 
   @classmethod
   def from_header(cls, header) -> StepShape | None:
     """The shape a header announces; None for the stop command."""
-    command, tokens, seqs, kv_pages, fresh, steps, greedy, scores = (int(v) for v in header)
-    return None if command == 0 else cls(tokens, seqs, kv_pages, bool(fresh), steps,
-                                          bool(greedy), bool(scores))
+    command, tokens, seqs, kv_pages, blocks, fresh, steps, sampler, scores = map(int, header)
+    return None if command == 0 else cls(tokens, seqs, kv_pages, blocks, bool(fresh), steps,
+                                          cls._SAMPLERS[sampler], bool(scores))
+
+  def covers(self, other: StepShape) -> bool:
+    """Whether this program can run ``other``'s step: the same kind, at least as many rows
+    and key blocks (padding computes nothing used)."""
+    same = dataclasses.replace(other, tokens=self.tokens, seqs=self.seqs,
+                               key_blocks=self.key_blocks)
+    return (same == self and self.tokens >= other.tokens
+            and self.key_blocks >= other.key_blocks)
+
+
+HEADER_SIZE = 9
+STOP_HEADER = np.zeros(HEADER_SIZE, np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,18 +90,23 @@ class Buckets:
   Token rows are powers of two (multiples of ``batch_multiple``, the mesh's data axis): from
   ``MIN_TOKENS`` up to the step budget's for a step, from 1 up to the seats' for a multi-step
   decode dispatch (one row per sequence, so a lone request decodes on one row); sequence
-  slots as many, at most the seats' bucket; the block table is always ``max_pages`` wide,
-  since the indexer scores keys up to the live reach only (``StepPlan.key_chunk``).
+  slots as many, at most the seats' bucket. The block table is always ``max_pages`` wide.
+  ``key_chunk``: the indexer's key positions a block (None: the model has no indexer); a
+  step's key blocks are its rows x a power of two, from 1 up to the longest reach's chunks
+  (``covering``), so the indexer's work follows the rows' own reaches.
   ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
-  (None: the model takes none). ``scores``: the engine serves prompt log-probabilities, in
-  scoring variants of the one-step shapes: never fresh, and at every other token bucket down
-  from the largest (a scoring step pads to at most 4x its tokens; half the programs to
-  compile).
+  (None: the model takes none). Variants: greedy one-step programs for steps of at most
+  ``max_num_seqs`` rows (larger steps sample greedy sequences by their argmax in the
+  ``SAMPLE`` program); ``FULL`` and scoring (``scores``: the engine serves prompt
+  log-probabilities) programs at every other token bucket down from the largest (such a step
+  pads to at most 4x its tokens; half the programs to compile).
   """
 
   max_step_tokens: int
   max_num_seqs: int
   max_pages: int
+  page_size: int
+  key_chunk: int | None = None
   dense_bound: int | None = None
   decode_steps: int = 1
   batch_multiple: int = 1
@@ -83,25 +115,57 @@ class Buckets:
   def tokens(self, num_tokens: int, minimum: int = MIN_TOKENS) -> int:
     return -(-bucket(num_tokens, minimum) // self.batch_multiple) * self.batch_multiple
 
+  @property
+  def max_chunks(self) -> int:
+    """Key blocks a row may need: its reach is at most the block table's."""
+    return bucket(-(-self.max_pages * self.page_size // self.key_chunk))
+
   def shape(self, chunks: list[Chunk], decode_steps: int = 1) -> StepShape:
     """The bucket of a step over ``chunks`` (every token computed, drafts included): fresh when
     the dense route may apply (every chunk starts its sequence and holds at most
-    ``dense_bound`` tokens); a multi-step dispatch's greedy when every sequence is; scoring
-    when a chunk computes prompt rows whose next token's log-probability its request asks
-    for."""
-    scores = decode_steps == 1 and any(wants_scores(c) for c in chunks)
-    fresh = self.dense_bound is not None and decode_steps == 1 and not scores and all(
-        c.num_cached == 0 and c.num_tokens <= self.dense_bound for c in chunks)
-    greedy = decode_steps > 1 and all(c.seq.params.temperature == 0 for c in chunks)
-    rows = self.tokens(sum(c.num_computed for c in chunks), 1 if decode_steps > 1 else MIN_TOKENS)
-    if scores:
-      rows = min(n for n in self._scoring_sizes() if n >= rows)
-    return self._shape(rows, fresh, decode_steps, greedy, scores)
+    ``dense_bound`` tokens); scoring when a chunk computes prompt rows whose next token's
+    log-probability its request asks for; its sampler from what its sequences ask."""
+    multi = decode_steps > 1
+    scores = full = False
+    greedy = True
+    fresh = self.dense_bound is not None and not multi
+    computed = needed = 0
+    key_chunk = self.key_chunk
+    for c in chunks:  # one pass: the host's share of a step grows with its sequences
+      computed += c.num_computed
+      scores = scores or (not multi and wants_scores(c))
+      full = full or wants_full(c)
+      greedy = greedy and c.seq.params.temperature == 0
+      fresh = fresh and c.num_cached == 0 and c.num_tokens <= self.dense_bound
+      if key_chunk is not None:
+        needed += (-(-(c.num_cached + decode_steps) // key_chunk) if multi else
+                   chunk_blocks(c.num_cached, c.num_computed, key_chunk))
+    fresh = fresh and not scores
+    sampler = (Sampler.FULL if scores or full else Sampler.GREEDY if greedy else Sampler.SAMPLE)
+    rows = self.tokens(computed, 1 if multi else MIN_TOKENS)
+    if not multi and sampler is Sampler.FULL:
+      rows = min(n for n in self._every_other_size() if n >= rows)
+    elif not multi and sampler is Sampler.GREEDY and rows > self._greedy_rows():
+      sampler = Sampler.SAMPLE
+    blocks = 0
+    if key_chunk is not None and not fresh:
+      blocks = rows * min(bucket(-(-needed // rows)), self.max_chunks)
+    return self._shape(rows, blocks, fresh, decode_steps, sampler, scores)
 
-  def _shape(self, tokens: int, fresh: bool, decode_steps: int, greedy: bool = False,
-             scores: bool = False) -> StepShape:
-    return StepShape(tokens, min(tokens, self.tokens(self.max_num_seqs)), self.max_pages, fresh,
-                     decode_steps, greedy, scores)
+  def covering(self, shape: StepShape) -> StepShape:
+    """The shape of the same kind and rows whose key blocks hold any step's: what warm-up
+    compiles (a step whose own program is not compiled yet runs on it)."""
+    if not shape.key_blocks:
+      return shape
+    return dataclasses.replace(shape, key_blocks=shape.tokens * self.max_chunks)
+
+  def _shape(self, tokens: int, key_blocks: int, fresh: bool, decode_steps: int,
+             sampler: Sampler, scores: bool = False) -> StepShape:
+    return StepShape(tokens, min(tokens, self.tokens(self.max_num_seqs)), self.max_pages,
+                     key_blocks, fresh, decode_steps, sampler, scores)
+
+  def _greedy_rows(self) -> int:
+    return self.tokens(self.max_num_seqs)
 
   def _sizes(self, most: int, minimum: int) -> list[int]:
     """Every token bucket from ``minimum`` rows up to the bucket of ``most``."""
@@ -110,22 +174,39 @@ class Buckets:
       sizes.append(self.tokens(sizes[-1] + 1, minimum))
     return sizes
 
-  def _scoring_sizes(self) -> list[int]:
+  def _every_other_size(self) -> list[int]:
     return self._sizes(self.max_step_tokens, MIN_TOKENS)[::-2]
 
   def all_shapes(self) -> list[StepShape]:
-    """Every shape a step of this engine can take: what ``Engine.warmup`` compiles."""
+    """Every kind of step this engine can take, each at its covering key blocks: what
+    ``Engine.warmup`` compiles (smaller key-block buckets compile when a step first needs
+    them, meanwhile running on these)."""
+    blocks = lambda n: 0 if self.key_chunk is None else n * self.max_chunks
     sizes = self._sizes(self.max_step_tokens, MIN_TOKENS)
-    shapes = [self._shape(n, False, 1) for n in sizes]
+    shapes = [self._shape(n, blocks(n), False, 1, Sampler.SAMPLE) for n in sizes]
+    shapes += [self._shape(n, blocks(n), False, 1, Sampler.GREEDY)
+               for n in sizes if n <= self._greedy_rows()]
+    shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL)
+               for n in self._every_other_size()]
     if self.dense_bound is not None:
-      shapes += [self._shape(n, True, 1) for n in sizes]
+      shapes += [self._shape(n, 0, True, 1, Sampler.SAMPLE) for n in sizes]
     if self.scores:
-      shapes += [self._shape(n, False, 1, scores=True) for n in self._scoring_sizes()]
+      shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=True)
+                 for n in self._every_other_size()]
     if self.decode_steps > 1:
-      shapes += [self._shape(n, False, self.decode_steps, greedy)
+      shapes += [self._shape(n, blocks(n), False, self.decode_steps, sampler)
                  for n in self._sizes(min(self.max_num_seqs, self.max_step_tokens), 1)
-                 for greedy in (False, True)]
+                 for sampler in (Sampler.SAMPLE, Sampler.GREEDY)]
     return shapes
+
+
+def chunk_blocks(start: int, rows: int, key_chunk: int) -> int:
+  """Key blocks of ``rows`` consecutive rows whose reaches are ``start + 1 .. start + rows``
+  (a chunk's)."""
+  def upto(m):  # sum of ceil(r / key_chunk) for r in 1..m
+    q, rest = divmod(m, key_chunk)
+    return key_chunk * q * (q + 1) // 2 + rest * (q + 1)
+  return upto(start + rows) - upto(start)
 
 
 def wants_scores(chunk: Chunk) -> bool:
@@ -135,34 +216,46 @@ def wants_scores(chunk: Chunk) -> bool:
           and chunk.num_cached < chunk.seq.num_prompt - 1)
 
 
-STOP_HEADER = np.zeros(8, np.int32)
+def wants_full(chunk: Chunk) -> bool:
+  """Whether ``chunk``'s sampling needs the ``FULL`` program: log-probabilities, a logit
+  bias, a penalty, or stop ids still held back by ``min_tokens``."""
+  params = chunk.seq.params
+  return chunk.samples and (params.logprobs is not None or bool(params.logit_bias)
+                            or params.penalized or chunk.seq.num_output < params.min_tokens)
 
 
+# ---- inputs ------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-  """The arrays of one step (or multi-step dispatch).
+  """The arrays of one step (or multi-step dispatch); a field a shape does not use is None.
 
-  Per token row t [T]: ``ids_T``, its sequence slot ``seq_T``, its position ``pos_T``,
-  ``real_T`` (1 for a token, 0 for padding), ``next_ids_T`` (the token after it when known on
-  the host, for the MTP layers' pairs; -1: the token this step samples at that row),
-  ``logit_row_T`` (which of its sequence's logit rows it is, -1 for none).
-  Per sequence slot s [S]: ``table_SN``, ``seeds_S``, ``counters_S`` (tokens it has
-  generated), ``temperature_S``, ``top_p_S``, ``top_k_S``, ``min_p_S``, ``logit_rows_SJ`` (the
-  token rows whose logits it samples from: its last token, or a decode's token and drafts),
-  ``num_logits_S`` (how many: 0 when it does not sample), ``speculative_S`` (drafts it asks
-  for), ``remaining_S`` (tokens it may still emit), ``min_left_S`` (tokens before its stop ids
-  may be drawn: ``min_tokens``), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step
-  dispatch stops it on the device), ``bias_ids_SB`` and ``bias_SB`` (its ``logit_bias``: ids,
-  -1 padded, and values), ``repetition_S``, ``frequency_S``, ``presence_S`` (its penalties)
-  and ``num_prompt_S`` (where its output starts: the penalties count output tokens).
+  Per token row t [T]: ``ids_T`` (-1: the placeholder of a token the step in flight
+  computes, taken from the device's last token of its request's slot), its sequence's step
+  slot ``seq_T``, its position ``pos_T``, ``real_T`` (1 for a token, 0 for padding); with MTP
+  layers or scores ``next_ids_T`` (the token after it when known on the host, for the MTP
+  layers' pairs and the prompt log-probabilities; -1: the token this step samples at that
+  row), with MTP layers ``logit_row_T`` (which of its sequence's logit rows it is, -1 for
+  none). ``reach_T``: the keys its indexer scores (its position + 1, at a multi-step
+  dispatch's last step; the program lays out the key blocks, ``indexer.KeyBlocks``).
+  Per step slot s [S]: ``slot_S`` (its request's persistent slot), ``table_SN``, ``seeds_S``,
+  ``counters_S`` (tokens it has generated, those in flight included), ``temperature_S``,
+  ``top_p_S``, ``top_k_S``, ``min_p_S``, ``logit_rows_SJ`` (the token rows whose logits it
+  samples from: its last token, or a decode's token and drafts), ``num_logits_S`` (how many:
+  0 when it does not sample), ``speculative_S`` (drafts it asks for), ``remaining_S`` (tokens
+  it may still emit), ``stop_ids_SM`` (ids that end it, -1 padded: a multi-step dispatch stops
+  it on the device, and ``min_tokens`` holds them back). ``FULL`` programs also take
+  ``min_left_S`` (tokens before its stop ids may be drawn), ``bias_ids_SB`` and ``bias_SB``
+  (its ``logit_bias``: ids, -1 padded, and values), ``repetition_S``, ``frequency_S``,
+  ``presence_S`` (its penalties) and ``num_prompt_S`` (where its output starts).
   """
 
   ids_T: np.ndarray
   seq_T: np.ndarray
   pos_T: np.ndarray
   real_T: np.ndarray
-  next_ids_T: np.ndarray
-  logit_row_T: np.ndarray
+  slot_S: np.ndarray
   table_SN: np.ndarray
   seeds_S: np.ndarray
   counters_S: np.ndarray
@@ -174,96 +267,135 @@ class StepInputs:
   num_logits_S: np.ndarray
   speculative_S: np.ndarray
   remaining_S: np.ndarray
-  min_left_S: np.ndarray
   stop_ids_SM: np.ndarray
-  bias_ids_SB: np.ndarray
-  bias_SB: np.ndarray
-  repetition_S: np.ndarray
-  frequency_S: np.ndarray
-  presence_S: np.ndarray
-  num_prompt_S: np.ndarray
-
-  @classmethod
-  def zeros(cls, shape: StepShape, logit_rows: int, stop_ids: int) -> StepInputs:
-    t, s = shape.tokens, shape.seqs
-    ints = lambda *dims: np.zeros(dims, np.int32)
-    return cls(ints(t), ints(t), ints(t), ints(t), np.full(t, -1, np.int32),
-               np.full(t, -1, np.int32), ints(s, shape.kv_pages), ints(s), ints(s),
-               np.zeros(s, np.float32), np.ones(s, np.float32), ints(s), np.zeros(s, np.float32),
-               ints(s, logit_rows), ints(s), ints(s), ints(s), ints(s),
-               np.full((s, stop_ids), -1, np.int32), np.full((s, MAX_LOGIT_BIAS), -1, np.int32),
-               np.zeros((s, MAX_LOGIT_BIAS), np.float32), np.ones(s, np.float32),
-               np.zeros(s, np.float32), np.zeros(s, np.float32), ints(s))
-
-  def arrays(self) -> tuple[np.ndarray, ...]:
-    return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
-  NUM_TOKEN_ARRAYS = 6  # the first fields are per token row; the others per sequence slot
+  next_ids_T: np.ndarray | None = None
+  logit_row_T: np.ndarray | None = None
+  reach_T: np.ndarray | None = None
+  min_left_S: np.ndarray | None = None
+  bias_ids_SB: np.ndarray | None = None
+  bias_SB: np.ndarray | None = None
+  repetition_S: np.ndarray | None = None
+  frequency_S: np.ndarray | None = None
+  presence_S: np.ndarray | None = None
+  num_prompt_S: np.ndarray | None = None
 
 
-def build(chunks: list[Chunk], shape: StepShape, *, logit_rows: int) -> StepInputs:
-  """The chunks' tokens laid end to end, chunk b in sequence slot b; padding rows and slots
-  compute nothing and sample nothing used. A sequence's ``stop_ids`` go along (a multi-step
-  dispatch checks them on the device, and ``min_tokens`` holds them back)."""
-  inputs = StepInputs.zeros(shape, logit_rows, STOP_IDS)
-  t = 0
-  for s, c in enumerate(chunks):
-    seq, n = c.seq, c.num_computed
-    rows = slice(t, t + n)
-    inputs.ids_T[rows] = c.token_ids + list(c.drafts)
-    inputs.seq_T[rows] = s
-    inputs.pos_T[rows] = np.arange(c.num_cached, c.num_cached + n)
-    inputs.real_T[rows] = 1
-    # The token after each one, where the host knows it: a prompt's next token (a chunk that
-    # samples has none after its last one; a decode's are what its verification accepts).
-    if not c.drafts:
-      following = seq.tokens[c.num_cached + 1:c.num_cached + c.num_tokens + 1]
-      inputs.next_ids_T[t:t + len(following)] = following
-    if c.samples:
-      first = t + c.num_tokens - 1  # the chunk's last token, then its drafts
-      inputs.logit_rows_SJ[s, :n - c.num_tokens + 1] = np.arange(first, t + n)
-      inputs.logit_row_T[first:t + n] = np.arange(t + n - first)
-      inputs.num_logits_S[s] = t + n - first
-    inputs.table_SN[s, :len(seq.pages)] = seq.pages
-    inputs.seeds_S[s], inputs.counters_S[s] = seq.seed, len(seq.output)
-    params = seq.params
-    inputs.temperature_S[s], inputs.top_p_S[s] = params.temperature, params.top_p
-    inputs.top_k_S[s], inputs.min_p_S[s] = params.top_k, params.min_p
-    inputs.min_left_S[s] = max(params.min_tokens - len(seq.output), 0)
-    inputs.speculative_S[s] = params.speculative_tokens
-    inputs.remaining_S[s] = params.max_tokens - len(seq.output)
-    ids = seq.stop_ids[:STOP_IDS]
-    inputs.stop_ids_SM[s, :len(ids)] = ids
-    inputs.repetition_S[s] = params.repetition_penalty
-    inputs.frequency_S[s], inputs.presence_S[s] = params.frequency_penalty, params.presence_penalty
-    inputs.num_prompt_S[s] = seq.num_prompt
-    if params.logit_bias:
-      bias_ids, bias = zip(*params.logit_bias)
-      inputs.bias_ids_SB[s, :len(bias_ids)] = bias_ids
-      inputs.bias_SB[s, :len(bias)] = bias
-    t += n
-  return inputs
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where each input lives in a step's two packed arrays (int32 and float32), and each
+  output in its one packed int32 array (float32 outputs bitcast): fixed by the shape."""
+
+  shape: StepShape
+  logit_rows: int
+  mtp: bool
+
+  def input_fields(self) -> list[tuple[str, tuple[int, ...], type]]:
+    t, s, j = self.shape.tokens, self.shape.seqs, self.logit_rows
+    i32, f32 = np.int32, np.float32
+    fields = [("ids_T", (t,), i32), ("seq_T", (t,), i32), ("pos_T", (t,), i32),
+              ("real_T", (t,), i32), ("slot_S", (s,), i32),
+              ("table_SN", (s, self.shape.kv_pages), i32), ("seeds_S", (s,), i32),
+              ("counters_S", (s,), i32), ("temperature_S", (s,), f32), ("top_p_S", (s,), f32),
+              ("top_k_S", (s,), i32), ("min_p_S", (s,), f32), ("logit_rows_SJ", (s, j), i32),
+              ("num_logits_S", (s,), i32), ("speculative_S", (s,), i32),
+              ("remaining_S", (s,), i32), ("stop_ids_SM", (s, STOP_IDS), i32)]
+    if self.mtp or self.shape.scores:
+      fields += [("next_ids_T", (t,), i32)]
+    if self.mtp:
+      fields += [("logit_row_T", (t,), i32)]
+    if self.shape.key_blocks:
+      fields += [("reach_T", (t,), i32)]
+    if self.shape.sampler is Sampler.FULL:
+      fields += [("min_left_S", (s,), i32), ("bias_ids_SB", (s, MAX_LOGIT_BIAS), i32),
+                 ("bias_SB", (s, MAX_LOGIT_BIAS), f32), ("repetition_S", (s,), f32),
+                 ("frequency_S", (s,), f32), ("presence_S", (s,), f32),
+                 ("num_prompt_S", (s,), i32)]
+    return fields
+
+  def output_fields(self) -> list[tuple[str, tuple[int, ...], type]]:
+    s, j, t = self.shape.seqs, self.logit_rows, self.shape.tokens
+    i32, f32 = np.int32, np.float32
+    if self.shape.decode_steps > 1:
+      return [("tokens", (self.shape.decode_steps, s), i32)]
+    k = MAX_LOGPROBS
+    fields = [("tokens", (s, j), i32), ("accepted", (s,), i32)]
+    if self.shape.sampler is Sampler.FULL:
+      fields += [("logprob", (s, j), f32), ("top_ids", (s, j, k), i32), ("top", (s, j, k), f32)]
+    if self.mtp and j > 1:
+      fields += [("drafts", (s, j - 1), i32), ("wanted", (s,), i32)]
+    if self.shape.scores:
+      fields += [("row_logprob", (t,), f32), ("row_rank", (t,), i32),
+                 ("row_top_ids", (t, k), i32), ("row_top", (t, k), f32)]
+    return fields
+
+  def zeros(self) -> StepInputs:
+    """Inputs of nothing to compute: padding everywhere (what ``build`` starts from)."""
+    arrays = {}
+    for name, dims, dtype in self.input_fields():
+      fill = -1 if name in ("next_ids_T", "logit_row_T", "stop_ids_SM", "bias_ids_SB") else 0
+      fill = 1 if name in ("top_p_S", "repetition_S") else fill
+      arrays[name] = np.full(dims, fill, dtype)
+    return StepInputs(**arrays)
+
+  def pack(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """The int32 and float32 arrays the program takes (two transfers)."""
+    ints, floats = [], []
+    for name, _, dtype in self.input_fields():
+      (ints if dtype is np.int32 else floats).append(np.ravel(getattr(inputs, name)))
+    return (np.concatenate(ints).astype(np.int32, copy=False),
+            np.concatenate(floats).astype(np.float32, copy=False))
+
+  def unpack(self, ints, floats) -> StepInputs:
+    """(In the program) the inputs from the two packed arrays: static slices."""
+    return StepInputs(**_split(self.input_fields(), {np.int32: ints, np.float32: floats}))
+
+  def pack_outputs(self, outputs: dict):
+    """(In the program) every output in one int32 array (one transfer to the host)."""
+    parts = []
+    for name, dims, dtype in self.output_fields():
+      value = outputs[name].reshape(-1)
+      parts.append(jax.lax.bitcast_convert_type(value.astype(jnp.float32), jnp.int32)
+                   if dtype is np.float32 else value.astype(jnp.int32))
+    return jnp.concatenate(parts)
+
+  def unpack_outputs(self, packed: np.ndarray) -> dict[str, np.ndarray]:
+    """(On the host) the outputs, as views of the one packed array."""
+    return _split(self.output_fields(), {np.int32: packed, np.float32: packed.view(np.float32)},
+                  one=True)
 
 
-STOP_IDS = 8  # stop ids per sequence a multi-step dispatch checks on the device
+def _split(fields, sources: dict, *, one: bool = False) -> dict:
+  """Each field's slice of its dtype's packed array (``one``: every dtype in one array, in
+  field order)."""
+  offsets = dict.fromkeys(sources, 0)
+  out = {}
+  for name, dims, dtype in fields:
+    key = np.int32 if one else dtype
+    size = math.prod(dims)
+    out[name] = sources[dtype][offsets[key]:offsets[key] + size].reshape(dims)
+    offsets[key] += size
+  return out
 
 
-def broadcast(header: np.ndarray, inputs: StepInputs | None) -> None:
-  """Process 0's side of a step (or of the stop command, ``inputs`` None)."""
+# ---- several processes ---------------------------------------------------------------------
+
+def broadcast(header: np.ndarray, packed: tuple[np.ndarray, np.ndarray] | None) -> None:
+  """Process 0's side of a step (or of the stop command, ``packed`` None)."""
   from jax.experimental import multihost_utils
 
   multihost_utils.broadcast_one_to_all(header)
-  if inputs is not None:
-    multihost_utils.broadcast_one_to_all(inputs.arrays())
+  if packed is not None:
+    multihost_utils.broadcast_one_to_all(packed)
 
 
-def receive(logit_rows: int) -> tuple[StepShape, StepInputs] | None:
-  """A follower's side: the next step's shape and inputs, or None when process 0 stops."""
+def receive(layout_of) -> tuple[StepShape, tuple[np.ndarray, np.ndarray]] | None:
+  """A follower's side: the next step's shape and packed inputs, or None when process 0
+  stops. ``layout_of(shape)``: the step's ``Layout``."""
   from jax.experimental import multihost_utils
 
   shape = StepShape.from_header(np.asarray(multihost_utils.broadcast_one_to_all(STOP_HEADER)))
   if shape is None:
     return None
-  arrays = multihost_utils.broadcast_one_to_all(
-      StepInputs.zeros(shape, logit_rows, STOP_IDS).arrays())
-  return shape, StepInputs(*(np.asarray(a) for a in arrays))
+  layout = layout_of(shape)
+  packed = multihost_utils.broadcast_one_to_all(layout.pack(layout.zeros()))
+  return shape, tuple(np.asarray(a) for a in packed)

@@ -1,22 +1,28 @@
 """The function an engine step program runs: the model over the page pools on one flat batch
 of tokens, then each sequence's new tokens; with MTP layers (a speculative engine) also their
 caches and the next drafts. A multi-step decode program runs several decode steps of that
-function in one dispatch.
+function in one dispatch, as a fixed-length ``lax.scan``: no loop or branch in a step program
+waits on a value of the device (XLA:GPU would copy such a predicate to the host and block on
+it, every iteration).
 
 The step's tokens lie end to end, one per row (``step_inputs``): each row is a sequence of
 one token for the layers, at its own position and with its sequence's block table, and the
 rows of one sequence share a segment id. Every route but the dense one is per token already
-(the indexer scores a row's query against its sequence's keys, sparse MQA gathers its top-k
-rows); the dense route, in a program whose sequences all start empty, attends within
-segments over the step's rows (``StepPlan.segmented``). Rows are written before any is read,
-so a prefill chunk's later tokens see its earlier ones.
+(the indexer scores a row's query against its sequence's keys in the key blocks the host laid
+out, sparse MQA gathers its top-k rows); the dense route, in a program whose sequences all
+start empty, attends within segments over the step's rows (``StepPlan.segmented``). Rows are
+written before any is read, so a prefill chunk's later tokens see its earlier ones.
+
+A decode row whose token was still being computed when the host built the step carries -1;
+the program takes that token from ``last_tokens`` (one per persistent slot, carried from step
+to step on the device), and writes there each sequence's newest token.
 
 A sequence samples from up to J of its rows' logits (``logit_rows_SJ``): a chunk reaching its
 last token samples one token after it; a decode with drafts holds its last token and the drafts
 to verify, the longest acceptable prefix of drafts is kept and one token follows it, so it
-emits ``accepted + 1`` tokens (``mla_jax.decoding.speculative``: the acceptance, the drafting
-and the draft count are ``generate``'s own). Only those rows go through the vocabulary
-projection. A sequence's draws are keyed by its seed and token index alone.
+emits ``accepted + 1`` tokens (``decoding.logits.process_logits``; the acceptance, the
+drafting and the draft count are ``generate``'s own). Only those rows go through the
+vocabulary projection. A sequence's draws are keyed by its seed and token index alone.
 
 MTP row p holds the pair (main hidden state h_p, token p + 1) at the main cache's page ids:
 every row of the step writes its pair, from the token after it (known on the host, or the
@@ -34,12 +40,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.decoding import penalties
-from mla_jax.decoding.sampling import sample_rows, seed_keys
-from mla_jax.decoding.speculative import accept, draft, drafts_wanted, row
+from mla_jax.decoding.logits import (Adjustments, Sampler, Sampling, bias_rows, process_logits,
+                                     stop_mask)
+from mla_jax.decoding.sampling import seed_keys
+from mla_jax.decoding.speculative import draft, drafts_wanted, row
 from mla_jax.decoding.stops import ends
+from mla_jax.indexer import KeyBlocks
 from mla_jax.models.lm import ModelCache
 from mla_jax.paged_cache import PagedLayerCache
 from mla_jax.serving.requests import MAX_LOGPROBS
+from mla_jax.serving.step_inputs import Layout, StepInputs
 from mla_jax.step_plan import StepPlan
 
 
@@ -47,173 +57,175 @@ from mla_jax.step_plan import StepPlan
 class StepProgram:
   """What a step program is built from (static).
 
+  ``layout``: the step's shape and where its inputs and outputs lie in the packed arrays.
   ``plan``: the flat step's ``StepPlan`` (``plan_flat_step``: the main model's and the MTP
   layers' pairs'); ``draft_plan``: a one-token step per sequence for the further drafts
-  (None without drafting). ``mtp``: run the MTP layers. ``logit_rows``: J, rows a sequence
-  samples from (1 + the most draft tokens). ``decode_steps``: 1 for one step; more for a
-  multi-step decode dispatch (row s is sequence s, one token per step; no log-probabilities
-  and no penalties: the engine runs one only when no sequence asks for them), ``greedy``
-  taking every row's argmax. ``scores``: every row also goes through the vocabulary projection, for the
-  log-probability of the token after it (prompt log-probabilities).
+  (None without drafting). ``mtp``: run the MTP layers. ``context``: the ranks of a mesh's
+  ``context`` axis the pools' rows are split over (``PagedLayerCache.context``).
   """
 
+  layout: Layout
   plan: StepPlan
   draft_plan: StepPlan | None
-  mtp: bool
   page_size: int
-  logit_rows: int
-  decode_steps: int = 1
-  greedy: bool = False
-  scores: bool = False
   context: int = 1
 
-  def build(self, graphdef, state_def, layout, pool_shardings=None):
-    """``step(state_leaves, pools, *StepInputs arrays) -> (outputs, pools)``.
+  @property
+  def shape(self):
+    return self.layout.shape
 
-    One step's outputs: new tokens [S, J] (the first ``accepted + 1`` of a sequence are its),
-    accepted drafts [S], the tokens' log-probabilities [S, J] and the most likely ones' ids
-    and log-probabilities [S, J, K], next drafts [S, D] and how many of them are meant [S]
-    (``drafts_wanted``); a scoring step's then also, per row t, the log-probability of the
-    token after it (``next_ids_T``), its rank, and the most likely ones' ids and
-    log-probabilities [T, K]. A multi-step dispatch's: new tokens [N, S] (-1 once a sequence
-    stopped).
-
-    ``context``: the ranks of a mesh's ``context`` axis the pools' rows are split over
-    (``PagedLayerCache.context``); ``pool_shardings``: where the pools live on the mesh, kept
-    for the pools the step returns (None: no mesh)."""
-    page_size, context = self.page_size, self.context
+  def build(self, graphdef, state_def, layer_groups, pool_shardings=None):
+    """``step(state_leaves, pools, last_tokens, ints, floats) -> (outputs, pools,
+    last_tokens)``: ``ints`` / ``floats`` the packed ``StepInputs``, ``outputs`` the packed
+    outputs (``Layout.output_fields``). ``pool_shardings``: where the pools live on the mesh,
+    kept for the pools the step returns (None: no mesh)."""
     keep = lambda pools: (pools if pool_shardings is None
                           else jax.lax.with_sharding_constraint(pools, pool_shardings))
+    run = self._decode_steps if self.shape.decode_steps > 1 else self._one_step
 
-    def forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN):
-      """The main model on the flat rows: hidden states [T, D] and the pools (the rows' token
-      ids recorded too)."""
-      main_pools, mtp_pools, token_ids = pools
-      table_TN = table_SN[seq_T]
-      token_ids = penalties.record_ids(token_ids, ids_T, table_TN, pos_T, real_T, page_size)
-      caches = ModelCache(tuple(
-          tuple(PagedLayerCache(latent, keys, table_TN,
-                                jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)), page_size,
-                                seq_T, reps=group.reps, context=context)
-                for latent, keys in unit)
-          for group, unit in zip(layout, main_pools)), layout)
-      hidden_T1D, caches = model.forward_hidden(ids_T[:, None], caches, new_lens_B=real_T,
-                                                plan=self.plan)
-      main_pools = tuple(tuple(c.pools for c in unit) for unit in caches.groups)
-      return hidden_T1D[:, 0], (main_pools, mtp_pools, token_ids)
-
-    def step(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T, logit_row_T,
-             table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S,
-             logit_rows_SJ, num_logits_S, speculative_S, remaining_S, min_left_S, stop_ids_SM,
-             bias_ids_SB, bias_SB, repetition_S, frequency_S, presence_S, num_prompt_S):
+    def step(state_leaves, pools, last_tokens, ints, floats):
       model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
-      hidden_TD, pools = forward(model, pools, ids_T, seq_T, pos_T, real_T, table_SN)
-      logits_SJV = model.logits(hidden_TD[logit_rows_SJ])
-      vocab = model.config.vocab_size
-      stop_SV = _stop_mask(stop_ids_SM, vocab)
-      biased_SJV = logits_SJV + _bias(bias_ids_SB, bias_SB, vocab)[:, None, :]
-      biased_SJV = penalties.penalize_rows(biased_SJV, pools[2], table_SN,
-                                           pos_T[logit_rows_SJ[:, 0]], num_prompt_S, page_size,
-                                           repetition_S, frequency_S, presence_S)
-      accepted_S, tokens_SJ = accept(_no_stop_before_min(biased_SJV, stop_SV, min_left_S),
-                                     ids_T[logit_rows_SJ], num_logits_S, seed_keys(seeds_S),
-                                     counters_S, temps_S, top_ps_S, top_ks_S, min_ps_S)
-      drafts_SD = jnp.zeros((seeds_S.shape[0], 0), jnp.int32)
-      wanted_S = jnp.zeros_like(seeds_S)
-      if self.mtp:
-        main_pools, mtp_pools, token_ids = pools
-        # Row t's pair: (h_t, the token after it): known on the host, or sampled here.
-        sampled_T = tokens_SJ[seq_T, jnp.maximum(logit_row_T, 0)]
-        pairs_T = jnp.where(next_ids_T < 0, sampled_T, next_ids_T)
-        valid_T = real_T * ((logit_row_T < 0) | (logit_row_T <= accepted_S[seq_T]))
-        views = _mtp_views(mtp_pools, table_SN[seq_T], pos_T, page_size, context, seq_T)
-        _, mtp_hidden_T1D, views = model.mtp_forward(
-            0, hidden_TD[:, None], pairs_T[:, None], views, new_lens_B=valid_T,
-            plan=self.plan, logits=False)
-        mtp_pools = tuple(v.buffers.pools for v in views)
-        if self.draft_plan is not None:
-          emitted_S = accepted_S + 1
-          last_S = row(logit_rows_SJ, accepted_S)
-          wanted_S = (num_logits_S > 0) * drafts_wanted(speculative_S, remaining_S - emitted_S)
-          last_hidden_SD = mtp_hidden_T1D[last_S, 0]
-          drafts_SD, mtp_pools = draft(
-              model, model.mtp_logits(0, last_hidden_SD), last_hidden_SD, mtp_pools,
-              lambda pools, rows_S: _mtp_views(pools, table_SN, rows_S, page_size, context),
-              lambda views: tuple(v.buffers.pools for v in views), pos_T[last_S] + 1,
-              wanted_S, self.logit_rows - 1, self.draft_plan)
-        pools = (main_pools, mtp_pools, token_ids)
-      outputs = (tokens_SJ, accepted_S, *_logprobs(logits_SJV, tokens_SJ), drafts_SD, wanted_S)
-      if self.scores:
-        outputs += _row_scores(model.logits(hidden_TD), next_ids_T)
-      return outputs, keep(pools)
+      x = self.layout.unpack(ints, floats)
+      # Placeholders: the tokens the step before computed, kept on the device.
+      ids_T = jnp.where(x.ids_T < 0, last_tokens[x.slot_S[x.seq_T]], x.ids_T)
+      outputs, pools, last_tokens = run(model, layer_groups, pools, last_tokens, ids_T, x)
+      return self.layout.pack_outputs(outputs), keep(pools), last_tokens
 
-    def decode_steps(state_leaves, pools, ids_T, seq_T, pos_T, real_T, next_ids_T,
-                     logit_row_T, table_SN, seeds_S, counters_S, temps_S, top_ps_S, top_ks_S,
-                     min_ps_S, logit_rows_SJ, num_logits_S, speculative_S, remaining_S,
-                     min_left_S, stop_ids_SM, bias_ids_SB, bias_SB, repetition_S, frequency_S,
-                     presence_S, num_prompt_S):
-      """Up to N decode steps of every real row (row s: sequence s's last token), each
-      sampling one token; a sequence stops at a stop id or its last allowed token, and the
-      loop ends early once every sequence has."""
-      model = nnx.merge(graphdef, jax.tree.unflatten(state_def, state_leaves))
-      n, s = self.decode_steps, ids_T.shape[0]
-      vocab = model.config.vocab_size
-      stop_SV = _stop_mask(stop_ids_SM, vocab)  # once, not per step
-      bias_SV = _bias(bias_ids_SB, bias_SB, vocab)
-      keys_S = seed_keys(seeds_S)
+    return step
 
-      def one_step(carry):
-        i, pools, ids_S, active_S, tokens_NS = carry
-        hidden_SD, pools = forward(model, pools, ids_S, seq_T, pos_T + i, active_S, table_SN)
-        logits_SV = _no_stop_before_min((model.logits(hidden_SD) + bias_SV)[:, None], stop_SV,
-                                        min_left_S - i)[:, 0]
-        if self.greedy:
-          new_S = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
-        else:
-          new_S = sample_rows(logits_SV, keys_S, counters_S + i, temps_S, top_ps_S, top_ks_S,
-                              min_ps_S)
-        emit_S = active_S > 0
-        stopped_S = emit_S & ends(new_S, stop_ids_SM, i + 1, remaining_S)
-        return (i + 1, pools, jnp.where(emit_S, new_S, ids_S), active_S * ~stopped_S,
-                tokens_NS.at[i].set(jnp.where(emit_S, new_S, -1)))
+  def _key_blocks(self, x: StepInputs):
+    """The indexer's (row, key chunk) pairs, laid out from the rows' reaches."""
+    if x.reach_T is None:
+      return None
+    return KeyBlocks.for_reaches(x.reach_T, self.plan.key_chunk, self.shape.key_blocks)
 
-      carry = (jnp.int32(0), pools, ids_T, real_T * (remaining_S > 0),
-               jnp.full((n, s), -1, jnp.int32))
-      carry = jax.lax.while_loop(lambda c: (c[0] < n) & (c[3].sum() > 0), one_step, carry)
-      _, pools, _, _, tokens_NS = carry
-      return (tokens_NS,), keep(pools)
+  def _forward(self, model, layer_groups, pools, ids_T, pos_T, real_T, x: StepInputs, blocks):
+    """The main model on the flat rows: hidden states [T, D] and the pools (the rows' token
+    ids recorded too)."""
+    main_pools, mtp_pools, token_ids = pools
+    table_TN = x.table_SN[x.seq_T]
+    token_ids = penalties.record_ids(token_ids, ids_T, table_TN, pos_T, real_T, self.page_size)
+    caches = ModelCache(tuple(
+        tuple(PagedLayerCache(latent, keys, table_TN,
+                              jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)),
+                              self.page_size, x.seq_T, blocks, reps=group.reps,
+                              context=self.context)
+              for latent, keys in unit)
+        for group, unit in zip(layer_groups, main_pools)), layer_groups)
+    hidden_T1D, caches = model.forward_hidden(ids_T[:, None], caches, new_lens_B=real_T,
+                                              plan=self.plan)
+    main_pools = tuple(tuple(c.pools for c in unit) for unit in caches.groups)
+    return hidden_T1D[:, 0], (main_pools, mtp_pools, token_ids)
 
-    return step if self.decode_steps == 1 else decode_steps
+  def _sampling(self, x: StepInputs, counters_S):
+    return Sampling(seed_keys(x.seeds_S), counters_S, x.temperature_S, x.top_p_S, x.top_k_S,
+                    x.min_p_S)
+
+  def _adjustments(self, x: StepInputs, token_ids, last_S, vocab: int):
+    """A ``FULL`` program's: the bias, the penalties' counts (from the pool of token ids, up
+    to each sequence's sampled row) and the stop ids ``min_tokens`` holds back."""
+    counts_SV, seen_SV = penalties.context_counts(token_ids, x.table_SN, last_S, x.num_prompt_S,
+                                                  self.page_size, vocab)
+    return Adjustments(bias_rows(x.bias_ids_SB, x.bias_SB, vocab), counts_SV, seen_SV,
+                       x.repetition_S, x.frequency_S, x.presence_S,
+                       stop_mask(x.stop_ids_SM, vocab), x.min_left_S)
+
+  def _one_step(self, model, layer_groups, pools, last_tokens, ids_T, x: StepInputs):
+    blocks = self._key_blocks(x)
+    hidden_TD, pools = self._forward(model, layer_groups, pools, ids_T, x.pos_T, x.real_T, x,
+                                     blocks)
+    logits_SJV = model.logits(hidden_TD[x.logit_rows_SJ])
+    sampler = self.shape.sampler
+    adjustments = None
+    if sampler is Sampler.FULL:
+      adjustments = self._adjustments(x, pools[2], x.pos_T[x.logit_rows_SJ[:, 0]],
+                                      model.config.vocab_size)
+    accepted_S, tokens_SJ = process_logits(logits_SJV, ids_T[x.logit_rows_SJ], x.num_logits_S,
+                                           self._sampling(x, x.counters_S), sampler,
+                                           adjustments)
+    outputs = {"tokens": tokens_SJ, "accepted": accepted_S}
+    if sampler is Sampler.FULL:
+      outputs.update(_logprobs(logits_SJV, tokens_SJ))
+    if self.layout.mtp:
+      pools, drafts = self._mtp(model, pools, hidden_TD, accepted_S, tokens_SJ, x, blocks)
+      outputs.update(drafts)
+    if self.shape.scores:
+      outputs.update(_row_scores(model.logits(hidden_TD), x.next_ids_T))
+    sampled_S = x.num_logits_S > 0
+    newest_S = row(tokens_SJ, accepted_S)
+    last_tokens = _set_slots(last_tokens, x.slot_S, sampled_S, newest_S)
+    return outputs, pools, last_tokens
+
+  def _mtp(self, model, pools, hidden_TD, accepted_S, tokens_SJ, x: StepInputs, blocks):
+    """MTP layer 0 over every row's pair, then each sampling sequence's next drafts."""
+    main_pools, mtp_pools, token_ids = pools
+    # Row t's pair: (h_t, the token after it): known on the host, or sampled here.
+    sampled_T = tokens_SJ[x.seq_T, jnp.maximum(x.logit_row_T, 0)]
+    pairs_T = jnp.where(x.next_ids_T < 0, sampled_T, x.next_ids_T)
+    valid_T = x.real_T * ((x.logit_row_T < 0) | (x.logit_row_T <= accepted_S[x.seq_T]))
+    views = _mtp_views(mtp_pools, x.table_SN[x.seq_T], x.pos_T, self.page_size, self.context,
+                       x.seq_T, blocks)
+    _, mtp_hidden_T1D, views = model.mtp_forward(
+        0, hidden_TD[:, None], pairs_T[:, None], views, new_lens_B=valid_T, plan=self.plan,
+        logits=False)
+    mtp_pools = tuple(v.buffers.pools for v in views)
+    outputs = {}
+    if self.draft_plan is not None:
+      emitted_S = accepted_S + 1
+      last_S = row(x.logit_rows_SJ, accepted_S)
+      wanted_S = (x.num_logits_S > 0) * drafts_wanted(x.speculative_S, x.remaining_S - emitted_S)
+      last_hidden_SD = mtp_hidden_T1D[last_S, 0]
+      table_SN, page_size, context = x.table_SN, self.page_size, self.context
+      drafts_SD, mtp_pools = draft(
+          model, model.mtp_logits(0, last_hidden_SD), last_hidden_SD, mtp_pools,
+          lambda pools, rows_S: _mtp_views(pools, table_SN, rows_S, page_size, context),
+          lambda views: tuple(v.buffers.pools for v in views), x.pos_T[last_S] + 1,
+          wanted_S, self.layout.logit_rows - 1, self.draft_plan)
+      outputs = {"drafts": drafts_SD, "wanted": wanted_S}
+    return (main_pools, mtp_pools, token_ids), outputs
+
+  def _decode_steps(self, model, layer_groups, pools, last_tokens, ids_T, x: StepInputs):
+    """N decode steps of every real row (row s: sequence s's last token), each sampling one
+    token, as a fixed-length scan: a sequence that stopped (a stop id or its last allowed
+    token) writes and emits nothing more (-1)."""
+    n = self.shape.decode_steps
+    sampler = self.shape.sampler
+    no_drafts_S = jnp.ones_like(x.num_logits_S)
+    blocks = self._key_blocks(x)  # reaching the last step: past a row's end, windows end
+
+    def one_step(carry, i):
+      pools, ids_S, active_S = carry
+      hidden_SD, pools = self._forward(model, layer_groups, pools, ids_S, x.pos_T + i,
+                                       active_S, x, blocks)
+      _, new_S1 = process_logits(model.logits(hidden_SD)[:, None], ids_S[:, None], no_drafts_S,
+                                 self._sampling(x, x.counters_S + i), sampler)
+      new_S = new_S1[:, 0]
+      emit_S = active_S > 0
+      stopped_S = emit_S & ends(new_S, x.stop_ids_SM, i + 1, x.remaining_S)
+      return ((pools, jnp.where(emit_S, new_S, ids_S), active_S * ~stopped_S),
+              jnp.where(emit_S, new_S, -1))
+
+    active_S = x.real_T * (x.remaining_S > 0)
+    (pools, ids_S, _), tokens_NS = jax.lax.scan(one_step, (pools, ids_T, active_S),
+                                                jnp.arange(n, dtype=jnp.int32))
+    last_tokens = _set_slots(last_tokens, x.slot_S, active_S > 0, ids_S)
+    return {"tokens": tokens_NS}, pools, last_tokens
 
 
-def _stop_mask(stop_ids_SM, vocab_size: int):
-  """[S, V]: whether each id is one of sequence s's stop ids (-1 pads none)."""
-  return jax.nn.one_hot(stop_ids_SM, vocab_size, dtype=jnp.bool_).any(axis=1)
-
-
-def _bias(bias_ids_SB, bias_SB, vocab_size: int):
-  """[S, V]: each sequence's ``logit_bias`` (ids -1 pad: dropped) as a row to add."""
-  ids_SB = jnp.where(bias_ids_SB < 0, vocab_size, bias_ids_SB)  # out of range: dropped
-  rows_SB = jnp.broadcast_to(jnp.arange(ids_SB.shape[0])[:, None], ids_SB.shape)
-  return jnp.zeros((ids_SB.shape[0], vocab_size), jnp.float32).at[rows_SB, ids_SB].add(
-      bias_SB, mode="drop")
-
-
-def _no_stop_before_min(logits_SJV, stop_SV, min_left_S):
-  """The logits with a sequence's stop ids (``_stop_mask``) at -inf in its first
-  ``min_left_S`` rows: the tokens before its ``min_tokens`` are never stop ids (vLLM's)."""
-  early_SJ = jnp.arange(logits_SJV.shape[1])[None, :] < min_left_S[:, None]
-  return jnp.where(early_SJ[..., None] & stop_SV[:, None, :], -jnp.inf, logits_SJV)
+def _set_slots(last_tokens, slot_S, which_S, tokens_S):
+  """``last_tokens`` with ``tokens_S`` at the slots of the sequences ``which_S``."""
+  slots_S = jnp.where(which_S, slot_S, last_tokens.shape[0])  # out of range: dropped
+  return last_tokens.at[slots_S].set(tokens_S, mode="drop")
 
 
 def _logprobs(logits_SJV, tokens_SJ):
-  """Log-probabilities of the model's distribution (before temperature and top_p): the
-  tokens' [S, J] and the most likely ones' ids and values [S, J, K] (a top-k over the
-  vocabulary is small beside the step)."""
+  """Log-probabilities of the model's distribution (before bias, penalties, temperature and
+  the cuts): the tokens' [S, J] and the most likely ones' ids and values [S, J, K]."""
   logprobs_SJV = jax.nn.log_softmax(logits_SJV.astype(jnp.float32), axis=-1)
   chosen_SJ = jnp.take_along_axis(logprobs_SJV, tokens_SJ[..., None], axis=-1)[..., 0]
   top_SJK, top_ids_SJK = jax.lax.top_k(logprobs_SJV, min(MAX_LOGPROBS, logprobs_SJV.shape[-1]))
-  return chosen_SJ, top_ids_SJK, top_SJK
+  return {"logprob": chosen_SJ, "top_ids": _pad_k(top_ids_SJK, -1),
+          "top": _pad_k(top_SJK, -jnp.inf)}
 
 
 def _row_scores(logits_TV, next_ids_T):
@@ -223,11 +235,20 @@ def _row_scores(logits_TV, next_ids_T):
   chosen_T = jnp.take_along_axis(logprobs_TV, jnp.maximum(next_ids_T, 0)[:, None], axis=-1)
   rank_T = 1 + (logprobs_TV > chosen_T).sum(axis=-1, dtype=jnp.int32)
   top_TK, top_ids_TK = jax.lax.top_k(logprobs_TV, min(MAX_LOGPROBS, logprobs_TV.shape[-1]))
-  return chosen_T[:, 0], rank_T, top_ids_TK, top_TK
+  return {"row_logprob": chosen_T[:, 0], "row_rank": rank_T,
+          "row_top_ids": _pad_k(top_ids_TK, -1), "row_top": _pad_k(top_TK, -jnp.inf)}
 
 
-def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, context, segment_ids_B=None):
-  """The MTP layers' paged caches (one layer each) at ``num_cached_B``."""
+def _pad_k(x_XK, fill):
+  """The top entries padded to ``MAX_LOGPROBS`` (a vocabulary may be smaller)."""
+  pad = MAX_LOGPROBS - x_XK.shape[-1]
+  return jnp.pad(x_XK, [(0, 0)] * (x_XK.ndim - 1) + [(0, pad)], constant_values=fill)
+
+
+def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, context, segment_ids_B=None,
+               key_blocks=None):
+  """The MTP layers' paged caches (one layer each) at ``num_cached_B`` (a flat step's rows:
+  ``segment_ids_B`` and ``key_blocks`` as ``PagedLayerCache``'s)."""
   return tuple(PagedLayerCache(latent, keys, table_BN, num_cached_B[None], page_size,
-                               segment_ids_B, context=context).layer_view(0)
+                               segment_ids_B, key_blocks, context=context).layer_view(0)
                for latent, keys in mtp_pools)

@@ -33,14 +33,18 @@ def _stops(seq):
 
 class Loop:
   """The engine loop without a model: schedule, check the chunks against the pool, write their
-  rows (a row is the token prefix it depends on), sample ``_token`` and commit."""
+  rows (a row is the token prefix it depends on), dispatch, sample ``_token`` and commit.
+  ``lag``: the engine's asynchronous order, each step committed only after the next one is
+  scheduled and dispatched (its tokens in flight meanwhile: a decode of one reads it as a
+  placeholder, and the fake model knows what it will be)."""
 
   def __init__(self, num_pages, *, max_num_seqs=8, max_step_tokens=16, prefix_caching=True,
-               **scheduler_options):
+               lag=False, **scheduler_options):
     self.pages = PageTable(num_pages, SIZE, salt="test")
     self.scheduler = Scheduler(self.pages, max_num_seqs=max_num_seqs,
                                max_step_tokens=max_step_tokens, prefix_caching=prefix_caching,
                                **scheduler_options)
+    self.lag, self.in_flight = lag, None
     self.rows = {}  # (page, offset) -> tuple of the tokens that row depends on
     self.seqs = []
     self.streamed = {}  # request id -> the tokens commit reported, in order
@@ -62,36 +66,58 @@ class Loop:
     assert all(c.num_tokens > 1 for c in batch.prefills)
     assert len({id(c.seq) for c in chunks}) == len(chunks) <= scheduler.max_num_seqs
     assert len(scheduler.running) <= scheduler.max_num_seqs
+    assert len({c.seq.slot for c in chunks}) == len(chunks)  # persistent slots of their own
     for chunk in chunks:
       self.cached_at_admission.setdefault(chunk.seq.request_id, chunk.num_cached)
       self._compute(chunk)
-    sampling = [c for c in chunks if c.samples]
-    grown = scheduler.commit(batch, {id(c): [_token(c.seq)] for c in sampling}, _stops)
-    assert grown == [(c.seq, 1) for c in sampling]
-    for seq, _ in grown:
-      self.streamed.setdefault(seq.request_id, []).append(seq.tokens[-1])
+    dispatched = scheduler.dispatched(batch) if batch else None
+    if self.lag:
+      dispatched, self.in_flight = self.in_flight, dispatched
+    if dispatched is not None:
+      self._commit(dispatched)
     self.pages.check()
     return batch
+
+  def _commit(self, batch):
+    live = [c for c in batch.chunks if c.emits and c.seq.status is not Status.FINISHED]
+    grown = self.scheduler.commit(
+        batch, {id(c): [_token_at(c.seq.request_id, c.num_cached + c.num_tokens)]
+                for c in live}, _stops)
+    assert grown == [(c.seq, 1) for c in live]
+    for seq, _ in grown:
+      self.streamed.setdefault(seq.request_id, []).append(seq.tokens[-1])
 
   def _compute(self, chunk):
     seq, num_cached, end = chunk.seq, chunk.num_cached, chunk.num_cached + chunk.num_tokens
     assert seq.status is Status.RUNNING and seq in self.scheduler.running
-    assert num_cached == seq.num_cached and 0 < chunk.num_tokens and end <= len(seq.tokens)
+    assert num_cached == seq.num_cached and 0 < chunk.num_tokens
+    assert end <= len(seq.tokens) + seq.num_pending
+    # Never the row of a last allowed token: no step after it reads it.
+    assert end <= seq.num_prompt + max(seq.params.max_tokens - 1, 0)
     assert len(seq.pages) >= pages_for(end, SIZE)
+    # A token in flight is a placeholder; the fake model's output there is known.
+    tokens = seq.tokens + [_token_at(seq.request_id, p) for p in range(len(seq.tokens), end)]
+    assert chunk.token_ids == [t if p < len(seq.tokens) else -1
+                               for p, t in enumerate(tokens[num_cached:end], num_cached)]
     for pos in range(num_cached):  # the rows the chunk attends to, cached or computed before
-      assert self.rows[self._row(seq, pos)] == tuple(seq.tokens[:pos + 1])
+      assert self.rows[self._row(seq, pos)] == tuple(tokens[:pos + 1])
     for pos in range(num_cached, end):  # written only into pages no other sequence reads
       assert self.pages.refcount(seq.pages[pos // SIZE]) == 1
-      self.rows[self._row(seq, pos)] = tuple(seq.tokens[:pos + 1])
+      self.rows[self._row(seq, pos)] = tuple(tokens[:pos + 1])
 
   @staticmethod
   def _row(seq, pos):
     return seq.pages[pos // SIZE], pos % SIZE
 
   def run(self, max_steps=500):
-    steps = 0
-    while self.scheduler.has_unfinished():
-      assert self.step(), "a step with unfinished requests scheduled nothing"
+    steps, idle = 0, 0
+    while self.scheduler.has_unfinished() or self.in_flight is not None:
+      batch = self.step()
+      assert batch or self.lag, "a step with unfinished requests scheduled nothing"
+      # One step late, a sequence waits for its token in flight (a preempted one), or all its
+      # tokens are in flight: it is scheduled again once that step is committed.
+      idle = 0 if batch or self.in_flight is not None else idle + 1
+      assert idle < 2, "nothing in flight and nothing scheduled"
       steps += 1
       assert steps < max_steps
     return steps
@@ -290,11 +316,15 @@ def test_abort_of_a_running_sequence_frees_its_pages():
   loop.assert_all_done()
 
 
+@pytest.mark.parametrize("lag", [False, True], ids=["in-step", "one-step-late"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_requests_and_aborts_leave_every_page_free(seed):
+def test_random_requests_and_aborts_leave_every_page_free(seed, lag):
+  """Random arrivals, prefixes, budgets, preemptions and aborts; committed in the step or one
+  step late (the engine's asynchronous order: aborts and preemptions land on sequences whose
+  token is in flight)."""
   rng = random.Random(seed)
   loop = Loop(rng.randint(6, 9), max_num_seqs=rng.randint(2, 6),
-              max_step_tokens=rng.randint(1, 16))
+              max_step_tokens=rng.randint(1, 16), lag=lag)
   prefixes = [_prompt(rng.randint(0, 9), first=10 * i) for i in range(3)]
   for _ in range(60):
     if rng.random() < 0.5:
@@ -304,7 +334,7 @@ def test_random_requests_and_aborts_leave_every_page_free(seed):
     if live and rng.random() < 0.05:
       loop.scheduler.abort(rng.choice(live))
     if loop.scheduler.has_unfinished():
-      assert loop.step()
+      assert loop.step() or lag
   loop.run()
   loop.assert_all_done()
 
@@ -340,19 +370,23 @@ def test_a_speculative_decode_reserves_its_draft_rows_and_commits_the_accepted_t
   scheduler = Scheduler(pages, max_num_seqs=2, max_step_tokens=16)
   seq = Sequence("0", [1, 2, 3], 3, SamplingParams(max_tokens=8, speculative_tokens=3), seed=0)
   scheduler.add(seq)
-  batch = scheduler.schedule()
+  batch = scheduler.dispatched(scheduler.schedule())
   scheduler.commit(batch, {id(batch.prefills[0]): [7]}, _stops)
   seq.drafts = [8, 9]
   batch = scheduler.schedule()
   (chunk,) = batch.decodes
   assert (chunk.num_cached, chunk.num_computed, chunk.rows, chunk.drafts) == (3, 3, 5, (8, 9))
   assert batch.num_tokens == 3 and len(seq.pages) == pages_for(3 + 5, SIZE)
+  batch = scheduler.dispatched(batch)
+  (chunk,) = batch.decodes
   assert scheduler.commit(batch, {id(chunk): [8, 9, 5]}, _stops) == [(seq, 3)]
   assert seq.tokens == [1, 2, 3, 7, 8, 9, 5] and seq.num_cached == 6
   seq.drafts = [6, 6, 6]  # as many as the 4 tokens left allow; their MTP rows stop at the last
   batch = scheduler.schedule()
   (chunk,) = batch.decodes
   assert chunk.rows == seq.num_prompt + 8 - chunk.num_cached
+  batch = scheduler.dispatched(batch)
+  (chunk,) = batch.decodes
   stop = lambda s: "stop" if s.tokens[-1] == 4 else _stops(s)
   assert scheduler.commit(batch, {id(chunk): [6, 4, 6]}, stop) == [(seq, 2)]
   assert seq.output == [7, 8, 9, 5, 6, 4] and seq.finish_reason == "stop" and not seq.pages
@@ -372,6 +406,7 @@ def test_draft_rows_count_against_the_step_budget():
     scheduler.add(seq)
   batch = scheduler.schedule()  # two prompts of 3 fill the budget
   assert [c.seq for c in batch.prefills] == seqs[:2] and batch.num_tokens == 6
+  batch = scheduler.dispatched(batch)
   scheduler.commit(batch, {id(c): [7] for c in batch.prefills}, _stops)
   for seq in seqs[:2]:
     seq.drafts = [8, 9, 10]
