@@ -10,9 +10,12 @@ rank over its own rows only:
   top-k of them. ``exact`` mode then all-gathers the ``k x C`` candidates (ids and scores,
   never rows) and takes the global top-k, equal to one device's (``merge_candidates``);
   ``union`` mode keeps each rank's own top-k, ``C x k`` indices in all, and exchanges nothing.
-* the sparse MQA (``MeshOps.sparse_mqa``): each rank attends over the selected rows it holds,
-  with a partial softmax, and the partial outputs merge by their log-sum-exp
-  (``merge_partials``). In union mode every rank attends over its own top-k.
+* the sparse MQA (``MeshOps.sparse_mqa``): the weights split their heads over
+  ``tensor`` x ``context`` (``sharding.TENSOR_RANKS``), so each rank first all-gathers its
+  tensor group's query heads over ``context``, attends with all of them over the selected
+  rows it holds (a partial softmax), and the partial outputs merge by their log-sum-exp into
+  each rank's own heads by a reduce-scatter (``merge_partials``). In union mode every rank
+  attends over its own top-k.
 
 Nothing here decides a route: the context axis changes where rows live, never what a step
 computes (``StepPlan.context_topk`` only says how a sparse step selects).
@@ -47,22 +50,36 @@ def local_rows(rows, num_local: int):
   return jnp.where((rows >= 0) & (local >= 0) & (local < num_local), local, -1)
 
 
-def merge_partials(out_BTHV, lse_BTH, has_rows_BT):
-  """One softmax over every rank's rows from each rank's partial one (``has_rows_BT``: the
-  rank attended at least one row for that query; its LSE is then finite). A query no rank
-  attended gets out 0 and LSE +inf, as one device's op gives it."""
+def merge_partials(out_BTHV, lse_BTH, has_rows_BT, wire_dtype=None):
+  """One softmax over every rank's rows from each rank's partial one, each rank keeping its
+  own heads: ``out_BTHV`` / ``lse_BTH`` are this rank's partial attention of its tensor
+  group's H heads over the rows it holds (``has_rows_BT``: it attended at least one row for
+  that query; its LSE is then finite). Returns ``(out [B, T, H / C, V], lse [B, T, H / C])``
+  of this rank's block of the heads (rank c the c-th), as the heads' spec holds them.
+
+  The ranks all-gather their LSEs (H floats a query), scale their partial outputs by
+  ``exp(lse - global lse)`` and reduce-scatter them over the heads (vLLM's DCP merge): each
+  rank receives (C - 1) / C of one output, where an all-reduce would move twice that.
+  ``wire_dtype`` is what the partial outputs cross the links in (default: their own dtype,
+  bf16 in a bf16 model; docs/scaling.md measures its error). A query no rank attended gets
+  out 0 and LSE +inf, as one device's op gives it."""
   dtype = out_BTHV.dtype
   lse_BTH = jnp.where(has_rows_BT[..., None], lse_BTH, -jnp.inf)
-  top_BTH = jax.lax.pmax(lse_BTH, CONTEXT)
+  lse_CBTH = jax.lax.all_gather(lse_BTH, CONTEXT)
+  top_BTH = lse_CBTH.max(axis=0)
   top_BTH = jnp.where(jnp.isfinite(top_BTH), top_BTH, 0.0)
-  weight_BTH = jnp.exp(lse_BTH - top_BTH)  # 0 on a rank without rows
-  total_BTH = jax.lax.psum(weight_BTH, CONTEXT)
-  summed_BTHV = jax.lax.psum(weight_BTH[..., None] * out_BTHV.astype(jnp.float32), CONTEXT)
+  total_BTH = jnp.exp(lse_CBTH - top_BTH).sum(axis=0)  # 0 where no rank attended
   any_BTH = total_BTH > 0
-  total_BTH = jnp.where(any_BTH, total_BTH, 1.0)
-  out_BTHV = jnp.where(any_BTH[..., None], summed_BTHV / total_BTH[..., None], 0.0)
-  lse_BTH = jnp.where(any_BTH, top_BTH + jnp.log(total_BTH), jnp.inf)
-  return out_BTHV.astype(dtype), lse_BTH
+  lse_BTH_all = jnp.where(any_BTH, top_BTH + jnp.log(jnp.where(any_BTH, total_BTH, 1.0)),
+                          jnp.inf)
+  share_BTH = jnp.exp(lse_BTH - lse_BTH_all)  # 0 on a rank without rows, or without any
+  part_BTHV = share_BTH[..., None] * out_BTHV.astype(jnp.float32)
+  part_BTHV = part_BTHV.astype(dtype if wire_dtype is None else wire_dtype)
+  own_BThV = jax.lax.psum_scatter(part_BTHV, CONTEXT, scatter_dimension=2, tiled=True)
+  heads = own_BThV.shape[2]
+  own_lse_BTh = jax.lax.dynamic_slice_in_dim(lse_BTH_all, jax.lax.axis_index(CONTEXT) * heads,
+                                             heads, axis=2)
+  return own_BThV.astype(dtype), own_lse_BTh
 
 
 def merge_candidates(values_BTN, idx_BTN, k: int):

@@ -2,7 +2,10 @@
 
 A mesh has four named axes: ``data`` (the batch of sequences), ``tensor`` (attention heads,
 MLP intermediate width, vocabulary), ``expert`` (routed experts) and ``context`` (an engine's
-page pools: each rank holds 1/context of every pool's rows, ``mla_jax.context_parallel``). One table,
+page pools: each rank holds 1/context of every pool's rows, ``mla_jax.context_parallel``).
+The context ranks are tensor ranks too: what a rule splits over ``tensor`` it splits over
+``tensor`` x ``context`` (``TENSOR_RANKS``), as vLLM's decode context parallelism reuses the
+tensor-parallel group, so a context axis splits the weights as well as the pools. One table,
 ``PARTITION_RULES``, maps Hugging Face parameter names to how each tensor is split; stacked
 axes that the model adds in front of an HF tensor (scanned layers, stacked experts) are
 split as ``LEADING_AXIS_SPECS`` says. Nothing else in the package knows the axis names'
@@ -11,7 +14,9 @@ meaning: modules ask this module for specs, and routing never depends on the mes
 Choices that every shard must agree on:
 
 * The latent cache row [c_kv | k_pe] is one "head" shared by all query heads, so the latent
-  and indexer-key caches are split over ``data`` (batch) and replicated over ``tensor``.
+  and indexer-key caches are split over ``data`` (batch) and replicated over ``tensor``; an
+  engine's pools split their rows over ``context``, and attention all-gathers a tensor
+  group's query heads over it (``mla_jax.context_parallel``).
 * The indexer is replicated: every tensor/expert shard scores the same keys with the same
   weights, so every shard selects the same top-k (no cross-shard reduction before top_k).
 """
@@ -28,21 +33,25 @@ from jax.sharding import PartitionSpec as P
 
 DATA, TENSOR, EXPERT, CONTEXT = "data", "tensor", "expert", "context"
 AXES = (DATA, TENSOR, EXPERT, CONTEXT)
+# What V3.2's rules split heads, MLP widths and the vocabulary over: tensor-major, so the
+# context ranks of one tensor group hold consecutive blocks of its heads (an all-gather over
+# ``context`` gives the group's heads in order).
+TENSOR_RANKS = (TENSOR, CONTEXT)
 
 # HF parameter name (regex, searched) -> PartitionSpec of that HF tensor. First match wins.
 # An fp8 weight's ``weight_scale_inv`` [rows / 128, cols / 128] is split like the weight, so
 # a device holds the scales of the blocks it holds (quant.check_block_split refuses a split
 # that would cut a block).
 PARTITION_RULES: tuple[tuple[str, P], ...] = (
-    (r"embed_tokens\.weight$", P(TENSOR, None)),          # vocab rows
-    (r"lm_head\.weight$", P(TENSOR, None)),               # vocab rows
-    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TENSOR, None)),   # rows: heads x (N + R)
-    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P(TENSOR, None)),  # rows: heads x (N + V)
-    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, TENSOR)),     # columns: heads x V
+    (r"embed_tokens\.weight$", P(TENSOR_RANKS, None)),                   # vocab rows
+    (r"lm_head\.weight$", P(TENSOR_RANKS, None)),                        # vocab rows
+    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TENSOR_RANKS, None)),  # heads x (N + R)
+    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P(TENSOR_RANKS, None)),  # heads x (N + V)
+    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, TENSOR_RANKS)),  # columns: heads x V
     (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
-     P(TENSOR, None)),
+     P(TENSOR_RANKS, None)),
     (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
-     P(None, TENSOR)),
+     P(None, TENSOR_RANKS)),
     # Everything else is replicated: norms, q_a / kv_a projections, the indexer, the router.
     (r".", P()),
 )
@@ -59,14 +68,15 @@ POOL_SPEC = P(CONTEXT)
 
 # The attention ops under ``shard_map`` (``mla_jax.backends.on_mesh``): per-sequence values
 # split over ``data``; queries and outputs [B, T, H, ...] also split their heads over
-# ``tensor``. The latent rows, the indexer keys and the indexer are whole on every tensor
-# shard, so every shard scores the same keys and selects the same top-k.
+# ``tensor`` x ``context``, as the projections' rules hold them. The latent rows, the indexer
+# keys and the indexer are whole on every tensor shard, so every shard scores the same keys
+# and selects the same top-k.
 BATCH_SPEC = P(DATA)
-HEADS_SPEC = P(DATA, None, TENSOR)
+HEADS_SPEC = P(DATA, None, TENSOR_RANKS)
 # A flat step's segmented dense MHA is one sequence of all the step's rows ([1, T, ...]): its
 # batch cannot split over ``data``, so every data shard attends the whole step (heads still
-# split over ``tensor``).
-FLAT_HEADS_SPEC = P(None, None, TENSOR)
+# split over ``tensor`` x ``context``).
+FLAT_HEADS_SPEC = P(None, None, TENSOR_RANKS)
 OP_SPECS = {  # op -> (in_specs, out_specs)
     "sparse_mqa": ((HEADS_SPEC, BATCH_SPEC, BATCH_SPEC), (HEADS_SPEC, HEADS_SPEC)),
     "sparse_mqa_pool": ((HEADS_SPEC, REPLICATED, BATCH_SPEC), (HEADS_SPEC, HEADS_SPEC)),
@@ -83,10 +93,12 @@ OP_SPECS = {  # op -> (in_specs, out_specs)
 }
 # The routed experts under ``shard_map`` (``mla_jax.models.moe``): tokens [T, D] over
 # ``data``; stacked expert weights [E, F, D] / [E, D, F] over ``expert`` and their
-# intermediate width F over ``tensor``, as the partition rules hold them.
+# intermediate width F over ``tensor`` x ``context``, as the partition rules hold them
+# (DeepSeek-V4's rules split F over ``tensor`` alone and refuse a context axis: the same).
 MOE_TOKENS_SPEC = P(DATA, None)
-MOE_IN_PROJ_SPEC = P(EXPERT, TENSOR, None)    # gate_proj, up_proj [E, F, D]
-MOE_OUT_PROJ_SPEC = P(EXPERT, None, TENSOR)   # down_proj [E, D, F]
+MOE_IN_PROJ_SPEC = P(EXPERT, TENSOR_RANKS, None)    # gate_proj, up_proj [E, F, D]
+MOE_OUT_PROJ_SPEC = P(EXPERT, None, TENSOR_RANKS)   # down_proj [E, D, F]
+MOE_SUM_AXES = (EXPERT, *TENSOR_RANKS)  # the shards whose outputs a token's sum adds
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:

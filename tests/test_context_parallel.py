@@ -30,7 +30,7 @@ from mla_jax.routing import PrefillRoute
 from tests.helpers import two_process_engine
 from tests.test_engine import _mqa_only_contract
 
-TOPK = tiny_lm("mqa-only").mla.indexer.topk  # 16
+TOPK = tiny_moe_lm().mla.indexer.topk  # 16
 PROMPT_LENS = (5, TOPK, TOPK + 1, 16 * TOPK)  # shorter than top-k, around it, 16x it
 NEW = 32
 SETTINGS = dict(num_pages=64, page_size=8, max_num_seqs=4, max_step_tokens=64,
@@ -43,7 +43,7 @@ def _mesh(spec: str):
 
 
 def _model(mesh=None, config=None):
-  return CausalLM(config or tiny_lm("mqa-only"), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
+  return CausalLM(config or tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
 
 
 def _prompts(lens=PROMPT_LENS, seed=0):
@@ -103,7 +103,7 @@ def test_split_sparse_mqa_equals_float64_attention(split_rows):
   ranks, k, num_rows, sm_scale, d_v = 4, 6, 64, 0.3, 16
   mesh = _mesh(f"context={ranks},tensor=2")
   rng = np.random.default_rng(7)
-  q = rng.standard_normal((2, 3, 4, 24)).astype(np.float32)
+  q = rng.standard_normal((2, 3, 8, 24)).astype(np.float32)  # heads over tensor x context
   pool = rng.standard_normal((num_rows, 24)).astype(np.float32)
   width = ranks * k if split_rows else k
   rows = rng.integers(-1, num_rows, (2, 3, width)).astype(np.int32)

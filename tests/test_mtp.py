@@ -310,8 +310,9 @@ def test_mtp_layer_loads_and_runs_sharded(tmp_path):
   model = load_pretrained(tmp_path / "ckpt", dtype=jnp.float32, backend="xla", mesh=mesh)
   block = model.mtp[0].block
   # The partition rules cover the MTP layer by its HF names, experts over 'expert'.
-  assert block.self_attn.q_b_proj.weight[...].sharding.spec == P("tensor", None)
-  assert block.mlp.experts.down_proj[...].sharding.spec == P("expert", None, "tensor")
+  assert block.self_attn.q_b_proj.weight[...].sharding.spec == P(sharding.TENSOR_RANKS, None)
+  assert block.mlp.experts.down_proj[...].sharding.spec == P("expert", None,
+                                                              sharding.TENSOR_RANKS)
   assert model.mtp[0].eh_proj.weight[...].sharding.spec == P(None, None)
   caches = model.init_mtp_cache(2, 16)
   assert caches[0].latent_BSL.sharding.spec == P("data", None, None)

@@ -92,6 +92,11 @@ def test_fp8_cache_generation_sharded_equals_unsharded():
     assert {s.data.shape[1] for s in leaf.addressable_shards} == {2}
 
 
+def _axes(entry) -> tuple:
+  """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
 def _expected_spec(layout, ndim):
   return sharding.param_spec(layout.rule_name, layout.leading, ndim)
 
@@ -107,19 +112,19 @@ def test_every_leaf_carries_its_rules_sharding():
     value, layout = var[...], layouts[path]
     spec = _expected_spec(layout, value.ndim)
     assert value.sharding.spec == spec, layout.template
-    ways = math.prod(mesh.shape[a] for a in spec if a is not None)
+    ways = math.prod(mesh.shape[a] for entry in spec for a in _axes(entry))
     shard_bytes = {s.data.nbytes for s in value.addressable_shards}
     assert shard_bytes == {value.nbytes // ways}, layout.template  # no padding, no copies
     for axis in split:
-      split[axis] += axis in spec
+      split[axis] += any(axis in _axes(entry) for entry in spec)
   assert split["tensor"] and split["expert"]  # the rules really split something
   rules = {layouts[p].template: var[...].sharding.spec for p, var in state.flat_state()}
-  assert rules["model.layers.{layer}.self_attn.q_b_proj.weight"] == P(None, "tensor", None)
-  assert rules["model.layers.{layer}.self_attn.o_proj.weight"] == P(None, None, "tensor")
+  assert rules["model.layers.{layer}.self_attn.q_b_proj.weight"] == P(None, TP, None)
+  assert rules["model.layers.{layer}.self_attn.o_proj.weight"] == P(None, None, TP)
   assert rules["model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"] == P(
-      None, "expert", None, "tensor")
+      None, "expert", None, TP)
   assert rules["model.layers.{layer}.self_attn.indexer.wq_b.weight"] == P(None, None, None)
-  assert rules["lm_head.weight"] == P("tensor", None)
+  assert rules["lm_head.weight"] == P(TP, None)
   caches = model.init_cache(4, 32)
   for leaf in jax.tree.leaves(caches):
     batch_axis = leaf.ndim - (1 if leaf.dtype == jnp.int32 else 3)
@@ -152,12 +157,18 @@ def _with(config, **changes):
 
 
 @pytest.mark.parametrize("config, spec, match", [
-    (tiny_lm(), "data=1,tensor=8,expert=1",
-     "4 attention heads cannot be split over mesh axis 'tensor' of size 8"),
+    (tiny_lm(), "data=1,tensor=8,expert=1", "4 attention heads cannot be split over the "
+     "tensor x context ranks \\(mesh axes 'tensor' x 'context': 8 x 1 = 8\\)"),
+    (tiny_lm(), "tensor=4,context=2", "4 attention heads cannot be split over the "
+     "tensor x context ranks \\(mesh axes 'tensor' x 'context': 4 x 2 = 8\\)"),
+    (tiny_lm(), "context=8", "4 attention heads cannot be split over the "
+     "tensor x context ranks \\(mesh axes 'tensor' x 'context': 1 x 8 = 8\\)"),
     (_with(tiny_moe_lm(), moe=dict(num_experts=12)), "data=1,tensor=1,expert=8",
      "12 routed experts cannot be split over mesh axis 'expert' of size 8"),
     (_with(tiny_moe_lm(), vocab_size=260), "data=1,tensor=8,expert=1",
-     "dimension 260 of shape \\(260, 128\\) cannot be split 8 ways over mesh axis 'tensor'"),
+     "dimension 260 of shape \\(260, 128\\) cannot be split 8 ways over mesh axis "
+     "\\('tensor', 'context'\\)"),
+    (_with(tiny_moe_lm(), vocab_size=260), "tensor=2,context=4", "dimension 260"),
     (_with(tiny_moe_lm(), intermediate_size=100), "data=1,tensor=8,expert=1",
      "model.layers.0.mlp.(gate|down)_proj.weight: dimension 100"),
 ])
@@ -267,16 +278,18 @@ def test_cli_generate_on_a_mesh(capsys):
 
 # The rule table, pinned literally: a rule moved to another axis (kv_b_proj split over its
 # columns, say) stays numerically right under any split, so only a literal check sees it.
+# Heads, MLP widths and the vocabulary split over tensor x context, tensor-major.
+TP = ("tensor", "context")
 PINNED_RULES = (
-    (r"embed_tokens\.weight$", P("tensor", None)),
-    (r"lm_head\.weight$", P("tensor", None)),
-    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P("tensor", None)),
-    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P("tensor", None)),
-    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, "tensor")),
+    (r"embed_tokens\.weight$", P(TP, None)),
+    (r"lm_head\.weight$", P(TP, None)),
+    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TP, None)),
+    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P(TP, None)),
+    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, TP)),
     (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
-     P("tensor", None)),
+     P(TP, None)),
     (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
-     P(None, "tensor")),
+     P(None, TP)),
     (r".", P()),
 )
 
@@ -285,34 +298,34 @@ PINNED_RULES = (
 # of o_proj / down_proj, vocab rows; routed experts over "expert"; the rest replicated.
 _R = (None,)  # the stacked-layer axis: whole on every device
 PINNED_PARAM_SPECS = {
-    "model.embed_tokens.weight": P("tensor", None),
-    "lm_head.weight": P("tensor", None),
+    "model.embed_tokens.weight": P(TP, None),
+    "lm_head.weight": P(TP, None),
     "model.norm.weight": P(None),
     "model.layers.{layer}.input_layernorm.weight": P(*_R, None),
     "model.layers.{layer}.post_attention_layernorm.weight": P(*_R, None),
     "model.layers.{layer}.self_attn.q_a_proj.weight": P(*_R, None, None),
     "model.layers.{layer}.self_attn.q_a_layernorm.weight": P(*_R, None),
-    "model.layers.{layer}.self_attn.q_b_proj.weight": P(*_R, "tensor", None),
+    "model.layers.{layer}.self_attn.q_b_proj.weight": P(*_R, TP, None),
     "model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight": P(*_R, None, None),
     "model.layers.{layer}.self_attn.kv_a_layernorm.weight": P(*_R, None),
-    "model.layers.{layer}.self_attn.kv_b_proj.weight": P(*_R, "tensor", None),
-    "model.layers.{layer}.self_attn.o_proj.weight": P(*_R, None, "tensor"),
+    "model.layers.{layer}.self_attn.kv_b_proj.weight": P(*_R, TP, None),
+    "model.layers.{layer}.self_attn.o_proj.weight": P(*_R, None, TP),
     "model.layers.{layer}.self_attn.indexer.wq_b.weight": P(*_R, None, None),
     "model.layers.{layer}.self_attn.indexer.wk.weight": P(*_R, None, None),
     "model.layers.{layer}.self_attn.indexer.k_norm.weight": P(*_R, None),
     "model.layers.{layer}.self_attn.indexer.k_norm.bias": P(*_R, None),
     "model.layers.{layer}.self_attn.indexer.weights_proj.weight": P(*_R, None, None),
-    "model.layers.{layer}.mlp.gate_proj.weight": P(*_R, "tensor", None),
-    "model.layers.{layer}.mlp.up_proj.weight": P(*_R, "tensor", None),
-    "model.layers.{layer}.mlp.down_proj.weight": P(*_R, None, "tensor"),
+    "model.layers.{layer}.mlp.gate_proj.weight": P(*_R, TP, None),
+    "model.layers.{layer}.mlp.up_proj.weight": P(*_R, TP, None),
+    "model.layers.{layer}.mlp.down_proj.weight": P(*_R, None, TP),
     "model.layers.{layer}.mlp.gate.weight": P(*_R, None, None),
     "model.layers.{layer}.mlp.gate.e_score_correction_bias": P(*_R, None),
-    "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight": P(*_R, "expert", "tensor", None),
-    "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight": P(*_R, "expert", "tensor", None),
-    "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight": P(*_R, "expert", None, "tensor"),
-    "model.layers.{layer}.mlp.shared_experts.gate_proj.weight": P(*_R, "tensor", None),
-    "model.layers.{layer}.mlp.shared_experts.up_proj.weight": P(*_R, "tensor", None),
-    "model.layers.{layer}.mlp.shared_experts.down_proj.weight": P(*_R, None, "tensor"),
+    "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight": P(*_R, "expert", TP, None),
+    "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight": P(*_R, "expert", TP, None),
+    "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight": P(*_R, "expert", None, TP),
+    "model.layers.{layer}.mlp.shared_experts.gate_proj.weight": P(*_R, TP, None),
+    "model.layers.{layer}.mlp.shared_experts.up_proj.weight": P(*_R, TP, None),
+    "model.layers.{layer}.mlp.shared_experts.down_proj.weight": P(*_R, None, TP),
 }
 
 
@@ -321,10 +334,14 @@ def test_every_partition_rule_is_pinned():
   assert sharding.LEADING_AXIS_SPECS == {"layer": None, "expert": "expert"}
 
 
-def test_every_parameter_shard_has_its_pinned_shape():
-  """On 8 devices as tensor=4 x expert=2 (unequal sizes, so a rule on the wrong mesh axis
-  changes the shapes too), each device holds exactly the piece the pinned spec gives."""
-  mesh = sharding.make_mesh("data=1,tensor=4,expert=2")
+@pytest.mark.parametrize("spec", ["data=1,tensor=4,expert=2", "tensor=4,context=2",
+                                  "tensor=2,context=4", "context=8"])
+def test_every_parameter_shard_has_its_pinned_shape(spec):
+  """Each device holds exactly the piece the pinned spec gives: on tensor=4 x expert=2
+  (unequal sizes, so a rule on the wrong mesh axis changes the shapes too), and on the
+  context meshes, where every attention and MLP projection (heads, widths, the vocabulary;
+  the routed experts' width) is 1/8 on each device, as on tensor=8."""
+  mesh = sharding.make_mesh(spec)
   model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
   state = nnx.state(model, nnx.Param)
   layouts = param_layouts(state)
@@ -334,8 +351,10 @@ def test_every_parameter_shard_has_its_pinned_shape():
     spec = PINNED_PARAM_SPECS[template]  # a KeyError: a parameter without a pinned spec
     seen.add(template)
     assert value.sharding.spec == spec, template
-    want = tuple(n // (mesh.shape[a] if a else 1)
-                 for n, a in zip(value.shape, (*spec, *(None,) * (value.ndim - len(spec)))))
+    want = tuple(n // math.prod(mesh.shape[a] for a in _axes(axes))
+                 for n, axes in zip(value.shape, (*spec, *(None,) * (value.ndim - len(spec)))))
     assert {s.data.shape for s in value.addressable_shards} == {want}, template
     assert len(value.addressable_shards) == 8
+    if TP in spec and mesh.shape["expert"] == 1:  # tensor x context: 8 ways
+      assert value.addressable_shards[0].data.size * 8 == value.size, template
   assert seen == set(PINNED_PARAM_SPECS)

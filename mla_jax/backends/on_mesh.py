@@ -2,7 +2,7 @@
 
 The backend is kernels only; this wrapper adds where they run. On a mesh each op runs under
 ``shard_map`` with the specs of ``mla_jax.sharding.OP_SPECS``: the batch over ``data`` and
-query heads over ``tensor``. That is also what lets the Pallas kernels, which XLA cannot
+query heads over ``tensor`` x ``context``. That is also what lets the Pallas kernels, which XLA cannot
 partition itself, run on a mesh. On a mesh with a ``context`` axis the ops that read an
 engine's page pool run on each rank's block of it (``mla_jax.context_parallel``).
 """
@@ -62,8 +62,10 @@ class MeshOps:
         q_BTHL, kv_BSL, topk_BTK)
 
   def _sparse_mqa_split(self, fn, q_BTHL, pool, rows_BTK, split_rows: bool):
-    """Each rank's partial attention over the pool rows it holds, merged by LSE."""
-    def partial(q, kv, rows):
+    """Each rank's partial attention of its tensor group's heads (all-gathered over
+    ``context``) over the pool rows it holds, merged by LSE into its own heads."""
+    def partial(q_own, kv, rows):
+      q = jax.lax.all_gather(q_own, sharding.CONTEXT, axis=2, tiled=True)
       rows = context_parallel.local_rows(rows, context_parallel.num_rows(kv))
       out, lse = fn(q, kv, rows)
       return context_parallel.merge_partials(out, lse, (rows >= 0).any(axis=-1))

@@ -575,11 +575,13 @@ class CausalLM(nnx.Module):
 
 def check_mesh(config: ModelConfig, mesh) -> None:
   """Refuses, before anything is allocated, a mesh the model cannot be split over."""
-  tensor, expert = (sharding.axis_size(mesh, a) for a in (sharding.TENSOR, sharding.EXPERT))
+  tensor, expert, context = (sharding.axis_size(mesh, a)
+                             for a in (sharding.TENSOR, sharding.EXPERT, sharding.CONTEXT))
   mla = config.mla
-  if mla.num_heads % tensor:
-    raise ValueError(f"{mla.num_heads} attention heads cannot be split over mesh axis "
-                     f"'tensor' of size {tensor}")
+  if mla.num_heads % (tensor * context):  # the context ranks split the heads too
+    raise ValueError(f"{mla.num_heads} attention heads cannot be split over the tensor x "
+                     f"context ranks (mesh axes 'tensor' x 'context': {tensor} x {context} = "
+                     f"{tensor * context})")
   if config.moe is not None and config.moe.num_experts % expert:
     raise ValueError(f"{config.moe.num_experts} routed experts cannot be split over mesh axis "
                      f"'expert' of size {expert}")

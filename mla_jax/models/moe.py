@@ -22,7 +22,7 @@ from flax import nnx
 from mla_jax import quant, sharding
 from mla_jax.models.config import MoEConfig
 from mla_jax.models.mlp import MLP, swiglu
-from mla_jax.sharding import EXPERT, TENSOR
+from mla_jax.sharding import EXPERT
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
 
@@ -228,7 +228,7 @@ class MoE(nnx.Module):
       first = jax.lax.axis_index(EXPERT) * gate_EFD.shape[0]
       out_TD = routed_experts(x_TD, idx_TK, weights_TK, gate_EFD, up_EFD, down_EDF,
                               first_expert=first, impl=impl, swiglu_limit=limit)
-      return jax.lax.psum(out_TD, (EXPERT, TENSOR))
+      return jax.lax.psum(out_TD, sharding.MOE_SUM_AXES)
 
     tokens = sharding.MOE_TOKENS_SPEC
     in_specs = (tokens, tokens, tokens, sharding.MOE_IN_PROJ_SPEC, sharding.MOE_IN_PROJ_SPEC,
