@@ -8,7 +8,9 @@ every program; named errors for what is not supported.
 """
 
 import dataclasses
+import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from mla_jax import cli, context_parallel, sharding
+from mla_jax import cli, context_parallel, sharding, traces
 from mla_jax.backends import XlaBackend
 from mla_jax.backends.on_mesh import MeshOps
 from mla_jax.indexer import Indexer, KeyBlocks
@@ -95,16 +97,21 @@ def _attention64(q, pool, rows, valid, sm_scale, d_v):
   return out, lse
 
 
-@pytest.mark.parametrize("split_rows", [False, True], ids=["exact", "union"])
-def test_split_sparse_mqa_equals_float64_attention(split_rows):
-  """Each rank's partial softmax over the rows it holds, merged by LSE, is one softmax over
-  all of them (exact: any rank's rows in any slot; union: each rank's own columns, where it
-  attends only the rows it holds). Heads split over ``tensor`` too."""
+@pytest.mark.parametrize("split_rows, dtype", [(False, jnp.float32), (True, jnp.float32),
+                                               (False, jnp.bfloat16)],
+                         ids=["exact", "union", "exact-bf16"])
+def test_split_sparse_mqa_equals_float64_attention(split_rows, dtype):
+  """Each rank's partial softmax of its tensor group's heads over the rows it holds, merged
+  by LSE into its own heads, is one softmax over all of them (exact: any rank's rows in any
+  slot; union: each rank's own columns, where it attends only the rows it holds). Heads over
+  tensor x context: the queries are all-gathered over context and the partial outputs
+  reduce-scattered (no all-reduce), in the outputs' dtype: bf16 within bf16's rounding of
+  float64 over the same (rounded) inputs."""
   ranks, k, num_rows, sm_scale, d_v = 4, 6, 64, 0.3, 16
   mesh = _mesh(f"context={ranks},tensor=2")
   rng = np.random.default_rng(7)
-  q = rng.standard_normal((2, 3, 8, 24)).astype(np.float32)  # heads over tensor x context
-  pool = rng.standard_normal((num_rows, 24)).astype(np.float32)
+  q = jnp.asarray(rng.standard_normal((2, 3, 8, 24)), dtype)  # 8 heads: 1 a rank
+  pool = jnp.asarray(rng.standard_normal((num_rows, 24)), dtype)
   width = ranks * k if split_rows else k
   rows = rng.integers(-1, num_rows, (2, 3, width)).astype(np.int32)
   rows[0, 1] = -1  # a query without rows
@@ -114,13 +121,24 @@ def test_split_sparse_mqa_equals_float64_attention(split_rows):
     valid &= rows // (num_rows // ranks) == np.arange(width) // k
   placed_pool = jax.device_put(pool, NamedSharding(mesh, sharding.POOL_SPEC))
   ops = MeshOps(XlaBackend(), mesh)
-  out, lse = jax.jit(lambda q, p, r: ops.sparse_mqa(q, p, r, sm_scale=sm_scale, d_v=d_v,
-                                                    batched_rows=False, split_rows=split_rows)
-                     )(q, placed_pool, rows)
-  want_out, want_lse = _attention64(q, pool, rows, valid, sm_scale, d_v)
-  np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-6)
+  op = jax.jit(lambda q, p, r: ops.sparse_mqa(q, p, r, sm_scale=sm_scale, d_v=d_v,
+                                              batched_rows=False, split_rows=split_rows))
+  out, lse = op(q, placed_pool, rows)
+  wide = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+  want_out, want_lse = _attention64(wide(q), wide(pool), rows, valid, sm_scale, d_v)
+  rtol, atol = (1e-5, 1e-6) if dtype == jnp.float32 else (2e-2, 2e-2)
+  assert out.dtype == dtype
+  np.testing.assert_allclose(wide(out), want_out, rtol=rtol, atol=atol)
   np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5)
-  assert np.all(np.asarray(out)[0, 1] == 0) and np.all(np.isinf(np.asarray(lse)[0, 1]))
+  assert np.all(wide(out)[0, 1] == 0) and np.all(np.isinf(np.asarray(lse)[0, 1]))
+  lowered = op.lower(q, placed_pool, rows)
+  moved = traces.collective_bytes(lowered.compile().as_text())
+  assert "all-reduce" not in moved and moved["reduce-scatter"] > 0, moved
+  # The program reduce-scatters the partial outputs [2, 3, 1 head, 16] in the op's dtype
+  # (XLA:CPU's compiler then promotes a bf16 reduction to float32; GPUs reduce bf16).
+  scattered = re.findall(r"stablehlo\.reduce_scatter.*?-> tensor<([^>]*)>", lowered.as_text(),
+                         re.DOTALL)
+  assert scattered == [f"2x3x1x{d_v}x{jnp.dtype(dtype).name.replace('float', 'f')}"]
 
 
 def test_pool_layout_puts_page_p_in_block_p_mod_context():
@@ -206,17 +224,22 @@ def _check_engine(engine):
   _mqa_only_contract(engine.programs)
 
 
-@pytest.mark.parametrize("spec", [
-    "context=8", "context=4,tensor=2",
-    pytest.param("context=2", marks=pytest.mark.slow),
-    pytest.param("context=4", marks=pytest.mark.slow),
-    pytest.param("context=2,tensor=2", marks=pytest.mark.slow),
-    pytest.param("context=2,tensor=4", marks=pytest.mark.slow)])
+# The meshes of one 8-GPU node: the weights 8 ways over tensor x context, as on tensor=8.
+MESHES = ("tensor=4,context=2", "tensor=2,context=4", "context=8")
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_model(spec: str, config=None):
+  """One model per mesh for the module: engines over it share compiled programs."""
+  return _model(_mesh(spec), config)
+
+
+@pytest.mark.parametrize("spec", MESHES)
 def test_exact_mode_equals_one_device(spec, reference):
   """Greedy tokens identical to one device over 32 new tokens, log-probabilities within
   float32 rounding, with a 16x top-k prompt prefilled in chunks whose keys lie on every rank
   and decodes run several steps a dispatch; the MQA-only contract holds on every program."""
-  engine = Engine(_model(_mesh(spec)), **SETTINGS)
+  engine = Engine(_mesh_model(spec), **SETTINGS)
   _same_outputs(engine.generate(_prompts(), PARAMS), reference)
   assert any(c.shape.decode_steps > 1 for c in engine.programs)
   assert all(c.plan.context_topk == "exact" for c in engine.programs)
@@ -228,7 +251,7 @@ def test_union_mode_equals_exact_while_every_key_fits_in_each_rank_top_k(referen
   every rank's holds all of its keys, so union selects what exact does (the prompts shorter
   than and equal to top-k, decoded while they stay within it). An exact engine over the same
   model compiles the same shapes first: the union engine shares none of its programs."""
-  model = _model(_mesh("context=4,tensor=2"))
+  model = _mesh_model("tensor=2,context=4")
   prompts, params = _prompts()[:2], PARAMS[:2]
   short = [dataclasses.replace(p, max_tokens=1) for p in params]
   exact = Engine(model, **SETTINGS)
@@ -240,46 +263,61 @@ def test_union_mode_equals_exact_while_every_key_fits_in_each_rank_top_k(referen
   _check_engine(engine)
 
 
-def test_preemption_and_prefix_hits_over_the_context_axis():
+_RNG = np.random.default_rng(3)
+TIGHT_PROMPTS = [_RNG.integers(0, 256, size=24).tolist() for _ in range(4)]
+FAMILY = [TIGHT_PROMPTS[3][:16] + p[:n] for p, n in zip(TIGHT_PROMPTS, (4, 9, 1))]
+TIGHT = dict(SETTINGS, num_pages=16, max_step_tokens=32)
+
+
+def _preempt_and_hit(engine):
+  """Outputs of prompts that preempt each other in ``TIGHT`` pools, then of a family of
+  prompts whose first 16 tokens (2 pages) the first of them leaves cached."""
+  got = engine.generate(TIGHT_PROMPTS, max_tokens=12)
+  assert engine.scheduler.num_preemptions > 0
+  engine.generate(FAMILY[:1], max_tokens=6)
+  hits = engine.generate(FAMILY[1:], max_tokens=6)
+  assert all(o.num_cached_prompt_tokens == 16 for o in hits)
+  return got, hits
+
+
+@pytest.fixture(scope="module")
+def tight_reference():
+  return _preempt_and_hit(Engine(_model(), **TIGHT))
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_preemption_and_prefix_hits_over_the_context_axis(spec, tight_reference):
   """A preempted sequence recomputes onto pages of any rank, and a prefix hit reads pages
   another request wrote: both give one device's tokens."""
-  rng = np.random.default_rng(3)
-  prompts = [rng.integers(0, 256, size=24).tolist() for _ in range(4)]
-  shared = prompts[3][:16]
-  family = [shared + p[:n] for p, n in zip(prompts, (4, 9, 1))]
-  tight = dict(SETTINGS, num_pages=12, max_step_tokens=32)
-  one = Engine(_model(), **tight)
-  want = [one.generate(prompts, max_tokens=12), one.generate(family, max_tokens=6)]
-  engine = Engine(_model(_mesh("context=2,tensor=2")), **tight)
-  got = engine.generate(prompts, max_tokens=12)
-  assert engine.scheduler.num_preemptions > 0
-  engine.generate(family[:1], max_tokens=6)
-  hits = engine.generate(family[1:], max_tokens=6)
-  assert all(o.num_cached_prompt_tokens == 16 for o in hits)
-  _same_outputs(got, want[0])
-  _same_outputs(hits, want[1][1:])
+  engine = Engine(_mesh_model(spec), **TIGHT)
+  for got, want in zip(_preempt_and_hit(engine), tight_reference):
+    _same_outputs(got, want)
   _check_engine(engine)
 
 
-@pytest.mark.slow  # over 30 s on 2 cores
 def test_speculative_decoding_over_the_context_axis():
   """Accepted drafts and rollbacks on split pools (the anchors' MTP x DCP bug): per-request
-  drafts (k = 0, 1, 2) give one device's greedy tokens."""
+  drafts (k = 0, 1, 2) give one device's greedy tokens, the MTP layer's weights split 8 ways
+  over the context ranks like the model's."""
   config = dataclasses.replace(tiny_moe_lm(), num_mtp_layers=1)
   params = [SamplingParams(max_tokens=8, speculative_tokens=k) for k in (0, 1, 2)]
   prompts = _prompts((5, 30, 12))
   settings = dict(SETTINGS, num_pages=16, max_speculative_tokens=2)
   want = Engine(_model(config=config), **settings).generate(prompts, params)
-  engine = Engine(_model(_mesh("context=2,tensor=2,expert=2"), config), **settings)
+  model = _model(_mesh("context=8"), config)
+  q_b = model.mtp[0].block.self_attn.q_b_proj.weight[...]
+  assert q_b.addressable_shards[0].data.size * 8 == q_b.size
+  engine = Engine(model, **settings)
   _same_outputs(engine.generate(prompts, params), want)
   assert engine.stats.draft_tokens > 0 and engine.stats.accepted_tokens > 0
   engine.pages.check()
 
 
-@pytest.mark.slow  # over 30 s on 2 cores
 def test_two_process_engine_over_the_context_axis_equals_one_process(tmp_path):
-  """Two processes (gloo), one context rank each, equal one process's tokens."""
-  got, prompts = two_process_engine(tmp_path, "context=2,tensor=2")
+  """Two processes (gloo) of two devices each, the four context ranks split over them (the
+  queries' all-gather and the partial outputs' reduce-scatter cross processes), equal one
+  process's tokens."""
+  got, prompts = two_process_engine(tmp_path, "context=4")
   one = Engine(_model(config=tiny_moe_lm()), num_pages=16, page_size=8, max_num_seqs=4,
                max_step_tokens=16, log_interval=None)
   assert got["tokens"].tolist() == [list(o.tokens) for o in one.generate(prompts, max_tokens=5)]
