@@ -485,10 +485,11 @@ def cmd_plan(args) -> int:
   print(f"fits: parameters + caches <= {plan.FIT_FRACTION:.0%} of the GPU's memory "
         "(the rest is left for activations and XLA's workspace)")
   print(f"\npaged KV cache (page size {args.page_size}, {args.cache_dtype}: "
-        f"{plans[0].token_bytes:,} B per token over all layers): pages per data shard left "
-        f"after the weights in {plan.FIT_FRACTION:.0%} of each GPU (every device of a data "
-        "shard holds its whole pool; over a 'context' axis each holds 1/context of its "
-        "pages), and the tokens and sequences they hold on the mesh:")
+        f"{plans[0].token_bytes:,} B per token over all layers): the pages of an engine's "
+        f"pool left after the weights in {plan.FIT_FRACTION:.0%} of each GPU (`serve "
+        "--num-pages auto`'s rule; the pool is whole on every device of the data, tensor and "
+        "expert axes, and split over 'context': each rank holds 1/context of its pages), and "
+        "the tokens and sequences it holds:")
   print(plan.format_pages(plans, args.page_size))
   print("\npartition rules:")
   print(plan.format_rules())

@@ -54,8 +54,11 @@ class Plan:
   context_shards: int = 1  # the mesh's 'context' size: an engine's pools split over it
 
   @property
-  def cache_bytes(self) -> int:  # per device
-    return self.context * self.token_bytes * -(-self.batch // self.data_shards)
+  def cache_bytes(self) -> int:
+    """Per device: each data shard's sequences (``generate`` splits its batch over
+    ``data``), 1/context_shards of their tokens on each context rank (an engine's pools)."""
+    tokens = self.context * -(-self.batch // self.data_shards)
+    return -(-tokens // self.context_shards) * self.token_bytes
 
   @property
   def device_bytes(self) -> int:
@@ -170,20 +173,19 @@ PAGED_CONTEXTS = (4096, 32768, 131072)
 
 @dataclasses.dataclass(frozen=True)
 class PageCapacity:
-  """A paged KV cache in what one GPU kind has left after the weights.
+  """An engine's page pool in what one GPU kind has left after the weights.
 
-  Caches are split by batch over ``data`` and replicated over ``tensor`` / ``expert``
-  (``sharding.cache_spec``): each data shard has one page pool, and a sequence's pages all
-  live in its shard's pool. Every device of the shard holds that pool whole, or, on a mesh
-  with a ``context`` axis, one block of its pages (``mla_jax.context_parallel``): the pool
-  then holds ``context_shards`` times the pages one device has room for.
+  An engine has one pool (``serving.runner.engine_pools``): whole on every device of the
+  ``data``, ``tensor`` and ``expert`` axes, its pages split over ``context`` (each rank holds
+  1/context of them, ``mla_jax.context_parallel``). So the pool holds ``context_shards`` times
+  the pages one device has room for, and a ``data`` axis adds none: its shards share the one
+  pool (docs/serving.md, "Pools and the data axis").
   """
 
   gpu: str
   page_size: int
   page_bytes: int   # one whole page: page_size tokens over all layers (on one device)
-  pages: int        # per data shard (over its context ranks)
-  data_shards: int
+  pages: int        # in the engine's pool (over its context ranks)
   context_shards: int = 1
 
   @property
@@ -192,12 +194,12 @@ class PageCapacity:
 
   @property
   def tokens(self) -> int:
-    """Cached tokens that fit on the whole mesh."""
-    return self.pages * self.page_size * self.data_shards
+    """Cached tokens the engine's pool holds."""
+    return self.pages * self.page_size
 
   def sequences(self, context: int) -> int:
-    """Sequences of ``context`` tokens (in whole pages) that fit on the whole mesh."""
-    return self.data_shards * (self.pages // -(-context // self.page_size))
+    """Sequences of ``context`` tokens (in whole pages) that fit in the pool."""
+    return self.pages // -(-context // self.page_size)
 
 
 def pages_that_fit(device_bytes: float, param_bytes: int, page_bytes: int) -> int:
@@ -216,7 +218,7 @@ def page_capacity(p: Plan, gpu: str, page_size: int = 64) -> PageCapacity:
     raise ValueError(f"page size must be a positive int, got {page_size!r}")
   page_bytes = int(page_size) * p.token_bytes
   pages = p.context_shards * pages_that_fit(GPUS[gpu], p.param_bytes, page_bytes)
-  return PageCapacity(gpu, int(page_size), page_bytes, pages, p.data_shards, p.context_shards)
+  return PageCapacity(gpu, int(page_size), page_bytes, pages, p.context_shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,13 +284,14 @@ def _host_available_bytes() -> int:
 def format_pages(plans: list[Plan], page_size: int) -> str:
   """A markdown table, one row per plan and GPU kind."""
   contexts = " | ".join(f"sequences x {c // 1024}K" for c in PAGED_CONTEXTS)
-  lines = [f"| mesh | GPU | pages/data shard | tokens | {contexts} |",
-           "|---" * (4 + len(PAGED_CONTEXTS)) + "|"]
+  lines = [f"| mesh | GPU | pages | pages/device | tokens | {contexts} |",
+           "|---" * (5 + len(PAGED_CONTEXTS)) + "|"]
   for p in plans:
     for gpu in GPUS:
       cap = page_capacity(p, gpu, page_size)
       counts = " | ".join(f"{cap.sequences(c):,}" for c in PAGED_CONTEXTS)
-      lines.append(f"| {p.mesh} | {gpu} | {cap.pages:,} | {cap.tokens:,} | {counts} |")
+      lines.append(f"| {p.mesh} | {gpu} | {cap.pages:,} | {cap.pages_per_device:,} | "
+                   f"{cap.tokens:,} | {counts} |")
   return "\n".join(lines)
 
 

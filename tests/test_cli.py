@@ -93,23 +93,46 @@ def test_plan_prints_the_pages_left_after_the_weights(capsys):
   assert cap.pages * page_bytes <= left < (cap.pages + 1) * page_bytes
   assert cap.pages == 16054 and cap.tokens == 16054 * 64
   # 4K, 32K and 128K tokens are 64, 512 and 2048 pages a sequence.
-  row = "| tensor=8 | H200 141GB | 16,054 | 1,027,456 | 250 | 31 | 7 |"
+  row = "| tensor=8 | H200 141GB | 16,054 | 16,054 | 1,027,456 | 250 | 31 | 7 |"
   assert cli.main(["plan", "--mesh", "tensor=8", "--dtype", "fp8", "--cache-dtype", "fp8",
                    "--page-size", "64"]) == 0
   out = capsys.readouterr().out
   assert "paged KV cache (page size 64, fp8: 48,068 B per token" in out and row in out
-  assert "| tensor=8 | H100 80GB | 0 | 0 | 0 | 0 | 0 |" in out  # the weights alone do not fit
+  assert "| tensor=8 | H100 80GB | 0 | 0 | 0 | 0 | 0 | 0 |" in out  # the weights do not fit
   with pytest.raises(ValueError, match="page size"):
     plan.page_capacity(p, "H200 141GB", 0)
 
 
-def test_page_pools_are_per_data_shard():
-  """Each data shard has its own pool: a sequence's pages never span two shards, and a
-  context that is not a whole number of pages still takes whole pages."""
-  cap = plan.PageCapacity("H200 141GB", page_size=64, page_bytes=1, pages=3072, data_shards=2)
-  assert cap.tokens == 2 * 3072 * 64
-  assert cap.sequences(131072) == 2  # one per shard, not 6144 // 2048 = 3
-  assert cap.sequences(65) == 2 * (3072 // 2)
+def test_an_engine_has_one_pool_whatever_the_data_axis():
+  """The engine's pool is whole on every data shard (they share it), so a data axis adds no
+  pages, and a context that is not a whole number of pages still takes whole pages."""
+  cap = plan.PageCapacity("H200 141GB", page_size=64, page_bytes=1, pages=3072)
+  assert cap.tokens == 3072 * 64
+  assert cap.sequences(131072) == 1  # 2048 pages a sequence
+  assert cap.sequences(65) == 3072 // 2
+  p = plan.make_plan("deepseek_v32", "data=2,tensor=4", "fp8", batch=2, cache_dtype="fp8")
+  assert plan.page_capacity(p, "H200 141GB").pages == plan.pages_that_fit(
+      plan.GPUS["H200 141GB"], p.param_bytes, 64 * p.token_bytes)
+
+
+def test_plan_counts_the_context_ranks_pages_beside_weights_split_over_them(capsys):
+  """DeepSeek-V3.2 and GLM-5, fp8 weights and caches, on the meshes of one 8 x H200 node:
+  the weights are 1/8 on every device on each (tensor x context), and each context rank
+  holds as many pages as one device of tensor=8, so the pool grows with the context ranks
+  (the goals of issue 50: >= 14 / >= 50 sequences of 128K for V3.2, >= 8 / >= 30 for GLM-5)."""
+  assert cli.main(["plan", "--mesh", "tensor=8", "--mesh", "tensor=4,context=2", "--mesh",
+                   "context=8", "--dtype", "fp8", "--cache-dtype", "fp8"]) == 0
+  out = capsys.readouterr().out
+  for row in ("| tensor=8 | H200 141GB | 16,054 | 16,054 | 1,027,456 | 250 | 31 | 7 |",
+              "| tensor=4,context=2 | H200 141GB | 32,108 | 16,054 | 2,054,912 | 501 | 62 | 15 |",
+              "| context=8 | H200 141GB | 128,432 | 16,054 | 8,219,648 | 2,006 | 250 | 62 |",
+              "| deepseek_v32 | context=8 | fp8 | 1 x 131072 | 80.4 | 0.7 | 81.1 | no | yes |"):
+    assert row in out, row
+  sequences = {}
+  for mesh in ("tensor=8", "tensor=4,context=2", "context=8"):
+    p = plan.make_plan("glm5", mesh, "fp8", cache_dtype="fp8")
+    sequences[mesh] = plan.page_capacity(p, "H200 141GB").sequences(131072)
+  assert sequences == {"tensor=8": 4, "tensor=4,context=2": 9, "context=8": 39}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "recall"])

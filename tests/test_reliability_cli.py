@@ -5,6 +5,7 @@ what is not supported yet refused by name, and help texts in plain text."""
 import argparse
 import collections
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from flax import nnx
 
 from mla_jax import cli, plan, sharding
-from mla_jax.models.config import tiny_lm
+from mla_jax.models.config import tiny_lm, tiny_moe_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine
 
@@ -32,17 +33,21 @@ def _new_bytes_per_device(build) -> collections.Counter:
   return per_device
 
 
-@pytest.mark.parametrize("mesh, speculative", [("context=2", 0), (None, 2)],
-                         ids=["context-mesh", "mtp-pools"])
+@pytest.mark.parametrize("mesh, speculative", [
+    ("context=2", 0), (None, 2), ("tensor=4,context=2", 0), ("data=2,context=2", 0)],
+    ids=["context-mesh", "mtp-pools", "tensor-x-context", "data-x-context"])
 def test_num_pages_auto_fills_a_gpu_with_the_pools_the_engine_allocates(monkeypatch, mesh,
                                                                         speculative):
   """On a GPU (its memory limit stood in for), the engine built with the pages ``auto`` chose
   holds pools that fit in 90% of the busiest device after its weights, and a page more on every
   context rank would not: over a ``context`` axis each device holds 1/context of the layers'
-  rows, and speculative decoding adds the MTP layers' pools."""
-  config = dataclasses.replace(tiny_lm("mqa-only"), num_mtp_layers=1 if speculative else 0)
-  devices = 1 if mesh is None else 2
-  model_mesh = None if mesh is None else sharding.make_mesh(mesh, jax.devices()[:devices])
+  rows (and 1/(tensor x context) of the weights), a ``data`` axis shares one pool, and
+  speculative decoding adds the MTP layers' pools."""
+  config = tiny_moe_lm() if mesh == "tensor=4,context=2" else tiny_lm("mqa-only")
+  config = dataclasses.replace(config, num_mtp_layers=1 if speculative else 0)
+  sizes = sharding.parse_mesh_spec(mesh or "data=1")
+  devices = math.prod(sizes.values())
+  model_mesh = None if mesh is None else sharding.make_mesh(sizes, jax.devices()[:devices])
   model = CausalLM(config, rngs=nnx.Rngs(0), backend="xla", mesh=model_mesh)
   weights = collections.Counter()
   for leaf in jax.tree.leaves(nnx.state(model)):
@@ -53,7 +58,8 @@ def test_num_pages_auto_fills_a_gpu_with_the_pools_the_engine_allocates(monkeypa
   args = argparse.Namespace(num_pages="auto", page_size=PAGE, cache_dtype="fp32",
                             speculative_tokens=speculative)
   pages = cli._num_pages(args, model)
-  assert pages % devices == 0 and pages > 8
+  ranks = sizes["context"]
+  assert pages % ranks == 0 and pages > 8
   pools = _new_bytes_per_device(lambda: Engine(
       model, num_pages=pages, page_size=PAGE, log_interval=None,
       max_speculative_tokens=speculative))
@@ -61,7 +67,7 @@ def test_num_pages_auto_fills_a_gpu_with_the_pools_the_engine_allocates(monkeypa
   per_page = max(pools.values()) / pages
   for device, used in pools.items():
     left = plan.FIT_FRACTION * limit - weights[device]
-    assert used <= left < used + devices * per_page, device
+    assert used <= left < used + ranks * per_page, device
 
 
 def test_plan_of_v4_says_what_is_not_supported_yet(monkeypatch, capsys):
