@@ -7,8 +7,9 @@ an all-reduce). The two reads that scale with the context run here, under ``shar
 rank over its own rows only:
 
 * the indexer (``MeshOps.ragged_topk``): each rank scores its own keys and keeps its own
-  top-k of them. ``exact`` mode then all-gathers the ``k x C`` candidates (ids and scores,
-  never rows) and takes the global top-k, equal to one device's (``merge_candidates``);
+  top-k of them. ``exact`` mode then all-gathers the ``k x C`` candidates (ids and scores in
+  one collective, never rows; ``gather_candidates``) and takes the global top-k, equal to one
+  device's (``merge_candidates``);
   ``union`` mode keeps each rank's own top-k, ``C x k`` indices in all, and exchanges nothing.
 * the sparse MQA (``MeshOps.sparse_mqa``): the weights split their heads over
   ``tensor`` x ``context`` (``sharding.TENSOR_RANKS``), so each rank first all-gathers its
@@ -80,6 +81,16 @@ def merge_partials(out_BTHV, lse_BTH, has_rows_BT, wire_dtype=None):
   own_lse_BTh = jax.lax.dynamic_slice_in_dim(lse_BTH_all, jax.lax.axis_index(CONTEXT) * heads,
                                              heads, axis=2)
   return own_BThV.astype(dtype), own_lse_BTh
+
+
+def gather_candidates(values_RK, idx_RK):
+  """Every rank's top-k candidates side by side, ``(values [R, C x k], positions [R, C x k])``
+  (rank c's in columns ``[c k, (c + 1) k)``): one all-gather over ``context`` of the scores'
+  bits beside the positions (a collective's latency, not two)."""
+  bits_RK = jax.lax.bitcast_convert_type(values_RK.astype(jnp.float32), jnp.int32)
+  both_RN2 = jax.lax.all_gather(jnp.stack([bits_RK, idx_RK.astype(jnp.int32)], axis=-1),
+                                CONTEXT, axis=1, tiled=True)
+  return jax.lax.bitcast_convert_type(both_RN2[..., 0], jnp.float32), both_RN2[..., 1]
 
 
 def merge_candidates(values_BTN, idx_BTN, k: int):

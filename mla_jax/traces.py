@@ -1,7 +1,7 @@
 """Walk a traced program: which named scopes, primitives and Pallas kernels it contains.
 
 Routes are decided while tracing, so the traced program *is* the route: tests and notebooks
-assert on these sets instead of trusting flags (docs/design.md §6). ``collective_bytes`` reads
+assert on these sets instead of trusting flags (docs/design.md §6). ``collectives`` reads
 a compiled program's collectives (context parallelism's exchanges, docs/scaling.md).
 """
 
@@ -11,6 +11,7 @@ import collections
 import math
 import re
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 from jax import core as jax_core
@@ -114,18 +115,36 @@ _COLLECTIVE = re.compile(r"=\s*(.*?)\s+(all-gather|all-reduce|reduce-scatter|all
                          r"collective-permute)(?:-start)?\(")
 _ARRAY_TYPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
 _TYPE_BYTES = {"pred": 1, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def collective_bytes(hlo_text: str) -> dict[str, int]:
-  """Bytes each kind of collective produces per device in one run of a compiled program's
-  text (``Compiled.as_text()``): the sizes of their results, summed over their instructions
-  as written (an instruction inside a loop counts once)."""
-  totals: dict[str, int] = collections.Counter()
+class Collective(NamedTuple):
+  kind: str     # all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute
+  nbytes: int   # the size of its result on one device
+  op_name: str  # where the program made it (its named scopes), "" when XLA states none
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective instruction of a compiled program's text (``Compiled.as_text()``), as
+  written (an instruction inside a loop appears once)."""
+  found = []
   for line in hlo_text.splitlines():
     match = _COLLECTIVE.search(line)
     if match is None:
       continue
-    for dtype, dims in _ARRAY_TYPE.findall(match.group(1)):
-      size = math.prod(int(d) for d in dims.split(",") if d)
-      totals[match.group(2)] += size * _TYPE_BYTES.get(dtype, int(dtype[1:]) // 8 or 1)
+    nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) *
+                 _TYPE_BYTES.get(dtype, int(dtype[1:]) // 8 or 1)
+                 for dtype, dims in _ARRAY_TYPE.findall(match.group(1)))
+    op_name = _OP_NAME.search(line)
+    found.append(Collective(match.group(2), nbytes, op_name.group(1) if op_name else ""))
+  return found
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes each kind of collective produces per device in one run of a compiled program's
+  text: the sizes of their results, summed over their instructions as written
+  (``collectives``)."""
+  totals: dict[str, int] = collections.Counter()
+  for c in collectives(hlo_text):
+    totals[c.kind] += c.nbytes
   return dict(totals)

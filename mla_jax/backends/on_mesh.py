@@ -124,8 +124,8 @@ class MeshOps:
           self._local_logits(q, keys, w, starts, ends, k_scale, key_rows)[:, 0], blocks, k)
       if union:
         return idx_RK
-      gather = lambda a: jax.lax.all_gather(a, sharding.CONTEXT, axis=1, tiled=True)[:, None]
-      return context_parallel.merge_candidates(gather(values_RK), gather(idx_RK), k)[:, 0]
+      values_RN, idx_RN = context_parallel.gather_candidates(values_RK, idx_RK)
+      return context_parallel.merge_candidates(values_RN[:, None], idx_RN[:, None], k)[:, 0]
 
     # The blocks stay whole on every rank (they index the step's rows, not the pool).
     whole, pool = P(), sharding.POOL_SPEC
