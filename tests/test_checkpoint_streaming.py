@@ -119,8 +119,8 @@ def test_every_byte_is_read_once_and_only_after_validation(checkpoints, spy, tmp
 
 
 def test_mesh_errors_come_before_the_checkpoint_is_opened(checkpoints, spy):
-  with pytest.raises(ValueError, match="4 attention heads cannot be split over mesh axis "
-                                       "'tensor' of size 8"):
+  with pytest.raises(ValueError, match="4 attention heads cannot be split over the tensor x "
+                                       "context ranks"):
     load_pretrained(checkpoints / "bf16", mesh=sharding.make_mesh("data=1,tensor=8,expert=1"))
   assert spy == []
 
