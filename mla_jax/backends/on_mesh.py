@@ -2,8 +2,8 @@
 
 The backend is kernels only; this wrapper adds where they run. On a mesh each op runs under
 ``shard_map`` with the specs of ``mla_jax.sharding.OP_SPECS``: the batch over ``data`` and
-query heads over ``tensor`` x ``context``. That is also what lets the Pallas kernels, which XLA cannot
-partition itself, run on a mesh. On a mesh with a ``context`` axis the ops that read an
+query heads over ``tensor`` x ``context``. That is also what lets the Pallas kernels, which XLA
+cannot partition itself, run on a mesh. On a mesh with a ``context`` axis the ops that read an
 engine's page pool run on each rank's block of it (``mla_jax.context_parallel``).
 """
 
