@@ -137,7 +137,7 @@ class ModelRunner:
     return rows(main), rows(mtp), placed(sharding.REPLICATED)
 
   def layout(self, shape: StepShape) -> Layout:
-    return Layout(shape, self.logit_rows, self.mtp)
+    return Layout(shape, self.logit_rows, self.mtp, self.model.config.vocab_size)
 
   # ---- programs -------------------------------------------------------------------------
 
