@@ -62,7 +62,10 @@ def _texts(client, chat: bool, stream: bool, **args) -> list[tuple[str, str]]:
   """(text, finish reason) of each choice, streamed or not, through chat or completions."""
   if chat:
     out = client.chat.completions.create(model=MODEL, messages=ASK, stream=stream, **args)
-  else:
+  else:  # the client's completions take response_format as an extra field (vLLM's too)
+    if "response_format" in args:
+      args["extra_body"] = {**args.get("extra_body", {}),
+                            "response_format": args.pop("response_format")}
     out = client.completions.create(model=MODEL, prompt=ASK[0]["content"], stream=stream,
                                     **args)
   if not stream:
@@ -139,7 +142,7 @@ def test_forced_tool_calls_in_dsml(server):
   (arguments valid under its schema) in DeepSeek-V3.2's DSML, parsed back as a tool call;
   ``parallel_tool_calls: false`` keeps one; streamed, the deltas add up to the same call."""
   client = server.client()
-  base = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], max_tokens=200)
+  base = dict(model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], max_tokens=400)
   for sampling in SAMPLINGS:
     named = client.chat.completions.create(
         **base, tool_choice={"type": "function", "function": {"name": "get_weather"}},

@@ -101,7 +101,7 @@ def _dsml_call(g: _Grammar, tool: dict) -> str:
     head = json.dumps(f'{Dsml.parameter} name="{key}" string="{kind}">', ensure_ascii=False)
     pair = g.rule(f'{head} {g.value(schema, Dsml.parameter_end, defs)} "\\n"')
     parts.append(pair if required else pair + "?")
-  parts.append(json.dumps(f"{Dsml.invoke_end}\n"))
+  parts.append(json.dumps(f"{Dsml.invoke_end}\n", ensure_ascii=False))
   return g.rule(" ".join(parts))
 
 
