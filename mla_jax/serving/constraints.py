@@ -39,7 +39,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # past one is refused when checked, naming it; one met while decoding ends the request
 # (``DEAD_END``).
 LIMITS = dict(max_grammar_size=200_000, max_lexer_states=250_000, step_lexer_fuel=200_000,
-              step_max_items=50_000, max_items_in_row=2000)
+              step_max_items=50_000, max_items_in_row=2000, verbose_errors=False)
+NO_TOKEN = "no token of the vocabulary continues the constraint"
 
 
 class ConstraintError(ValueError):
@@ -131,16 +132,19 @@ class Guide:
     token."""
     self.matcher.unsafe_compute_mask_ptr(self._scratch.ctypes.data, self._scratch.nbytes)
     if self.matcher.is_error():
-      self.error = self.matcher.get_error()
+      message = self.matcher.get_error().strip().split("\n")[0]
+      self.error = (f"{NO_TOKEN} (llguidance: {message})" if message.startswith("NoExtension")
+                    else f"llguidance: {message}")
     elif not self._scratch.any():
-      self.error = "no token of the vocabulary continues the constraint"
+      self.error = NO_TOKEN
     return self.error is None
 
   def advance(self, token: int) -> str | None:
     """Takes the request's new token: "stop" once the constraint is complete, ``DEAD_END``
     when it cannot continue (``error`` says why), else None (``mask_W`` is the next one)."""
     if not self.matcher.consume_token(int(token)):
-      self.error = self.matcher.get_error() or f"token {token} is outside the constraint"
+      message = self.matcher.get_error().strip().split("\n")[0]
+      self.error = f"token {token} is outside the constraint (llguidance: {message})"
     elif self.matcher.is_stopped():
       return "stop"
     elif self._refresh():
