@@ -259,7 +259,8 @@ def _short(value) -> str:
 
 def fill_masks(chunks, allowed_SW: np.ndarray) -> None:
   """A masked step's bitmasks: step slot s takes its chunk's request's next mask where the
-  chunk samples under a constraint (the other rows keep every bit set)."""
+  chunk samples under a constraint (the other rows keep every bit set, as does the wasted row
+  of a request that finished in the step before)."""
   for s, chunk in enumerate(chunks):
-    if chunk.samples and chunk.seq.guide is not None:
+    if chunk.samples and chunk.seq.guide is not None and chunk.seq.finish_reason is None:
       allowed_SW[s] = chunk.seq.guide.mask_W

@@ -142,8 +142,9 @@ class Engine:
     structured_outputs: requests may carry a constraint (``SamplingParams.constraint``: a JSON
       schema, any JSON object, a regex, a choice, a grammar; ``mla_jax.serving.constraints``),
       which needs the ``tokenizer``; this compiles a masked variant of each ``FULL`` program
-      (``warmup`` too). A step that samples a constrained request is settled before the next
-      is scheduled (its next mask needs its token).
+      (``warmup`` too). A step that samples a constrained request is read before the next is
+      dispatched (its next mask needs its token), though the next is scheduled and built
+      while it runs.
   """
 
   def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
@@ -371,7 +372,8 @@ class Engine:
     it; returns the requests that got tokens (or finished) in the settled step. So a step's
     tokens come back from the next call (``has_unfinished`` is true while a step is in
     flight). A step whose next one needs its outputs on the host first (a speculative
-    request's drafts, a constrained one's next token mask) is settled before scheduling.
+    request's drafts) is settled before scheduling; one whose next step's token masks need
+    its tokens (a constrained request's), once that step is built.
     ``stalls.EngineStalled`` (naming the
     requests) after ``MAX_STEPS_WITHOUT_PROGRESS`` calls in a row in which no request made
     progress: an engine bug, rather than a hang."""
@@ -379,10 +381,10 @@ class Engine:
     t0, compile_before, wait_before = (time.perf_counter(), self.runner.compile_s,
                                        self.stats.wait_s)
     updates = []
-    if self._in_flight is not None and self._settle_first(self._in_flight.batch):
+    if self._in_flight is not None and self._drafts_needed(self._in_flight.batch):
       updates += self._settle(self._in_flight)
       self._in_flight = None
-    dispatched = self._dispatch(self.scheduler.schedule())
+    dispatched = self._dispatch(self.scheduler.schedule(), updates)
     if self._in_flight is not None:
       updates += self._settle(self._in_flight)
     self._in_flight = dispatched
@@ -397,13 +399,13 @@ class Engine:
     return updates
 
   @staticmethod
-  def _settle_first(batch: StepBatch) -> bool:
-    """Whether the next step needs ``batch``'s outputs on the host: a speculative request's
-    drafts, or a constrained one's next token mask."""
-    return any(c.samples and (c.seq.params.speculative_tokens
-                              or c.seq.params.constraint is not None) for c in batch.chunks)
+  def _drafts_needed(batch: StepBatch) -> bool:
+    return any(c.samples and c.seq.params.speculative_tokens for c in batch.chunks)
 
-  def _dispatch(self, batch: StepBatch) -> _Dispatched | None:
+  def _dispatch(self, batch: StepBatch, updates: list[RequestOutput]) -> _Dispatched | None:
+    """Sends ``batch``'s step to the device. A masked step whose constrained requests' tokens
+    are still in flight settles the step in flight first (its outputs go to ``updates``),
+    once the step is built: only the masks wait for those tokens."""
     if not batch:
       return None
     multi = self._multi_step(batch)
@@ -411,6 +413,10 @@ class Engine:
     program = self.runner.program_shape(shape)
     inputs = self._inputs.build(batch.chunks, self.runner.layout(program), batch.decode_steps)
     if inputs.allowed_SW is not None:
+      if self._in_flight is not None and any(map(step_inputs.wants_mask,
+                                                 self._in_flight.batch.chunks)):
+        updates += self._settle(self._in_flight)
+        self._in_flight = None
       constraints.fill_masks(batch.chunks, inputs.allowed_SW)
     flight = self.runner.dispatch(program, inputs)
     self.stats.steps += 1
