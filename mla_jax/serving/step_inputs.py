@@ -105,7 +105,8 @@ class Buckets:
   log-probabilities) programs at every other token bucket down from the largest (such a step
   pads to at most 4x its tokens; half the programs to compile); with ``masked`` (the engine
   serves structured outputs) masked ``FULL`` programs at the same sizes, which only a step
-  that samples a constrained sequence runs.
+  that samples a constrained sequence runs; its scoring programs take the masks too (a step
+  may score a prompt and sample a constrained sequence; no more programs).
   """
 
   max_step_tokens: int
@@ -149,6 +150,7 @@ class Buckets:
         needed += (-(-(c.num_cached + decode_steps) // key_chunk) if multi else
                    chunk_blocks(c.num_cached, c.num_computed, key_chunk))
     fresh = fresh and not scores
+    masked = masked or (scores and self.masked)  # scoring programs take masks too (warm-up)
     sampler = (Sampler.FULL if scores or full else Sampler.GREEDY if greedy else Sampler.SAMPLE)
     rows = self.tokens(computed, 1 if multi else MIN_TOKENS)
     if not multi and sampler is Sampler.FULL:
@@ -199,8 +201,8 @@ class Buckets:
     if self.dense_bound is not None:
       shapes += [self._shape(n, 0, True, 1, Sampler.SAMPLE) for n in sizes]
     if self.scores:
-      shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=True)
-                 for n in self._every_other_size()]
+      shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=True,
+                             masked=self.masked) for n in self._every_other_size()]
     if self.masked:
       shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, masked=True)
                  for n in self._every_other_size()]

@@ -18,7 +18,9 @@ from mla_jax.decoding.logits import allowed_rows
 from mla_jax.serving.constraints import (DEAD_END, MAX_CONSTRAINT_CHARS, Constraint,
                                          ConstraintError, Grammars)
 from mla_jax.serving.forced_calls import call_constraint
-from mla_jax.serving.requests import SamplingParams
+from mla_jax.serving.requests import SamplingParams, Sequence
+from mla_jax.serving.scheduler import Chunk
+from mla_jax.serving.step_inputs import Buckets, StepShape
 from mla_jax.serving.tool_parsers import TOOL_PARSERS
 from mla_jax.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -216,3 +218,23 @@ def test_a_tag_spelled_as_a_special_token_is_required_as_that_token(tmp_path):
   special = tok.special_ids()
   guide = grammars.guide(call_constraint("glm45", [CLOCK], special=special))
   assert np.flatnonzero(_allowed(guide.mask_W)).tolist() == [special["<tool_call>"]]
+
+
+def test_every_masked_step_has_a_warmed_program():
+  """A step that samples a constrained request runs a masked FULL program of the warm-up's,
+  also when it scores a prompt beside it; a step without one runs no masked program; the
+  shape travels in a step's header (several processes)."""
+  buckets = Buckets(64, 4, 8, 16, scores=True, masked=True)
+  warmed = set(buckets.all_shapes())
+
+  def chunk(params):
+    return Chunk.of(Sequence("r", [1, 2, 3], 3, params, 0), 3)
+
+  constrained = chunk(SamplingParams(constraint=Constraint("regex", "a")))
+  scored, plain = chunk(SamplingParams(prompt_logprobs=1)), chunk(SamplingParams())
+  for chunks, masked in [([constrained], True), ([plain, constrained, scored], True),
+                         ([plain], False), ([plain, scored], True)]:
+    shape = buckets.shape(chunks)
+    assert shape.masked == masked and shape in warmed
+    assert StepShape.from_header(shape.header()) == shape
+  assert not any(s.masked for s in Buckets(64, 4, 8, 16, scores=True).all_shapes())
