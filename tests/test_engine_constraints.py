@@ -54,8 +54,8 @@ def test_a_forced_glm_call_is_a_valid_call(engine):
 def test_constrained_steps_run_masked_and_settle_before_the_next(engine):
   """Beside unconstrained requests (whose tokens stay an engine's without constraints'), a
   constrained one: each step that samples it runs a masked program and is read before the
-  next step is dispatched (its next mask needs its token); steps without it run ahead
-  unmasked."""
+  next step is dispatched (its next mask needs its token; the next is built meanwhile); steps
+  without it run ahead unmasked."""
   plain = SamplingParams(max_tokens=12)
   expected = [list(o.tokens) for o in engine.generate(PROMPTS, plain)]
   events = []
@@ -79,11 +79,15 @@ def test_constrained_steps_run_masked_and_settle_before_the_next(engine):
   assert outputs[1].text in ("blue", "red") and outputs[1].finish_reason == "stop"
   order = {e[:2]: i for i, e in enumerate(events)}
   masked = [e[1] for e in events if e[0] == "dispatch" and e[2]]
-  assert len(masked) == len(outputs[1].tokens)  # one masked step per constrained token
-  for n in masked:
-    assert order["read", n] < order["dispatch", n + 1]
+  # One masked step per constrained token, and one more: built while the step of its last
+  # token ran, it holds that request's row (wasted, as after a stop id).
+  assert len(masked) == len(outputs[1].tokens) + 1
+  assert masked == list(range(masked[0], masked[0] + len(masked)))
+  for n in masked[1:]:
+    assert order["read", n - 1] < order["dispatch", n]
+  for n in masked[:-1]:
     allowed_SW = next(e[3] for e in events if e[:2] == ("dispatch", n))
-    assert (allowed_SW != -1).sum() > 0  # the constrained row's mask, the others all ones
+    assert ((allowed_SW != -1).sum(axis=1) > 0).sum() == 1  # its row's mask; others all ones
   unmasked = [e[1] for e in events if e[0] == "dispatch" and not e[2]]
   assert any(order["dispatch", n + 1] < order["read", n] for n in unmasked
              if ("dispatch", n + 1) in order)
