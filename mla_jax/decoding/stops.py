@@ -4,7 +4,6 @@ on the host, after a dispatch: ``decoding.text``)."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 
 
 def is_stop(tokens_X, stop_ids_XM):
