@@ -29,7 +29,7 @@ from mla_jax.decoding.programs import ProgramCache, signature
 from mla_jax.models.lm import CausalLM
 from mla_jax.paged_cache import empty_pools
 from mla_jax.serving import step_inputs
-from mla_jax.serving.step_inputs import Buckets, Layout, StepInputs, StepShape
+from mla_jax.serving.step_inputs import Buckets, Layout, PackedInputs, StepShape
 from mla_jax.serving.step_program import StepProgram
 from mla_jax.step_plan import StepPlan
 from mla_jax.traces import ProgramSummary, summarize_jaxpr
@@ -214,9 +214,9 @@ class ModelRunner:
       out_shardings = (None, (self._replicated, self._pool_placement, self._replicated))
     jitted = jax.jit(functionalize(step, False), donate_argnums=(1, 2),
                      out_shardings=out_shardings)
-    ints, floats = program.layout.pack(program.layout.zeros())
+    blank = program.layout.zeros()
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)
-            for a in (ints, floats)]
+            for a in (blank.ints, blank.floats)]
     # Shapes only: the pools may be donated by a step running meanwhile (background compiles).
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     pools, last_tokens = jax.tree.map(spec, (self.pools, self.last_tokens))
@@ -234,11 +234,10 @@ class ModelRunner:
 
   # ---- steps ----------------------------------------------------------------------------
 
-  def dispatch(self, shape: StepShape, inputs: StepInputs) -> InFlight:
+  def dispatch(self, shape: StepShape, inputs: PackedInputs) -> InFlight:
     """Runs ``shape``'s program on ``inputs`` (on every process) without waiting for it; the
     outputs start their copy to the host at once."""
-    layout = self.layout(shape)
-    packed = layout.pack(inputs)
+    packed = (inputs.ints, inputs.floats)
     if self._multiprocess:
       step_inputs.broadcast(shape.header(), packed)
     return self._run(shape, packed)
