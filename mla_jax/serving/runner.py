@@ -156,6 +156,12 @@ class ModelRunner:
         return shape
       cover = self.buckets.covering(shape)
       covered = cover in self._programs
+    with _COMPILED_LOCK:  # compiled already, by another engine over the same model and pools
+      entry = _COMPILED.get(self._key(shape))
+    if entry is not None:
+      with self._lock:
+        self._programs[shape] = entry
+      return shape
     if not covered:
       self._program(shape)
       return shape
@@ -182,12 +188,10 @@ class ModelRunner:
     with self._lock:
       if shape in self._programs:
         return self._programs[shape][0]
-    key = (shape, self.page_size, self.logit_rows, self.context_topk, self._graphdef,
-           self._state_def, signature((self._state_leaves, self.pools, self.last_tokens)))
     # Engines over the same model, pool shapes and selection share programs (one compile at
     # a time: a background compile and a step's own never trace together).
     with _COMPILED_LOCK:
-      entry, seconds = _COMPILED.lookup(key, lambda: self._compile(shape))
+      entry, seconds = _COMPILED.lookup(self._key(shape), lambda: self._compile(shape))
     with self._lock:
       self._programs[shape] = entry
       self._compiling.pop(shape, None)
@@ -196,6 +200,11 @@ class ModelRunner:
       else:
         self.compile_s += seconds
     return entry[0]
+
+  def _key(self, shape: StepShape):
+    """What a compiled program is specialised to, beyond its shape."""
+    return (shape, self.page_size, self.logit_rows, self.context_topk, self._graphdef,
+            self._state_def, signature((self._state_leaves, self.pools, self.last_tokens)))
 
   def step_program(self, shape: StepShape) -> StepProgram:
     plan, draft_plan = self._plan_of(shape)
