@@ -99,9 +99,9 @@ class Buckets:
   ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
   (None: the model takes none). Variants: greedy one-step programs for steps of at most
   ``max_num_seqs`` rows (larger steps sample greedy sequences by their argmax in the
-  ``SAMPLE`` program); ``FULL`` and scoring (``scores``: the engine serves prompt
-  log-probabilities) programs at every other token bucket down from the largest (such a step
-  pads to at most 4x its tokens; half the programs to compile).
+  ``SAMPLE`` program); ``FULL`` programs at every other token bucket down from the largest
+  (such a step pads to at most 4x its tokens; half the programs to compile), which in an
+  engine that serves prompt log-probabilities (``scores``) are its scoring programs.
   """
 
   max_step_tokens: int
@@ -142,6 +142,9 @@ class Buckets:
       if key_chunk is not None:
         needed += (-(-(c.num_cached + decode_steps) // key_chunk) if multi else
                    chunk_blocks(c.num_cached, c.num_computed, key_chunk))
+    # An engine that scores prompts runs every FULL step on its scoring programs (one set of
+    # programs fewer to warm up; the scores of rows nobody asked for are dropped).
+    scores = scores or (full and self.scores)
     fresh = fresh and not scores
     sampler = (Sampler.FULL if scores or full else Sampler.GREEDY if greedy else Sampler.SAMPLE)
     rows = self.tokens(computed, 1 if multi else MIN_TOKENS)
@@ -188,13 +191,10 @@ class Buckets:
     shapes = [self._shape(n, blocks(n), False, 1, Sampler.SAMPLE) for n in sizes]
     shapes += [self._shape(n, blocks(n), False, 1, Sampler.GREEDY)
                for n in sizes if n <= self._greedy_rows()]
-    shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL)
+    shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=self.scores)
                for n in self._every_other_size()]
     if self.dense_bound is not None:
       shapes += [self._shape(n, 0, True, 1, Sampler.SAMPLE) for n in sizes]
-    if self.scores:
-      shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=True)
-                 for n in self._every_other_size()]
     if self.decode_steps > 1:
       shapes += [self._shape(n, blocks(n), False, self.decode_steps, sampler)
                  for n in self._sizes(min(self.max_num_seqs, self.max_step_tokens), 1)
