@@ -21,10 +21,6 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # by the program, the jax version and the flags, so a stale one is never read.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "mla_jax_tests_xla_cache"))
-# A size cap turns on the cache's file lock: without it an entry is written in place, and a
-# worker (or server) reading the same program's entry meanwhile can load half an executable and
-# crash in native code (seen as segfaults in compilation_cache.get_executable_and_time).
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
