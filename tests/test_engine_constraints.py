@@ -64,7 +64,8 @@ def test_constrained_steps_run_masked_and_settle_before_the_next(engine):
   def recorded(shape, inputs):
     flight = dispatch(shape, inputs)
     n = len([e for e in events if e[0] == "dispatch"])
-    events.append(("dispatch", n, shape.masked, inputs.allowed_SW))
+    allowed = inputs.inputs.allowed_SW
+    events.append(("dispatch", n, shape.masked, None if allowed is None else allowed.copy()))
     read = flight.read
     flight.read = lambda: events.append(("read", n)) or read()
     return flight

@@ -99,9 +99,10 @@ def test_warmup_compiles_every_program_and_serving_compiles_none(model, prompts)
   compiled = engine.stats.compile_s
   outputs = engine.generate(prompts, max_tokens=NEW)
   assert [list(o.tokens) for o in outputs] == _reference(model, prompts, NEW)
-  # No step waited for a compile: smaller key-block buckets compiled in the background.
+  # No step waited for a compile: smaller key-block buckets compiled in the background (or
+  # came from the process-wide cache).
   engine.runner.wait_for_compiles()
-  assert engine.stats.compile_s == compiled and engine.runner.background_compile_s > 0
+  assert engine.stats.compile_s == compiled
   assert {engine.buckets.covering(c.shape) for c in engine.programs} == set(shapes)
   assert [list(o.tokens) for o in engine.generate(prompts, max_tokens=NEW)] == _reference(
       model, prompts, NEW)  # and on their own programs

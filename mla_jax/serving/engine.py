@@ -412,12 +412,13 @@ class Engine:
     shape = self.buckets.shape(batch.chunks, batch.decode_steps)
     program = self.runner.program_shape(shape)
     inputs = self._inputs.build(batch.chunks, self.runner.layout(program), batch.decode_steps)
-    if inputs.allowed_SW is not None:
+    allowed_SW = inputs.inputs.allowed_SW  # a view into the packed ints: filled in place
+    if allowed_SW is not None:
       if self._in_flight is not None and any(map(step_inputs.wants_mask,
                                                  self._in_flight.batch.chunks)):
         updates += self._settle(self._in_flight)
         self._in_flight = None
-      constraints.fill_masks(batch.chunks, inputs.allowed_SW)
+      constraints.fill_masks(batch.chunks, allowed_SW)
     flight = self.runner.dispatch(program, inputs)
     self.stats.steps += 1
     self.stats.decode_dispatches += multi

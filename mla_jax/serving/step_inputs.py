@@ -17,7 +17,9 @@ every process runs the same compiled program on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,12 +103,12 @@ class Buckets:
   ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
   (None: the model takes none). Variants: greedy one-step programs for steps of at most
   ``max_num_seqs`` rows (larger steps sample greedy sequences by their argmax in the
-  ``SAMPLE`` program); ``FULL`` and scoring (``scores``: the engine serves prompt
-  log-probabilities) programs at every other token bucket down from the largest (such a step
-  pads to at most 4x its tokens; half the programs to compile); with ``masked`` (the engine
-  serves structured outputs) masked ``FULL`` programs at the same sizes, which only a step
-  that samples a constrained sequence runs; its scoring programs take the masks too (a step
-  may score a prompt and sample a constrained sequence; no more programs).
+  ``SAMPLE`` program); ``FULL`` programs at every other token bucket down from the largest
+  (such a step pads to at most 4x its tokens; half the programs to compile), which in an
+  engine that serves prompt log-probabilities (``scores``) are its scoring programs. With
+  ``masked`` (the engine serves structured outputs) a step that samples a constrained
+  sequence runs a masked ``FULL`` program: the scoring programs take the masks (no more
+  programs), or, in an engine that scores none, masked ``FULL`` programs at the same sizes.
   """
 
   max_step_tokens: int
@@ -149,6 +151,9 @@ class Buckets:
       if key_chunk is not None:
         needed += (-(-(c.num_cached + decode_steps) // key_chunk) if multi else
                    chunk_blocks(c.num_cached, c.num_computed, key_chunk))
+    # An engine that scores prompts runs every FULL step on its scoring programs (one set of
+    # programs fewer to warm up; the scores of rows nobody asked for are dropped).
+    scores = scores or (full and self.scores)
     fresh = fresh and not scores
     masked = masked or (scores and self.masked)  # scoring programs take masks too (warm-up)
     sampler = (Sampler.FULL if scores or full else Sampler.GREEDY if greedy else Sampler.SAMPLE)
@@ -196,14 +201,12 @@ class Buckets:
     shapes = [self._shape(n, blocks(n), False, 1, Sampler.SAMPLE) for n in sizes]
     shapes += [self._shape(n, blocks(n), False, 1, Sampler.GREEDY)
                for n in sizes if n <= self._greedy_rows()]
-    shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL)
+    shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=self.scores,
+                           masked=self.masked and self.scores)
                for n in self._every_other_size()]
     if self.dense_bound is not None:
       shapes += [self._shape(n, 0, True, 1, Sampler.SAMPLE) for n in sizes]
-    if self.scores:
-      shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=True,
-                             masked=self.masked) for n in self._every_other_size()]
-    if self.masked:
+    if self.masked and not self.scores:
       shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, masked=True)
                  for n in self._every_other_size()]
     if self.decode_steps > 1:
@@ -353,15 +356,12 @@ class Layout:
                  ("row_top_ids", (t, k), i32), ("row_top", (t, k), f32)]
     return fields
 
-  def zeros(self) -> StepInputs:
-    """Inputs of nothing to compute: padding everywhere (what ``build`` starts from)."""
-    arrays = {}
-    for name, dims, dtype in self.input_fields():
-      fill = -1 if name in ("next_ids_T", "logit_row_T", "stop_ids_SM", "bias_ids_SB",
-                            "allowed_SW") else 0
-      fill = 1 if name in ("top_p_S", "repetition_S") else fill
-      arrays[name] = np.full(dims, fill, dtype)
-    return StepInputs(**arrays)
+  def zeros(self) -> PackedInputs:
+    """Inputs of nothing to compute, padding everywhere: each field a view into the step's two
+    packed arrays (``build`` fills them in place; they are sent as they are)."""
+    ints, floats = (a.copy() for a in _padding(self))
+    inputs = StepInputs(**_split(self.input_fields(), {np.int32: ints, np.float32: floats}))
+    return PackedInputs(inputs, ints, floats)
 
   def pack(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     """The int32 and float32 arrays the program takes (two transfers)."""
@@ -388,6 +388,27 @@ class Layout:
     """(On the host) the outputs, as views of the one packed array."""
     return _split(self.output_fields(), {np.int32: packed, np.float32: packed.view(np.float32)},
                   one=True)
+
+
+class PackedInputs(NamedTuple):
+  """A step's inputs (``StepInputs``, views) and the two packed arrays they live in."""
+
+  inputs: StepInputs
+  ints: np.ndarray
+  floats: np.ndarray
+
+
+@functools.lru_cache(maxsize=128)
+def _padding(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+  """The packed arrays of a step of nothing (ids -1 where -1 pads, top_p and repetition 1),
+  made once per layout."""
+  arrays = {}
+  for name, dims, dtype in layout.input_fields():
+    fill = -1 if name in ("next_ids_T", "logit_row_T", "stop_ids_SM", "bias_ids_SB",
+                          "allowed_SW") else 0
+    fill = 1 if name in ("top_p_S", "repetition_S") else fill
+    arrays[name] = np.full(dims, fill, dtype)
+  return layout.pack(StepInputs(**arrays))
 
 
 def _split(fields, sources: dict, *, one: bool = False) -> dict:
@@ -423,5 +444,6 @@ def receive(layout_of) -> tuple[StepShape, tuple[np.ndarray, np.ndarray]] | None
   if shape is None:
     return None
   layout = layout_of(shape)
-  packed = multihost_utils.broadcast_one_to_all(layout.pack(layout.zeros()))
+  blank = layout.zeros()
+  packed = multihost_utils.broadcast_one_to_all((blank.ints, blank.floats))
   return shape, tuple(np.asarray(a) for a in packed)
