@@ -3,8 +3,9 @@
 Usage: python tests/multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MESH OUT.npz [JOB]
 Each process has 2 CPU devices; together they form one mesh. JOB ``generate`` (the default):
 process 0 writes the prefill logits and the greedy tokens of the tiny MoE preset to OUT.npz.
-JOB ``engine``: process 0 schedules an ``Engine`` over PROMPTS and writes its tokens; the
-others follow its steps.
+JOB ``engine``: process 0 schedules an ``Engine`` over PROMPTS (5 greedy tokens each, the second
+request with its 2 most likely tokens' log-probabilities) and writes its tokens and those
+log-probabilities; the others follow its steps.
 """
 
 import os
@@ -36,15 +37,20 @@ PROMPTS = [np.random.default_rng(1).integers(0, 256, n).tolist() for n in (5, 30
 mesh = sharding.make_mesh(mesh_spec)
 model = CausalLM(tiny_moe_lm(), rngs=nnx.Rngs(0), backend="xla", mesh=mesh)
 if job == "engine":
-  from mla_jax.serving import Engine  # noqa: E402
+  from mla_jax.serving import Engine, SamplingParams  # noqa: E402
 
   engine = Engine(model, num_pages=16, page_size=8, max_num_seqs=4, max_step_tokens=16,
                   log_interval=None)
   if jax.process_index() == 0:
-    tokens = [list(o.tokens) for o in engine.generate(PROMPTS, max_tokens=5)]
+    params = [SamplingParams(max_tokens=5, logprobs=2 if i == 1 else None)
+              for i in range(len(PROMPTS))]
+    outputs = engine.generate(PROMPTS, params)
     engine.shutdown()
-    np.savez(out, tokens=np.asarray(tokens), devices=jax.device_count(),
-             prompt_ids=np.concatenate(PROMPTS), prompt_lens=[len(p) for p in PROMPTS])
+    top = [t.top for t in outputs[1].logprobs]
+    np.savez(out, tokens=np.asarray([list(o.tokens) for o in outputs]),
+             devices=jax.device_count(), prompt_ids=np.concatenate(PROMPTS),
+             prompt_lens=[len(p) for p in PROMPTS], top_ids=[[i for i, _ in t] for t in top],
+             top_logprobs=[[v for _, v in t] for t in top])
   else:
     engine.follow()
   sys.exit(0)

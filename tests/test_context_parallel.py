@@ -316,11 +316,18 @@ def test_speculative_decoding_over_the_context_axis():
 def test_two_process_engine_over_the_context_axis_equals_one_process(tmp_path):
   """Two processes (gloo) of two devices each, the four context ranks split over them (the
   queries' all-gather and the partial outputs' reduce-scatter cross processes), equal one
-  process's tokens."""
+  process's tokens and log-probabilities (the worker's second request asks for them)."""
   got, prompts = two_process_engine(tmp_path, "context=4")
   one = Engine(_model(config=tiny_moe_lm()), num_pages=16, page_size=8, max_num_seqs=4,
                max_step_tokens=16, log_interval=None)
-  assert got["tokens"].tolist() == [list(o.tokens) for o in one.generate(prompts, max_tokens=5)]
+  params = [SamplingParams(max_tokens=5, logprobs=2 if i == 1 else None)
+            for i in range(len(prompts))]
+  want = one.generate(prompts, params)
+  assert got["tokens"].tolist() == [list(o.tokens) for o in want]
+  top = [t.top for t in want[1].logprobs]
+  assert got["top_ids"].tolist() == [[i for i, _ in t] for t in top]
+  np.testing.assert_allclose(got["top_logprobs"], [[v for _, v in t] for t in top], rtol=1e-5,
+                             atol=1e-6)
 
 
 # ---- what is refused --------------------------------------------------------------------
