@@ -70,6 +70,7 @@ def _same_outputs(got, want):
   for g, w in zip(got, want):
     if w.logprobs is None:
       continue
+    assert len(g.logprobs) == len(w.logprobs) == len(w.tokens)
     for a, b in zip(g.logprobs, w.logprobs):
       assert [t for t, _ in a.top] == [t for t, _ in b.top]
       np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], rtol=1e-5,
@@ -297,10 +298,12 @@ def test_preemption_and_prefix_hits_over_the_context_axis(spec, tight_reference)
 
 def test_speculative_decoding_over_the_context_axis():
   """Accepted drafts and rollbacks on split pools (the anchors' MTP x DCP bug): per-request
-  drafts (k = 0, 1, 2) give one device's greedy tokens, the MTP layer's weights split 8 ways
-  over the context ranks like the model's."""
+  drafts (k = 0, 1, 2) give one device's greedy tokens (and log-probabilities, asked by the
+  request drafting 2), the MTP layer's weights split 8 ways over the context ranks like the
+  model's."""
   config = dataclasses.replace(tiny_moe_lm(), num_mtp_layers=1)
-  params = [SamplingParams(max_tokens=8, speculative_tokens=k) for k in (0, 1, 2)]
+  params = [SamplingParams(max_tokens=8, speculative_tokens=k, logprobs=2 if k == 2 else None)
+            for k in (0, 1, 2)]
   prompts = _prompts((5, 30, 12))
   settings = dict(SETTINGS, num_pages=16, max_speculative_tokens=2)
   want = Engine(_model(config=config), **settings).generate(prompts, params)
