@@ -194,7 +194,8 @@ def table_context(pages_per_device: int, page_size: int, batch: int, context: in
       for c in found:
         moved[_role(c)] += c.nbytes
       per_layer = lambda role: f"{moved[role] // layers:,}"
-      print(f"| {spec} | {mode} | {pages} | {_device_bytes(engine.runner.pools) / 1024:,.0f} | "
+      print(f"| {spec} | {mode if ranks > 1 else '-'} | {pages} | "
+            f"{_device_bytes(engine.runner.pools) / 1024:,.0f} | "
             f"{per_layer('q+lse')} | {per_layer('out')} | {per_layer('candidates')} | "
             f"{moved['all-reduce']:,} | {moved['all-gather']:,} | {len(found)} |")
 
