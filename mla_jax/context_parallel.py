@@ -12,7 +12,7 @@ rank over its own rows only:
   ``union`` mode keeps each rank's own top-k, ``C x k`` indices in all, and exchanges nothing.
 * the sparse MQA (``MeshOps.sparse_mqa``): each rank attends over the selected rows it holds,
   with a partial softmax, and the partial outputs merge by their log-sum-exp
-  (``merge_partials``). In union mode every rank attends over its own top-k.
+  (``partial_softmax.merge``). In union mode every rank attends over its own top-k.
 
 Nothing here decides a route: the context axis changes where rows live, never what a step
 computes (``StepPlan.context_topk`` only says how a sparse step selects).
@@ -45,24 +45,6 @@ def local_rows(rows, num_local: int):
   or none). Inside ``shard_map`` over ``context`` only."""
   local = rows - jax.lax.axis_index(CONTEXT) * num_local
   return jnp.where((rows >= 0) & (local >= 0) & (local < num_local), local, -1)
-
-
-def merge_partials(out_BTHV, lse_BTH, has_rows_BT):
-  """One softmax over every rank's rows from each rank's partial one (``has_rows_BT``: the
-  rank attended at least one row for that query; its LSE is then finite). A query no rank
-  attended gets out 0 and LSE +inf, as one device's op gives it."""
-  dtype = out_BTHV.dtype
-  lse_BTH = jnp.where(has_rows_BT[..., None], lse_BTH, -jnp.inf)
-  top_BTH = jax.lax.pmax(lse_BTH, CONTEXT)
-  top_BTH = jnp.where(jnp.isfinite(top_BTH), top_BTH, 0.0)
-  weight_BTH = jnp.exp(lse_BTH - top_BTH)  # 0 on a rank without rows
-  total_BTH = jax.lax.psum(weight_BTH, CONTEXT)
-  summed_BTHV = jax.lax.psum(weight_BTH[..., None] * out_BTHV.astype(jnp.float32), CONTEXT)
-  any_BTH = total_BTH > 0
-  total_BTH = jnp.where(any_BTH, total_BTH, 1.0)
-  out_BTHV = jnp.where(any_BTH[..., None], summed_BTHV / total_BTH[..., None], 0.0)
-  lse_BTH = jnp.where(any_BTH, top_BTH + jnp.log(total_BTH), jnp.inf)
-  return out_BTHV.astype(dtype), lse_BTH
 
 
 def merge_candidates(values_BTN, idx_BTN, k: int):

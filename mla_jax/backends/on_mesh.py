@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
-from mla_jax import context_parallel, sharding
+from mla_jax import context_parallel, partial_softmax, sharding
 from mla_jax.backends.base import Backend
 from mla_jax.indexer import KeyBlocks, segmented_topk
 
@@ -65,8 +65,9 @@ class MeshOps:
     """Each rank's partial attention over the pool rows it holds, merged by LSE."""
     def partial(q, kv, rows):
       rows = context_parallel.local_rows(rows, context_parallel.num_rows(kv))
-      out, lse = fn(q, kv, rows)
-      return context_parallel.merge_partials(out, lse, (rows >= 0).any(axis=-1))
+      out, lse = fn(q, kv, rows)  # a rank without rows for a query: out 0, LSE +inf
+      merged, lse = partial_softmax.merge([(out, lse)], axis_name=sharding.CONTEXT)
+      return merged.astype(out.dtype), lse
 
     heads = sharding.HEADS_SPEC
     rows_spec = _SPLIT_TOPK_SPEC if split_rows else sharding.BATCH_SPEC

@@ -35,11 +35,10 @@ import numpy as np
 from mla_jax import checks, context_parallel, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
+from mla_jax.decoding.protocol import check_decode_model
 from mla_jax.decoding.requests import check_fits, checked_prompt
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.decoding.text import IncrementalText
-from mla_jax.models.lm import CausalLM
-from mla_jax.routing import PrefillRoute
 from mla_jax.serving import step_inputs
 from mla_jax.serving.input_batch import InputBatch
 from mla_jax.serving.pages import PageTable, pages_for
@@ -102,7 +101,8 @@ class CheckedPrompt(list):
 
 
 class Engine:
-  """Continuous batching for a ``CausalLM`` over ``num_pages`` pages of ``page_size`` tokens.
+  """Continuous batching for any decode model (``mla_jax.decoding.protocol``: a ``CausalLM``,
+  a ``V4CausalLM``) over ``num_pages`` pages of ``page_size`` tokens.
 
   Offline: ``engine.generate(prompts, max_tokens=..., temperature=...)`` (or one
   ``SamplingParams`` per prompt) returns a ``RequestOutput`` per prompt, in prompt order.
@@ -111,7 +111,7 @@ class Engine:
   first (otherwise each compiles when a step first needs it).
 
   Args:
-    model: the ``CausalLM`` (its backend and layer classes fix what routes can exist).
+    model: the ``DecodeModel`` (its backend and layer classes fix what routes can exist).
     num_pages, page_size: the page pool (every layer has one, of the same page ids).
     max_num_seqs: sequences running at once (seats).
     max_step_tokens: tokens computed per step (decodes count one each, drafts one each;
@@ -141,7 +141,7 @@ class Engine:
       approximate). ``num_pages`` must divide into the context ranks.
   """
 
-  def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
+  def __init__(self, model, *, num_pages: int, page_size: int = 64,
                max_num_seqs: int = 32, max_step_tokens: int = 512,
                max_model_len: int | None = None, cache_dtype="fp32", tokenizer=None,
                eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
@@ -149,14 +149,13 @@ class Engine:
                max_speculative_tokens: int = 0,
                decode_steps: int = DECODE_STEPS_PER_DISPATCH, prompt_logprobs: bool = False,
                context_topk: str = "exact"):
-    if not isinstance(model, CausalLM):
-      raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
-    mla = model.config.mla
+    check_decode_model(model)
     self.page_size = checks.static_int(page_size, "page_size", minimum=1)
+    model.check_page_size(self.page_size)
     self.num_pages = checks.static_int(num_pages, "num_pages", minimum=1)
     self.max_num_seqs = checks.static_int(max_num_seqs, "max_num_seqs", minimum=1)
     self.max_step_tokens = checks.static_int(max_step_tokens, "max_step_tokens", minimum=1)
-    limit = mla.max_position_embeddings
+    limit = model.max_positions
     self.max_model_len = checks.static_int(limit if max_model_len is None else max_model_len,
                                            "max_model_len", minimum=2, maximum=limit)
     self.cache_dtype = resolve_cache_dtype(cache_dtype, "cache_dtype")
@@ -164,7 +163,7 @@ class Engine:
     self.max_speculative_tokens = checks.static_int(
         max_speculative_tokens, "max_speculative_tokens", minimum=0,
         maximum=MAX_SPECULATIVE_TOKENS)
-    if self.max_speculative_tokens and not model.config.num_mtp_layers:
+    if self.max_speculative_tokens and not model.num_mtp_layers:
       raise ValueError("max_speculative_tokens > 0 needs a model with MTP layers (its config "
                        "counts num_mtp_layers = 0; load a checkpoint that stores them)")
     self.decode_steps = checks.static_int(decode_steps, "decode_steps", minimum=1, maximum=256)
@@ -189,7 +188,7 @@ class Engine:
         self.pages, max_num_seqs=self.max_num_seqs, max_step_tokens=self.max_step_tokens,
         prefix_caching=prefix_caching)
     # The indexer scores a flat step's keys in blocks of this many positions, each row its own.
-    self._key_chunk = None if mla.indexer is None else model.backend.key_chunk
+    self._key_chunk = model.key_chunk
     self._logit_rows = 1 + self.max_speculative_tokens
     max_pages = pages_for(self.max_model_len, self.page_size)
     self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs, max_pages, self.page_size,
@@ -213,10 +212,8 @@ class Engine:
   def _dense_bound(self) -> int | None:
     """The tokens a fresh sequence may hold in a step that takes the dense route (within the
     top-k, so dense attention is exact), or None when this model's plans take none."""
-    indexer = self.model.config.mla.indexer
-    bound = min(self.max_step_tokens, indexer.topk if indexer else self.max_model_len)
-    route = self._flat_plan(bound, pages_for(bound, self.page_size)).route
-    return bound if route is PrefillRoute.DENSE_MHA else None
+    return self.model.dense_fresh_bound(self.max_step_tokens, self.max_model_len,
+                                        self.page_size)
 
   def _flat_plan(self, fresh_tokens: int | None, kv_pages: int, *,
                  segmented: bool = True) -> StepPlan:
@@ -284,7 +281,7 @@ class Engine:
       if self.tokenizer is None:
         raise TypeError("a string prompt needs the engine's tokenizer (Engine(..., tokenizer=))")
       prompt = self.tokenizer.encode(prompt)
-    ids = checked_prompt(prompt, self.model.config.vocab_size, name)
+    ids = checked_prompt(prompt, self.model.vocab_size, name)
     check_fits(len(ids), params.max_tokens, self.max_model_len, name)
     pages = pages_for(len(ids) + params.max_tokens, self.page_size)
     if pages > self.num_pages:
@@ -293,7 +290,7 @@ class Engine:
     if params.min_tokens and len(self._stop_ids(params)) > step_inputs.STOP_IDS:
       raise ValueError(f"min_tokens holds back at most {step_inputs.STOP_IDS} stop ids (the "
                        "request's stop_token_ids and the engine's eos ids)")
-    vocab = self.model.config.vocab_size
+    vocab = self.model.vocab_size
     for token in params.stop_token_ids:
       if token >= vocab:
         raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})")
