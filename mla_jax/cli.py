@@ -26,6 +26,7 @@ from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, Generation
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 from mla_jax.plan import FIT_FRACTION, HOST_POOL_BYTES, HOST_POOL_FRACTION
+from mla_jax.v4 import cli as v4_cli
 from mla_jax.v4.plan import V4_SIZES
 
 logger = logging.getLogger("mla_jax")
@@ -234,10 +235,9 @@ def cmd_generate(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
-  from mla_jax.v4.cli import cmd_generate_v4, is_v4_checkpoint
-
-  if is_v4_checkpoint(args.checkpoint):
-    return cmd_generate_v4(args)
+  v4 = v4_cli.is_v4_checkpoint(args.checkpoint)
+  if v4:
+    v4_cli.check_flags(args)
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   if mesh_sizes and mesh_sizes[sharding.CONTEXT] > 1:
     raise SystemExit(f"--mesh {args.mesh}: a 'context' axis splits the page pools of "
@@ -252,24 +252,24 @@ def cmd_generate(args) -> int:
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
   if jax.process_index() != 0:  # every process computes; the first one reports
     sys.stdout = open(os.devnull, "w")
-  config = _speculative_config(args, _config(args))
   speculative = args.speculative_tokens > 0
-  tok = _tokenizer(args, config.vocab_size)
+  config = None if v4 else _speculative_config(args, _config(args))
+  tok = _tokenizer(args, v4_cli.vocab_size(args.checkpoint) if v4 else config.vocab_size)
   temperature, top_p = _sampling(args)
   t0 = time.perf_counter()
-  model = _build_model(args, config, mesh, mtp=speculative)
+  model = (v4_cli.load(args, mesh, mtp=speculative) if v4 else
+           _build_model(args, config, mesh, mtp=speculative))
   build_s = time.perf_counter() - t0
-  prompt = _prompt_ids(args, tok, model.config.vocab_size)
-  print(f"model: {type(model.layer_module(0).self_attn).__name__} x "
-        f"{model.config.num_layers} layers, backend {model.backend.name}, "
-        f"index_topk {model.config.mla.indexer.topk if model.config.mla.indexer else '-'}, "
-        f"built in {build_s:.2f}s")
+  prompt = _prompt_ids(args, tok, model.vocab_size)
+  print(v4_cli.describe(model, build_s) if v4 else _describe(model, build_s))
   if mesh is not None:
     print(f"mesh: {args.mesh} over {jax.device_count()} devices in "
           f"{jax.process_count()} process(es)")
   print(f"tokenizer: {tok.describe()}")
-  layer_cache = jax.eval_shape(lambda: init_layer_cache(model.config.mla, 1, 1, args.cache_dtype))
-  print(f"cache: {args.cache_dtype}, {layer_cache.bytes_per_token} bytes per token per layer")
+  if not v4:
+    layer_cache = jax.eval_shape(lambda: init_layer_cache(model.config.mla, 1, 1,
+                                                          args.cache_dtype))
+    print(f"cache: {args.cache_dtype}, {layer_cache.bytes_per_token} bytes per token per layer")
   print(f"prompt: {len(prompt)} tokens")
   print(f"sampling: temperature {temperature:g}, top_p {top_p:g}")
   eos = tok.eos_ids if args.stop_at_eos else None
@@ -277,13 +277,22 @@ def cmd_generate(args) -> int:
                     temperature=temperature, top_p=top_p, seed=args.seed, eos_id=eos,
                     cache_dtype=args.cache_dtype, speculative_tokens=args.speculative_tokens,
                     progress=not args.quiet and jax.process_index() == 0)
-  for i, route in enumerate(result.prefill_routes):
-    print(f"prefill route, layer {i}: {route.value}")
+  for line in (v4_cli.layer_lines(model, result.prefill_routes) if v4 else
+               [f"prefill route, layer {i}: {route.value}"
+                for i, route in enumerate(result.prefill_routes)]):
+    print(line)
   print_generated(args, tok, result)
   if result.acceptance_rate is not None:
     print(f"speculative: {args.speculative_tokens} draft tokens per step, "
           f"{result.accepted} of {result.drafted} accepted ({result.acceptance_rate:.2f})")
   return 0
+
+
+def _describe(model, build_s: float) -> str:
+  config = model.config
+  return (f"model: {type(model.layer_module(0).self_attn).__name__} x {config.num_layers} "
+          f"layers, backend {model.backend.name}, index_topk "
+          f"{config.mla.indexer.topk if config.mla.indexer else '-'}, built in {build_s:.2f}s")
 
 
 def cmd_serve(args) -> int:
@@ -294,9 +303,7 @@ def cmd_serve(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"
-  from mla_jax.v4.cli import is_v4_checkpoint
-
-  if is_v4_checkpoint(args.checkpoint):
+  if v4_cli.is_v4_checkpoint(args.checkpoint):
     raise SystemExit(f"error: {args.checkpoint} is a DeepSeek-V4 checkpoint: serving V4 is not "
                      "supported yet (the engine's paged caches do not hold V4's compressed "
                      "entries; docs/models.md#not-supported-yet); mla-jax generate "

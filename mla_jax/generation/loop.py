@@ -166,7 +166,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   steps = min(request.steps_per_dispatch, max(new_tokens - 1, 1))
   compiled = _Programs(model, request, steps, return_logits)
   mesh = model.mesh
-  caches = model.init_cache(request.batch, request.capacity, request.cache_dtype)
+  # A verify step writes k draft rows past what its sequence keeps (``spare``: rings hold them).
+  caches = model.init_cache(request.batch, request.capacity, request.cache_dtype,
+                            spare=request.speculative_tokens)
   ids_BT, lens_B = _place(request.ids_BT, mesh), _place(request.lens_B, mesh)
   seed_arr = _place(np.uint32(request.seed), mesh, sharding.REPLICATED)
   if request.speculative_tokens:
@@ -202,7 +204,7 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
   from them which are done and how far each cache reaches, for the next dispatch's bucket."""
   model, k = compiled.model, request.speculative_tokens
   new_tokens, eos_id, batch = request.max_new_tokens, request.eos_id, request.batch
-  mtp_caches = model.init_mtp_cache(batch, request.capacity, request.cache_dtype)
+  mtp_caches = model.init_mtp_cache(batch, request.capacity, request.cache_dtype, spare=k)
   prefill = compiled.prefill(caches, mtp_caches, ids_BT, lens_B, seed_arr)
   t0 = time.perf_counter()
   err, (tokens_B, caches, mtp_caches, draft_BV, hidden_BD) = prefill(
