@@ -70,7 +70,6 @@ class StubRunner:
     return shape
 
   def dispatch(self, shape, inputs):
-    self.layout(shape).pack(inputs)  # the host's share of a transfer
     return _StubFlight(self.layout(shape), None, time.perf_counter())
 
 

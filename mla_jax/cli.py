@@ -335,7 +335,8 @@ def cmd_serve(args) -> int:
                   prefix_caching=args.prefix_caching, log_interval=args.log_interval,
                   seed=args.seed, max_speculative_tokens=args.speculative_tokens,
                   decode_steps=args.decode_steps, prompt_logprobs=args.prompt_logprobs,
-                  context_topk=args.dcp_indexer_mode)
+                  context_topk=args.dcp_indexer_mode,
+                  structured_outputs=args.structured_outputs)
 
   def warmup():  # every process compiles every program before any step runs
     count, seconds = engine.warmup(progress=jax.process_index() == 0)
@@ -652,6 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
   serve.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
                      help="refuse echo with logprobs and prompt_logprobs (scoring), compiling "
                           "no scoring step programs")
+  serve.add_argument("--no-structured-outputs", dest="structured_outputs",
+                     action="store_false",
+                     help="refuse response_format, structured_outputs / guided_* and forced "
+                          "tool_choice, compiling no masked step programs")
   serve.add_argument("--dcp-indexer-mode", choices=CONTEXT_TOPK_MODES, default="exact",
                      help="with a 'context' axis in --mesh (the page pools split over it): "
                           "exact selects the global top-k (one device's tokens); union each "

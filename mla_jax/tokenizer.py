@@ -43,6 +43,10 @@ class Tokenizer(abc.ABC):
     tags, such as GLM's ``<tool_call>``), dropping the others."""
     return self.decode
 
+  def special_ids(self) -> dict[str, int]:
+    """The special tokens spelled as text (their ids by text): none here."""
+    return {}
+
   @property
   @abc.abstractmethod
   def max_id(self) -> int:
@@ -145,10 +149,17 @@ class HFTokenizer(Tokenizer):
   def decode(self, ids) -> str:
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-  def decoder_keeping(self, texts) -> Callable[[Sequence[int]], str]:
+  def special_ids(self) -> dict[str, int]:
+    return {text: i for i, text in self._specials().items()}
+
+  def _specials(self) -> dict[int, str]:
     if self._special is None:
       self._special = {i: t.content for i, t in
                        self.tokenizer.get_added_tokens_decoder().items() if t.special}
+    return self._special
+
+  def decoder_keeping(self, texts) -> Callable[[Sequence[int]], str]:
+    self._specials()
     if not set(self._special.values()) & set(texts):  # nothing to keep: the plain decode
       return self.decode
     dropped = {i for i, content in self._special.items() if content not in texts}

@@ -28,6 +28,32 @@ import logging
 
 import pytest
 
+
+def _write_cache_entries_atomically() -> None:
+  """JAX's file cache writes an entry in place (``Path.write_bytes``) unless its size cap is
+  set, which turns on a lock that scans the whole directory at every write: a worker reading
+  an entry another worker is writing loads half an executable and crashes in native code
+  (segfaults in ``compilation_cache.get_executable_and_time``). Write each entry beside its
+  place and rename it there: readers see it whole or not at all."""
+  from jax._src import lru_cache
+
+  def put(self, key: str, value: bytes) -> None:
+    if self.eviction_enabled:
+      return original(self, key, value)
+    path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+    if path.exists():
+      return None
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(value)
+    os.replace(partial, path)
+    return None
+
+  original = lru_cache.LRUCache.put
+  lru_cache.LRUCache.put = put
+
+
+_write_cache_entries_atomically()
+
 logging.getLogger("mla_jax").setLevel(logging.ERROR)  # the MQA-only notice is tested directly
 
 

@@ -164,9 +164,13 @@ def test_aborts_in_flight_free_their_pages_and_spare_the_others(model, prompts, 
   running = [s.request_id for s in engine.scheduler.running]
   waiting = [s.request_id for s in engine.scheduler.waiting]
   aborted = {running[0], waiting[-1]}
+  # The running one has a step in flight (dispatched, not read): the abort lands on it.
+  assert running[0] in {c.seq.request_id for c in engine._in_flight.batch.chunks}
   for request_id in aborted:
     engine.abort(request_id)
-  assert engine.output(running[0]).finish_reason == "abort"
+  out = engine.output(running[0])
+  assert out.finish_reason == "abort"
+  assert list(out.tokens) == reference[ids.index(running[0])][:len(out.tokens)]
   with pytest.raises(KeyError, match="no request with id 'nope'"):
     engine.abort("nope")
   got = _run_all(engine, [i for i in ids if i not in aborted])

@@ -14,6 +14,7 @@ from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine, engine_pools
 from mla_jax.serving.requests import SamplingParams
 from mla_jax.serving.step_inputs import Sampler, StepShape
+from mla_jax.tokenizer import ByteTokenizer
 from mla_jax.traces import summarize_jaxpr
 from tests.test_engine import _model, _mqa_only_contract, _no_leaks, _reference
 
@@ -98,9 +99,10 @@ def test_warmup_compiles_every_program_and_serving_compiles_none(model, prompts)
   compiled = engine.stats.compile_s
   outputs = engine.generate(prompts, max_tokens=NEW)
   assert [list(o.tokens) for o in outputs] == _reference(model, prompts, NEW)
-  # No step waited for a compile: smaller key-block buckets compiled in the background.
+  # No step waited for a compile: smaller key-block buckets compiled in the background (or
+  # came from the process-wide cache).
   engine.runner.wait_for_compiles()
-  assert engine.stats.compile_s == compiled and engine.runner.background_compile_s > 0
+  assert engine.stats.compile_s == compiled
   assert {engine.buckets.covering(c.shape) for c in engine.programs} == set(shapes)
   assert [list(o.tokens) for o in engine.generate(prompts, max_tokens=NEW)] == _reference(
       model, prompts, NEW)  # and on their own programs
@@ -190,10 +192,11 @@ def device_predicated(engine) -> dict:
 
 @pytest.mark.parametrize("attention, extra", [
     ("mqa-only", {}), ("dense-capable", {}), ("mqa-only", {"prompt_logprobs": True}),
-    ("mqa-only", {"cache_dtype": "fp8", "decode_steps": 1})])
+    ("mqa-only", {"cache_dtype": "fp8", "decode_steps": 1}),
+    ("mqa-only", {"structured_outputs": True, "tokenizer": ByteTokenizer()})])
 def test_no_step_program_waits_on_the_device(attention, extra):
-  """Every program an engine warms up (one step, FULL, scoring, multi-step dispatches, fresh
-  steps, fp8 pools) holds no ``while`` or ``cond`` outside kernels: multi-step decode is a
+  """Every program an engine warms up (one step, FULL, scoring, masked, multi-step
+  dispatches, fresh steps, fp8 pools) holds no ``while`` or ``cond`` outside kernels: multi-step decode is a
   fixed-length scan, the indexer scores each row's own key blocks in one call, penalties are
   a compile-time variant. (A ``cond`` back in the penalties, or the key-chunk loop on a traced
   bound, fails this.)"""

@@ -13,7 +13,7 @@ from mla_jax import backends
 from mla_jax.backends import gpu_support
 from mla_jax.models.mlp import swiglu
 from mla_jax.serving.reasoning import output_parser, prompt_opens_think
-from mla_jax.v4.config import tiny_v4_config
+from mla_jax.v4.config import HASH_MOE, tiny_v4_config
 from mla_jax.v4.moe import V4MoE
 from tests import v4_reference
 from tests.test_v4_model import randomize
@@ -41,7 +41,8 @@ def test_v4_moe_clips_its_experts_projections_on_both_sides():
   """V4's MoE (routed experts and the shared one) on inputs large enough that the projections
   pass the limit on both sides, against the float64 reference."""
   config = tiny_v4_config(swiglu_limit=LIMIT)
-  moe = randomize(V4MoE(config, 1, rngs=nnx.Rngs(0)), 3)
+  moe = randomize(V4MoE(config, hashed=config.mlp_layer_types[1] == HASH_MOE,
+                        rngs=nnx.Rngs(0)), 3)
   x = np.random.default_rng(4).standard_normal((12, config.hidden_size)) * 8
   ids = np.arange(12) * 5
   params = {f"m.{k}": v for k, v in v4_reference.params_of(moe).items()}

@@ -539,7 +539,7 @@ BAD_REQUESTS = [
      "type"),
     (CHAT, {**MSG, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     (CHAT, {**MSG, "max_completion_tokens": 3}, 400, "not both"),
-    (CHAT, {**MSG, "parallel_tool_calls": False}, 400, "unsupported field 'parallel_tool_calls'"),
+    (CHAT, {**MSG, "parallel_tool_calls": "no"}, 400, "parallel_tool_calls"),
     (CHAT, {**MSG, "messages": [{"role": "system", "content": "x"}]}, 400, "no system message"),
     ("/v1/embeddings", OK, 404, "/v1/embeddings"),
 ]

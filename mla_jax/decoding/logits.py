@@ -1,7 +1,7 @@
 """``process_logits``: from a step's sampled rows' logits to its new tokens, the one sampler every
 engine step form calls (one step, speculative verification, each step of a multi-step decode
 dispatch), in vLLM's order: ``logit_bias``, then the penalties, then ``min_tokens``' hold-back
-of stop ids, then each sequence's temperature and cuts and its draw (or its drafts'
+of stop ids and a constraint's token mask (structured outputs), then each sequence's temperature and cuts and its draw (or its drafts'
 acceptance, ``speculative.accept``). A step program is compiled for one ``Sampler``, so it
 holds only the work its batch asks for: no branch decides it on the device.
 """
@@ -23,7 +23,7 @@ class Sampler(enum.Enum):
 
   GREEDY = "greedy"  # every sequence greedy: the argmax, nothing else
   SAMPLE = "sample"  # temperature, top_k, min_p and top_p per sequence (greedy ones: argmax)
-  FULL = "full"      # logit_bias, penalties and min_tokens first; log-probabilities returned
+  FULL = "full"      # logit_bias, penalties, min_tokens (and masks) first; log-probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,8 @@ class Adjustments:
   """What a ``FULL`` program applies before sampling, per sequence: its ``logit_bias`` as a
   row [S, V]; its output token counts and whether each id was seen (prompt or output) [S, V]
   with its repetition, frequency and presence penalties [S] (``penalties``); its stop ids
-  [S, V] and how many tokens they stay held back (``min_tokens``) [S]."""
+  [S, V] and how many tokens they stay held back (``min_tokens``) [S]; in a masked program,
+  the tokens its constraint allows [S, V] (``allowed_rows``; None: every token)."""
 
   bias_SV: jax.Array
   counts_SV: jax.Array
@@ -53,15 +54,20 @@ class Adjustments:
   presence_S: jax.Array
   stop_SV: jax.Array
   min_left_S: jax.Array
+  allowed_SV: jax.Array | None = None
 
   def apply(self, logits_SJV):
     """The logits each row samples from, before temperature: biased, penalized, and with a
-    sequence's stop ids at -inf in its first ``min_left_S`` rows (vLLM's ``min_tokens``)."""
+    sequence's stop ids at -inf in its first ``min_left_S`` rows (vLLM's ``min_tokens``), and
+    the tokens its constraint forbids at -inf in every row."""
     logits_SJV = logits_SJV + self.bias_SV[:, None, :]
     logits_SJV = penalties.penalized(logits_SJV, self.counts_SV, self.seen_SV,
                                      self.repetition_S, self.frequency_S, self.presence_S)
     early_SJ = jnp.arange(logits_SJV.shape[1])[None, :] < self.min_left_S[:, None]
-    return jnp.where(early_SJ[..., None] & self.stop_SV[:, None, :], -jnp.inf, logits_SJV)
+    logits_SJV = jnp.where(early_SJ[..., None] & self.stop_SV[:, None, :], -jnp.inf, logits_SJV)
+    if self.allowed_SV is None:
+      return logits_SJV
+    return jnp.where(self.allowed_SV[:, None, :], logits_SJV, -jnp.inf)
 
 
 def process_logits(logits_SJV, ids_SJ, num_logits_S, sampling: Sampling, sampler: Sampler,
@@ -104,3 +110,11 @@ def bias_rows(bias_ids_SB, bias_SB, vocab_size: int):
   rows_SB = jnp.broadcast_to(jnp.arange(ids_SB.shape[0])[:, None], ids_SB.shape)
   return jnp.zeros((ids_SB.shape[0], vocab_size), jnp.float32).at[rows_SB, ids_SB].add(
       bias_SB, mode="drop")
+
+
+def allowed_rows(allowed_SW, vocab_size: int):
+  """[S, V]: whether sequence s may take token t: bit ``t % 32`` of word ``t // 32`` of its
+  bitmask (llguidance's layout; int32 words)."""
+  t_V = jnp.arange(vocab_size, dtype=jnp.int32)
+  words_SV = allowed_SW[:, t_V // 32]
+  return ((words_SV >> (t_V % 32)) & 1).astype(jnp.bool_)

@@ -16,7 +16,6 @@ each output token's logit loses ``frequency`` x its count and ``presence`` once.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 

@@ -45,6 +45,13 @@ class ProgramCache:
       self._programs.popitem(last=False)
     return program, seconds
 
+  def get(self, key: Hashable):
+    """The program under ``key`` (now the most recently used), or None: nothing compiles."""
+    if key not in self._programs:
+      return None
+    self._programs.move_to_end(key)
+    return self._programs[key]
+
   def keys(self) -> list:
     return list(self._programs)
 

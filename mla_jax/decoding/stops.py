@@ -4,8 +4,6 @@ on the host, after a dispatch: ``decoding.text``)."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 
 def is_stop(tokens_X, stop_ids_XM):
   """Whether each token is one of its row's stop ids (``stop_ids_XM`` broadcasts against

@@ -65,15 +65,21 @@ class ChatTemplate:
   def is_plain(self) -> bool:
     return self._template is None
 
-  def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+  def render(self, messages: list[dict], tools: list[dict] | None = None,
+             variables: dict | None = None) -> str:
     """``tools``: OpenAI function tools, which the template gets as ``tools`` (None when the
-    request gave none), as HF's ``apply_chat_template(tools=...)`` passes them. The plain
-    format renders no tools (nor tool calls): the server refuses them there."""
+    request gave none), as HF's ``apply_chat_template(tools=...)`` passes them. ``variables``:
+    more for the template (vLLM's ``chat_template_kwargs``, e.g. ``thinking``), which may not
+    replace ``messages``, ``tools`` or ``add_generation_prompt`` (a ``TemplateError``). The
+    plain format renders no tools (nor tool calls): the server refuses them there."""
+    taken = sorted(set(variables or ()) & {"messages", "tools", "add_generation_prompt"})
+    if taken:
+      raise TemplateError(f"chat_template_kwargs may not set {', '.join(taken)}")
     if self._template is None:
       return "".join(f"{m['role']}: {m['content'] or ''}\n" for m in messages) + "assistant:"
     try:
-      return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
-                                   **self.special_tokens)
+      return self._template.render(**{**self.special_tokens, **(variables or {})},
+                                   messages=messages, tools=tools, add_generation_prompt=True)
     except TemplateError:
       raise
     except jinja2.TemplateError as e:

@@ -39,7 +39,7 @@ from mla_jax.decoding.protocol import check_decode_model
 from mla_jax.decoding.requests import check_fits, checked_prompt
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.decoding.text import IncrementalText
-from mla_jax.serving import step_inputs
+from mla_jax.serving import constraints, step_inputs
 from mla_jax.serving.input_batch import InputBatch
 from mla_jax.serving.pages import PageTable, pages_for
 from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
@@ -139,6 +139,12 @@ class Engine:
       ``mla_jax.context_parallel``), how the indexer selects: ``"exact"`` (the global top-k:
       one device's tokens) or ``"union"`` (each rank's own top-k, no candidate exchange;
       approximate). ``num_pages`` must divide into the context ranks.
+    structured_outputs: requests may carry a constraint (``SamplingParams.constraint``: a JSON
+      schema, any JSON object, a regex, a choice, a grammar; ``mla_jax.serving.constraints``),
+      which needs the ``tokenizer``; this compiles a masked variant of each ``FULL`` program
+      (``warmup`` too). A step that samples a constrained request is read before the next is
+      dispatched (its next mask needs its token), though the next is scheduled and built
+      while it runs.
   """
 
   def __init__(self, model, *, num_pages: int, page_size: int = 64,
@@ -148,7 +154,7 @@ class Engine:
                log_interval: float | None = 10.0, seed: int = 0,
                max_speculative_tokens: int = 0,
                decode_steps: int = DECODE_STEPS_PER_DISPATCH, prompt_logprobs: bool = False,
-               context_topk: str = "exact"):
+               context_topk: str = "exact", structured_outputs: bool = False):
     check_decode_model(model)
     self.page_size = checks.static_int(page_size, "page_size", minimum=1)
     model.check_page_size(self.page_size)
@@ -167,11 +173,18 @@ class Engine:
       raise ValueError("max_speculative_tokens > 0 needs a model with MTP layers (its config "
                        "counts num_mtp_layers = 0; load a checkpoint that stores them)")
     self.decode_steps = checks.static_int(decode_steps, "decode_steps", minimum=1, maximum=256)
-    for name, flag in (("prefix_caching", prefix_caching), ("prompt_logprobs", prompt_logprobs)):
+    for name, flag in (("prefix_caching", prefix_caching), ("prompt_logprobs", prompt_logprobs),
+                       ("structured_outputs", structured_outputs)):
       if not isinstance(flag, bool):
         raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     self.prompt_logprobs = prompt_logprobs
     self.tokenizer = _checked_tokenizer(tokenizer)
+    if structured_outputs and self.tokenizer is None:
+      raise ValueError("structured_outputs needs the engine's tokenizer (Engine(..., "
+                       "tokenizer=)): constraints are matched on its tokens' bytes")
+    # Compiles and checks requests' constraints over the tokenizer (None: refused).
+    self.grammars = constraints.Grammars(self.tokenizer, model.vocab_size,
+                                         self.eos_token_ids) if structured_outputs else None
     self.log_interval = _checked_interval(log_interval)
     seed = checks.static_int(seed, "seed", minimum=0, maximum=2**63 - 1)
     self.model = model
@@ -193,7 +206,7 @@ class Engine:
     max_pages = pages_for(self.max_model_len, self.page_size)
     self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs, max_pages, self.page_size,
                            self._key_chunk, self._dense_bound(), self.decode_steps,
-                           data_shards, scores=prompt_logprobs)
+                           data_shards, scores=prompt_logprobs, masked=structured_outputs)
     self.runner = ModelRunner(
         model, num_rows=self.num_pages * self.page_size, page_size=self.page_size,
         cache_dtype=self.cache_dtype, num_slots=self.max_num_seqs, logit_rows=self._logit_rows,
@@ -262,6 +275,8 @@ class Engine:
     seq = Sequence(request_id, tokens, len(tokens), params, seed, self._stop_ids(params))
     if params.prompt_logprobs is not None:
       seq.prompt_logprobs = [None] * len(tokens)
+    if params.constraint is not None:
+      seq.guide = self.grammars.guide(params.constraint)
     if self.tokenizer is not None:
       seq.detok = IncrementalText(self.tokenizer.decode, params.stop)
     self._seqs[request_id] = seq
@@ -305,6 +320,11 @@ class Engine:
     if params.speculative_tokens and params.penalized:
       raise ValueError("repetition, frequency and presence penalties do not combine with "
                        "speculative_tokens (a draft's penalties would need its drafts counted)")
+    if params.constraint is not None:
+      if self.grammars is None:
+        raise ValueError(f"{params.constraint.field}: this engine serves no structured outputs "
+                         "(build it with Engine(..., structured_outputs=True) and a tokenizer)")
+      self.grammars.check(params.constraint)  # once per constraint (cached)
     if params.speculative_tokens > self.max_speculative_tokens:
       raise ValueError(f"speculative_tokens {params.speculative_tokens} exceeds the engine's "
                        f"max_speculative_tokens {self.max_speculative_tokens}"
@@ -349,7 +369,9 @@ class Engine:
     it; returns the requests that got tokens (or finished) in the settled step. So a step's
     tokens come back from the next call (``has_unfinished`` is true while a step is in
     flight). A step whose next one needs its outputs on the host first (a speculative
-    request's drafts) is settled before scheduling. ``stalls.EngineStalled`` (naming the
+    request's drafts) is settled before scheduling; one whose next step's token masks need
+    its tokens (a constrained request's), once that step is built.
+    ``stalls.EngineStalled`` (naming the
     requests) after ``MAX_STEPS_WITHOUT_PROGRESS`` calls in a row in which no request made
     progress: an engine bug, rather than a hang."""
     self._only_on_process_0("step")
@@ -359,7 +381,7 @@ class Engine:
     if self._in_flight is not None and self._drafts_needed(self._in_flight.batch):
       updates += self._settle(self._in_flight)
       self._in_flight = None
-    dispatched = self._dispatch(self.scheduler.schedule())
+    dispatched = self._dispatch(self.scheduler.schedule(), updates)
     if self._in_flight is not None:
       updates += self._settle(self._in_flight)
     self._in_flight = dispatched
@@ -377,13 +399,23 @@ class Engine:
   def _drafts_needed(batch: StepBatch) -> bool:
     return any(c.samples and c.seq.params.speculative_tokens for c in batch.chunks)
 
-  def _dispatch(self, batch: StepBatch) -> _Dispatched | None:
+  def _dispatch(self, batch: StepBatch, updates: list[RequestOutput]) -> _Dispatched | None:
+    """Sends ``batch``'s step to the device. A masked step whose constrained requests' tokens
+    are still in flight settles the step in flight first (its outputs go to ``updates``),
+    once the step is built: only the masks wait for those tokens."""
     if not batch:
       return None
     multi = self._multi_step(batch)
     shape = self.buckets.shape(batch.chunks, batch.decode_steps)
     program = self.runner.program_shape(shape)
     inputs = self._inputs.build(batch.chunks, self.runner.layout(program), batch.decode_steps)
+    allowed_SW = inputs.inputs.allowed_SW  # a view into the packed ints: filled in place
+    if allowed_SW is not None:
+      if self._in_flight is not None and any(map(step_inputs.wants_mask,
+                                                 self._in_flight.batch.chunks)):
+        updates += self._settle(self._in_flight)
+        self._in_flight = None
+      constraints.fill_masks(batch.chunks, allowed_SW)
     flight = self.runner.dispatch(program, inputs)
     self.stats.steps += 1
     self.stats.decode_dispatches += multi
@@ -479,12 +511,19 @@ class Engine:
                   if seq.status is not Status.FINISHED else [])
 
   def _stop_reason(self, seq: Sequence) -> str | None:
-    """After ``seq`` took a token: "stop" at a stop id or stop string, "length" at its last
-    allowed token, else None. Its text grows by the new token only (``IncrementalText``)."""
+    """After ``seq`` took a token: "stop" at a stop id or stop string or once its constraint
+    is complete, ``constraints.DEAD_END`` when no token can continue its constraint, "length"
+    at its last allowed token, else None. Its text grows by the new token only
+    (``IncrementalText``)."""
     token = seq.tokens[-1]
     if seq.detok is not None:
       seq.detok.extend([token])
       seq.text = seq.detok.text
+    if seq.guide is not None and (reason := seq.guide.advance(token)) is not None:
+      if reason == constraints.DEAD_END:
+        logger.warning("request %s stops at a dead end of its constraint: %s", seq.request_id,
+                       seq.guide.error)
+      return reason
     if token in seq.stop_ids:
       return "stop"
     if seq.detok is not None and seq.detok.stop_at is not None:

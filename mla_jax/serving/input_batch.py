@@ -9,7 +9,7 @@ import numpy as np
 
 from mla_jax.serving.requests import MAX_LOGIT_BIAS, Sequence
 from mla_jax.serving.scheduler import Chunk
-from mla_jax.serving.step_inputs import STOP_IDS, Layout, Sampler, StepInputs
+from mla_jax.serving.step_inputs import STOP_IDS, Layout, PackedInputs, Sampler, StepInputs
 
 # Per-slot settings: (name, dtype, default) of what a request fixes once.
 _SETTINGS = (("seeds", np.int32, 0), ("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0),
@@ -59,14 +59,16 @@ class InputBatch:
       self.table[slot, written:len(pages)] = pages[written:]
       self._pages_written[slot] = len(pages)
 
-  def build(self, chunks: list[Chunk], layout: Layout, decode_steps: int = 1) -> StepInputs:
+  def build(self, chunks: list[Chunk], layout: Layout, decode_steps: int = 1) -> PackedInputs:
     """The chunks' tokens laid end to end, chunk b in step slot b; padding rows and slots
     compute nothing and sample nothing used. A multi-step dispatch's row s is chunk s's
-    decode, its key blocks reaching the dispatch's last step."""
-    x = layout.zeros()
+    decode, its key blocks reaching the dispatch's last step. Written in place into the
+    step's packed arrays."""
+    packed = layout.zeros()
+    x = packed.inputs
     n = len(chunks)
     if n == 0:
-      return x
+      return packed
     for c in chunks:
       self._claim(c.seq)
     slots = np.fromiter((c.seq.slot for c in chunks), np.int32, n)
@@ -111,7 +113,7 @@ class InputBatch:
       for name, source in (("repetition_S", self.repetition), ("frequency_S", self.frequency),
                            ("presence_S", self.presence), ("num_prompt_S", self.num_prompt)):
         getattr(x, name)[:n] = source[slots]
-    return x
+    return packed
 
   @staticmethod
   def _next_rows(chunks: list[Chunk], offsets, x: StepInputs) -> None:

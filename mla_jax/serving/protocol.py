@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import collections
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import jsonschema
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from mla_jax.serving.constraints import Constraint
 from mla_jax.serving.requests import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
                                       MAX_TOP_K)
 
@@ -56,6 +57,51 @@ class StreamOptions(_Request):
   continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
+class TextFormat(_Request):
+  type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+  type: Literal["json_object"]
+
+
+class JsonSchema(_Request):
+  """OpenAI's ``response_format.json_schema``. ``strict`` true or false: enforced alike."""
+
+  name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+  description: str | None = None
+  schema_: dict | bool | None = Field(default=None, alias="schema")  # None: any JSON value
+  strict: bool | None = None
+
+
+class JsonSchemaFormat(_Request):
+  type: Literal["json_schema"]
+  json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                           Field(discriminator="type")]
+
+
+class StructuredOutputs(_Request):
+  """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+  json_: dict | bool | str | None = Field(default=None, alias="json")
+  regex: str | None = None
+  choice: Annotated[list[str], Field(min_length=1)] | None = None
+  grammar: str | None = None
+  json_object: bool | None = None
+
+  @pydantic.model_validator(mode="after")
+  def _one_constraint(self):
+    given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+             if getattr(self, "json_" if name == "json" else name) not in (None, False)]
+    if len(given) != 1:
+      raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got "
+                       f"{', '.join(given) or 'none'})")
+    return self
+
+
 class _Sampling(_Request):
   """The fields both endpoints share."""
 
@@ -84,6 +130,14 @@ class _Sampling(_Request):
   # OpenAI's: {"token id": bias}, added to the logits
   logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]],
                         Field(max_length=MAX_LOGIT_BIAS)] | None = None
+  # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+  # guided_* names (docs/serving.md)
+  response_format: ResponseFormat | None = None
+  structured_outputs: StructuredOutputs | None = None
+  guided_json: dict | bool | str | None = None
+  guided_regex: str | None = None
+  guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+  guided_grammar: str | None = None
 
   @pydantic.field_validator("logit_bias")
   @classmethod
@@ -92,6 +146,41 @@ class _Sampling(_Request):
       if not key.isdigit() or not key.isascii():
         raise ValueError(f"keys must be token ids, got {key!r}")
     return bias
+
+  def constraint(self) -> Constraint | None:
+    """The one constraint the request gives (None: none), or a 400 naming the fields when it
+    gives several, or the field whose value cannot be one (``constraints.Constraint``'s
+    checks; the library's own come when the engine checks it)."""
+    found = []
+    fmt = self.response_format
+    if isinstance(fmt, JsonObjectFormat):
+      found.append(("response_format", lambda f: Constraint("json_object", "", f)))
+    elif isinstance(fmt, JsonSchemaFormat):
+      schema = {} if fmt.json_schema.schema_ is None else fmt.json_schema.schema_
+      found.append(("response_format.json_schema.schema",
+                    lambda f: Constraint.json_schema(schema, f)))
+    so = self.structured_outputs
+    if so is not None:
+      for name, kind, value in (("json", "json_schema", so.json_), ("regex", "regex", so.regex),
+                                ("choice", "choice", so.choice),
+                                ("grammar", "grammar", so.grammar),
+                                ("json_object", "json_object", so.json_object or None)):
+        if value is not None:
+          found.append((f"structured_outputs.{name}", _maker(kind, value)))
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+      if getattr(self, name) is not None:
+        found.append((name, _maker(kind, getattr(self, name))))
+    if len(found) > 1:
+      raise APIError(400, f"{' and '.join(f for f, _ in found)}: give one constraint",
+                     param=found[1][0])
+    if not found:
+      return None
+    field, make = found[0]
+    try:
+      return make(field)
+    except ValueError as e:
+      raise APIError(400, str(e), param=field) from None
 
   @property
   def bias(self) -> dict[int, float]:
@@ -110,6 +199,13 @@ class _Sampling(_Request):
   @property
   def continuous_usage(self) -> bool:
     return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+def _maker(kind: str, value):
+  """A constraint of ``kind`` from a request's value, named by the field it came in."""
+  if kind == "json_schema":
+    return lambda field: Constraint.json_schema(value, field)
+  return lambda field: Constraint(kind, "" if kind == "json_object" else value, field)
 
 
 class CompletionRequest(_Sampling):
@@ -232,7 +328,8 @@ class FunctionDefinition(_Request):
   @classmethod
   def _not_strict(cls, strict: bool | None) -> bool | None:
     if strict:
-      raise ValueError("strict: true needs guided decoding, which this server does not have")
+      raise ValueError("strict: true is not enforced under tool_choice \"auto\" here; "
+                       "tool_choice \"required\" or a named function decodes a valid call")
     return strict
 
 
@@ -261,6 +358,8 @@ class ChatCompletionRequest(_Sampling):
   top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
   tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
   tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+  parallel_tool_calls: bool | None = None  # false: at most one call (None: OpenAI's true)
+  chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
 
   @pydantic.model_validator(mode="after")
   def _one_token_limit(self):
@@ -290,6 +389,11 @@ class ChatCompletionRequest(_Sampling):
                      param="tool_choice.function.name")
 
   @property
+  def forces_call(self) -> bool:
+    """Whether tool_choice asks for a call (required, or a named function)."""
+    return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+  @property
   def parses_tools(self) -> bool:
     """Whether the output is parsed for tool calls: tools given, and tool_choice not none."""
     return bool(self.tools) and self.tool_choice != "none"
@@ -307,6 +411,7 @@ class TokenizeRequest(_Request):
   messages: Annotated[list[Message], Field(min_length=1)] | None = None
   add_special_tokens: bool | None = None  # default: a prompt's yes, rendered messages' no
   return_token_strs: bool = False
+  chat_template_kwargs: dict[str, Any] | None = None
 
   @pydantic.model_validator(mode="after")
   def _one_source(self):

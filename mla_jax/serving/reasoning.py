@@ -77,12 +77,14 @@ class ChatDelta:
 class ChatOutputParser:
   """The reasoning split, then the tool-call parser over the content (either may be None)."""
 
-  def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None):
-    self.reasoning, self.tools = reasoning, tools
+  def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+               max_calls: int | None = None):
+    self.reasoning, self.tools, self.max_calls = reasoning, tools, max_calls
 
   @property
   def calls(self) -> list[dict]:
-    return self.tools.calls if self.tools is not None else []
+    """The calls parsed so far (the first ``max_calls``)."""
+    return self.tools.calls[:self.max_calls] if self.tools is not None else []
 
   def feed(self, text: str, final: bool = False) -> ChatDelta:
     if self.reasoning is not None:
@@ -97,7 +99,9 @@ class ChatOutputParser:
       parsed.content += end.content
       for d in end.tool_calls:
         _merge(parsed.tool_calls, d)
-    return ChatDelta(reasoning, parsed.content, parsed.tool_calls)
+    kept = [d for d in parsed.tool_calls
+            if self.max_calls is None or d["index"] < self.max_calls]
+    return ChatDelta(reasoning, parsed.content, kept)
 
   def parse(self, text: str) -> ChatDelta:
     """The whole generation at once."""
@@ -138,11 +142,12 @@ def parser_tags(tool_parser: str | None, reasoning_parser: str | None) -> tuple[
 
 
 def output_parser(tool_parser: str | None, reasoning_parser: str | None, tools, *,
-                  opens_think: bool) -> ChatOutputParser | None:
+                  opens_think: bool, max_calls: int | None = None) -> ChatOutputParser | None:
   """A fresh parser for one choice: ``tool_parser`` None (or ``tools`` None) parses no calls,
-  ``reasoning_parser`` None splits no reasoning; None when neither applies."""
+  ``reasoning_parser`` None splits no reasoning; None when neither applies. ``max_calls``:
+  the calls returned (OpenAI's ``parallel_tool_calls: false``: 1; None: all)."""
   calls = TOOL_PARSERS[tool_parser](tools) if tool_parser and tools is not None else None
   thinking = ReasoningParser(opens_think) if reasoning_parser else None
   if calls is None and thinking is None:
     return None
-  return ChatOutputParser(thinking, calls)
+  return ChatOutputParser(thinking, calls, max_calls)

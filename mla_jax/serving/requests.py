@@ -14,6 +14,7 @@ from mla_jax import checks
 from mla_jax.decoding.text import IncrementalText
 from mla_jax.decoding.sampling import SamplingConfig
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.serving.constraints import Constraint, Guide
 
 MAX_SEED = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's limit)
@@ -52,6 +53,10 @@ class SamplingParams:
   prompt without generating. ``speculative_tokens``: draft tokens per step from the model's MTP layers (0: plain
   decoding; at most the engine's ``max_speculative_tokens``); the tokens keep the model's
   distribution (greedy: the same tokens), only their cost changes.
+  ``constraint``: what the output must match (``constraints.Constraint``: a JSON schema, any
+  JSON object, a regex, a choice, a grammar), enforced by a token mask inside the step program
+  (the engine needs ``structured_outputs=True``); the request stops (``"stop"``) once it is
+  complete. A constrained request drafts no tokens (``speculative_tokens`` 0).
   """
 
   max_tokens: int = 16
@@ -72,6 +77,7 @@ class SamplingParams:
   repetition_penalty: float = 1.0
   frequency_penalty: float = 0.0
   presence_penalty: float = 0.0
+  constraint: Constraint | None = None
 
   @property
   def penalized(self) -> bool:
@@ -114,6 +120,13 @@ class SamplingParams:
       if not valid(value):
         raise ValueError(f"{name} must be a finite float {where}, got {value!r}")
       object.__setattr__(self, name, float(value))
+    if self.constraint is not None:
+      if not isinstance(self.constraint, Constraint):
+        raise TypeError(f"constraint must be a constraints.Constraint, got "
+                        f"{type(self.constraint).__name__}")
+      if self.speculative_tokens:
+        raise ValueError("a constrained request drafts no tokens: speculative_tokens must be "
+                         "0 with a constraint")
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
     object.__setattr__(self, "stop", stop)
     object.__setattr__(self, "temperature", float(self.temperature))
@@ -203,6 +216,7 @@ class Sequence:
   slot: int | None = None         # its persistent slot while running (step inputs, last token)
   admissions: int = 0             # times admitted (a preempted one returns with new pages)
   num_pending: int = 0            # tokens sampled by a step in flight, not read yet
+  guide: Guide | None = None      # its constraint's matcher and next mask (``constraints``)
 
   @property
   def output(self) -> list[int]:

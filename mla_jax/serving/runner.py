@@ -26,7 +26,7 @@ from mla_jax import sharding
 from mla_jax.checks import functionalize
 from mla_jax.decoding.programs import ProgramCache, signature
 from mla_jax.serving import step_inputs
-from mla_jax.serving.step_inputs import Buckets, Layout, StepInputs, StepShape
+from mla_jax.serving.step_inputs import Buckets, Layout, PackedInputs, StepShape
 from mla_jax.serving.step_program import StepProgram
 from mla_jax.step_plan import StepPlan
 from mla_jax.traces import ProgramSummary, summarize_jaxpr
@@ -131,7 +131,7 @@ class ModelRunner:
     return rows(main), rows(mtp), placed(sharding.REPLICATED)
 
   def layout(self, shape: StepShape) -> Layout:
-    return Layout(shape, self.logit_rows, self.mtp)
+    return Layout(shape, self.logit_rows, self.mtp, self.model.vocab_size)
 
   # ---- programs -------------------------------------------------------------------------
 
@@ -150,6 +150,12 @@ class ModelRunner:
         return shape
       cover = self.buckets.covering(shape)
       covered = cover in self._programs
+    with _COMPILED_LOCK:  # compiled already, by another engine over the same model and pools
+      entry = _COMPILED.get(self._key(shape))
+    if entry is not None:
+      with self._lock:
+        self._programs[shape] = entry
+      return shape
     if not covered:
       self._program(shape)
       return shape
@@ -176,12 +182,10 @@ class ModelRunner:
     with self._lock:
       if shape in self._programs:
         return self._programs[shape][0]
-    key = (shape, self.page_size, self.logit_rows, self.context_topk, self._graphdef,
-           self._state_def, signature((self._state_leaves, self.pools, self.last_tokens)))
     # Engines over the same model, pool shapes and selection share programs (one compile at
     # a time: a background compile and a step's own never trace together).
     with _COMPILED_LOCK:
-      entry, seconds = _COMPILED.lookup(key, lambda: self._compile(shape))
+      entry, seconds = _COMPILED.lookup(self._key(shape), lambda: self._compile(shape))
     with self._lock:
       self._programs[shape] = entry
       self._compiling.pop(shape, None)
@@ -190,6 +194,11 @@ class ModelRunner:
       else:
         self.compile_s += seconds
     return entry[0]
+
+  def _key(self, shape: StepShape):
+    """What a compiled program is specialised to, beyond its shape."""
+    return (shape, self.page_size, self.logit_rows, self.context_topk, self._graphdef,
+            self._state_def, signature((self._state_leaves, self.pools, self.last_tokens)))
 
   def step_program(self, shape: StepShape) -> StepProgram:
     plan, draft_plan = self._plan_of(shape)
@@ -207,9 +216,9 @@ class ModelRunner:
       out_shardings = (None, (self._replicated, self._pool_placement, self._replicated))
     jitted = jax.jit(functionalize(step, False), donate_argnums=(1, 2),
                      out_shardings=out_shardings)
-    ints, floats = program.layout.pack(program.layout.zeros())
+    blank = program.layout.zeros()
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)
-            for a in (ints, floats)]
+            for a in (blank.ints, blank.floats)]
     # Shapes only: the pools may be donated by a step running meanwhile (background compiles).
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
     pools, last_tokens = jax.tree.map(spec, (self.pools, self.last_tokens))
@@ -227,11 +236,10 @@ class ModelRunner:
 
   # ---- steps ----------------------------------------------------------------------------
 
-  def dispatch(self, shape: StepShape, inputs: StepInputs) -> InFlight:
+  def dispatch(self, shape: StepShape, inputs: PackedInputs) -> InFlight:
     """Runs ``shape``'s program on ``inputs`` (on every process) without waiting for it; the
     outputs start their copy to the host at once."""
-    layout = self.layout(shape)
-    packed = layout.pack(inputs)
+    packed = (inputs.ints, inputs.floats)
     if self._multiprocess:
       step_inputs.broadcast(shape.header(), packed)
     return self._run(shape, packed)

@@ -25,11 +25,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from mla_jax.decoding.requests import ContextLengthError
-from mla_jax.serving import protocol, responses
+from mla_jax.serving import forced_calls, protocol, responses
 from mla_jax.serving.chat import ChatTemplate, TemplateError
 from mla_jax.serving.engine_loop import EngineFailure, EngineLoop
 from mla_jax.serving.metrics import ServerMetrics
-from mla_jax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from mla_jax.serving.constraints import Constraint
+from mla_jax.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      NamedToolChoice)
 from mla_jax.serving.reasoning import (ChatOutputParser, output_parser, parser_tags,
                                        prompt_opens_think)
 from mla_jax.serving.requests import MAX_SEED, SamplingParams
@@ -73,14 +75,16 @@ class ServerSettings:
 @dataclasses.dataclass(frozen=True)
 class _ChatOutput:
   """How a chat request's choices are parsed: the tools to parse calls of (None: no calls
-  parsed) and whether the prompt left ``<think>`` open."""
+  parsed), whether the prompt left ``<think>`` open, and how many calls are returned
+  (``parallel_tool_calls: false``: 1)."""
 
   tools: list[dict] | None
   opens_think: bool
+  max_calls: int | None = None
 
   def parser(self, settings: ServerSettings) -> ChatOutputParser | None:
     return output_parser(settings.tool_parser, settings.reasoning_parser, self.tools,
-                         opens_think=self.opens_think)
+                         opens_think=self.opens_think, max_calls=self.max_calls)
 
 
 def create_app(loop: EngineLoop, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
@@ -226,22 +230,30 @@ class _Handlers:
         if body.echo else None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
     return await self._serve(request, body, prompts, max_tokens, body.logprobs, chat=False,
-                             echo=echo)
+                             echo=echo, constraint=body.constraint())
 
   async def chat_completions(self, request: Request):
     body = await self._body(request, ChatCompletionRequest)
     body.check_tools()
     tools = [t.as_dict() for t in body.tools] if body.tools else None
     self._check_tool_support(body, self.settings.chat_template)
-    text, prompt = self._chat_prompt(body.messages, tools)
+    text, prompt = self._chat_prompt(body.messages, tools, variables=body.chat_template_kwargs)
     max_tokens = body.token_limit
     if max_tokens is None:  # as vLLM: whatever the context (and the page pool) leaves
       room = min(self.settings.max_model_len, self.settings.pool_tokens)
       max_tokens = max(1, room - len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    output = _ChatOutput(tools if body.parses_tools else None, prompt_opens_think(text))
+    opens_think = prompt_opens_think(text)
+    constraint = body.constraint()
+    if body.forces_call:
+      if constraint is not None:
+        raise APIError(400, f"tool_choice and {constraint.field}: a forced tool call is a "
+                       "constraint of its own; give one", param="tool_choice")
+      constraint = self._call_constraint(body, tools, opens_think)
+    output = _ChatOutput(tools if body.parses_tools else None, opens_think,
+                         1 if body.parallel_tool_calls is False else None)
     return await self._serve(request, body, [prompt], max_tokens, logprobs, chat=True,
-                             output=output)
+                             output=output, constraint=constraint)
 
   async def tokenize(self, request: Request):
     """vLLM's: a prompt's (or rendered messages') token ids, their count and the context."""
@@ -250,7 +262,8 @@ class _Handlers:
     if body.prompt is not None:
       ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
-      _, ids = self._chat_prompt(body.messages, add_special_tokens=body.add_special_tokens)
+      _, ids = self._chat_prompt(body.messages, add_special_tokens=body.add_special_tokens,
+                                 variables=body.chat_template_kwargs)
     answer = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
     if body.return_token_strs:
       answer["token_strs"] = [responses.token_text(tokenizer, t) for t in ids]
@@ -276,15 +289,18 @@ class _Handlers:
     return body
 
   def _chat_prompt(self, messages, tools: list[dict] | None = None, *,
-                   add_special_tokens: bool | None = None) -> tuple[str, list[int]]:
-    """The messages (and tools) rendered with the chat template: the text and its token ids.
-    A template spells its own special tokens (HF's apply_chat_template encodes its text
-    without adding any); the plain format gets the tokenizer's."""
+                   add_special_tokens: bool | None = None,
+                   variables: dict | None = None) -> tuple[str, list[int]]:
+    """The messages (and tools, and ``chat_template_kwargs``' variables) rendered with the
+    chat template: the text and its token ids. A template spells its own special tokens
+    (HF's apply_chat_template encodes its text without adding any); the plain format gets
+    the tokenizer's."""
     template = self.settings.chat_template
     try:
-      text = template.render([m.for_template() for m in messages], tools)
+      text = template.render([m.for_template() for m in messages], tools, variables)
     except TemplateError as e:
-      raise APIError(400, f"messages: {e}", param="messages") from None
+      param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+      raise APIError(400, f"{param}: {e}", param=param) from None
     if add_special_tokens is None:
       add_special_tokens = template.is_plain
     return text, self.settings.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -309,6 +325,33 @@ class _Handlers:
                      "--tool-call-parser), so tool_choice can only be \"none\"",
                      param="tools")
 
+  def _call_constraint(self, body: ChatCompletionRequest, tools: list[dict],
+                       opens_think: bool) -> Constraint:
+    """``tool_choice`` required or named: a valid call in the parser's format
+    (``forced_calls``), after free reasoning when the prompt opened ``<think>``."""
+    choice = body.tool_choice
+    return forced_calls.call_constraint(
+        self.settings.tool_parser, tools,
+        name=choice.function.name if isinstance(choice, NamedToolChoice) else None,
+        parallel=body.parallel_tool_calls is not False,
+        special=self.settings.tokenizer.special_ids(),
+        reasoning=opens_think and self.settings.reasoning_parser is not None)
+
+  async def _check_constraint(self, constraint: Constraint | None) -> None:
+    """A 400 naming the constraint's field for one the library refuses (a bad schema, regex
+    or grammar, a limit met), before anything is queued; compiled off the event loop (a
+    large grammar can take a while) and cached for the engine."""
+    if constraint is None:
+      return
+    grammars = self.loop.engine.grammars
+    if grammars is None:
+      raise APIError(400, f"{constraint.field}: this server serves no structured outputs (it "
+                     "was started with --no-structured-outputs)", param=constraint.field)
+    try:
+      await asyncio.to_thread(grammars.check, constraint)
+    except (ValueError, TypeError) as e:
+      raise APIError(400, str(e), param=constraint.field) from None
+
   def _checked(self, prompt: list[int], params: SamplingParams, param: str) -> list[int]:
     """The engine's own check of a request (``Engine.check_request``), as a 400 naming
     ``param`` (and OpenAI's ``context_length_exceeded`` code for a prompt that does not fit)."""
@@ -319,7 +362,8 @@ class _Handlers:
     except (ValueError, TypeError) as e:
       raise APIError(400, str(e), param=param) from None
 
-  def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+  def _params(self, body, max_tokens: int, logprobs: int | None,
+              constraint: Constraint | None = None) -> SamplingParams:
     # The prompt's log-probabilities serve prompt_logprobs, and logprobs when echoed.
     depths = [d for d in (body.prompt_logprobs, logprobs if getattr(body, "echo", False)
                           else None) if d is not None]
@@ -330,13 +374,13 @@ class _Handlers:
           body.temperature,
           top_p=self.settings.top_p if body.top_p is None else body.top_p,
           seed=body.seed, stop=body.stop_strings, logprobs=logprobs,
-          speculative_tokens=self.settings.speculative_tokens,
+          speculative_tokens=0 if constraint is not None else self.settings.speculative_tokens,
           stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
           include_stop_str_in_output=body.include_stop_str_in_output,
           top_k=max(body.top_k, 0), min_p=body.min_p, min_tokens=body.min_tokens,
           prompt_logprobs=max(depths) if depths else None, logit_bias=body.bias,
           repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-          presence_penalty=body.presence_penalty)
+          presence_penalty=body.presence_penalty, constraint=constraint)
     except (ValueError, TypeError) as e:  # the sampling settings' own checks
       raise APIError(400, str(e)) from None
 
@@ -344,8 +388,9 @@ class _Handlers:
 
   async def _serve(self, request: Request, body, prompts: list[list[int]], max_tokens: int,
                    logprobs: int | None, *, chat: bool, echo: list[str] | None = None,
-                   output: _ChatOutput | None = None):
-    sampling = self._params(body, max_tokens, logprobs)
+                   output: _ChatOutput | None = None, constraint: Constraint | None = None):
+    await self._check_constraint(constraint)
+    sampling = self._params(body, max_tokens, logprobs, constraint)
     names = (["messages"] if chat else
              [f"prompt.{i}" if len(prompts) > 1 else "prompt" for i in range(len(prompts))])
     prompts = [self._checked(p, sampling, name) for p, name in zip(prompts, names)]

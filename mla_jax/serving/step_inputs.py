@@ -17,7 +17,9 @@ every process runs the same compiled program on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,8 @@ class StepShape:
   shapes). ``decode_steps``: 1 for one step; more for a multi-step decode dispatch (row s is
   sequence s, one token per step). ``sampler``: see ``Sampler``. ``scores``: a step that also
   returns every row's log-probability of the token after it (prompt log-probabilities).
+  ``masked``: a ``FULL`` step that also takes each sequence's token bitmask (structured
+  outputs: a sequence whose constraint allows a token has its bit set; ``constraints``).
   """
 
   tokens: int
@@ -55,20 +59,22 @@ class StepShape:
   decode_steps: int = 1
   sampler: Sampler = Sampler.SAMPLE
   scores: bool = False
+  masked: bool = False
 
   _SAMPLERS = tuple(Sampler)
 
   def header(self, command: int = 1) -> np.ndarray:
     return np.array([command, self.tokens, self.seqs, self.kv_pages, self.key_blocks,
                      int(self.fresh), self.decode_steps, self._SAMPLERS.index(self.sampler),
-                     int(self.scores)], np.int32)
+                     int(self.scores), int(self.masked)], np.int32)
 
   @classmethod
   def from_header(cls, header) -> StepShape | None:
     """The shape a header announces; None for the stop command."""
-    command, tokens, seqs, kv_pages, blocks, fresh, steps, sampler, scores = map(int, header)
+    command, tokens, seqs, kv_pages, blocks, fresh, steps, sampler, scores, masked = map(
+        int, header)
     return None if command == 0 else cls(tokens, seqs, kv_pages, blocks, bool(fresh), steps,
-                                          cls._SAMPLERS[sampler], bool(scores))
+                                          cls._SAMPLERS[sampler], bool(scores), bool(masked))
 
   def covers(self, other: StepShape) -> bool:
     """Whether this program can run ``other``'s step: the same kind, at least as many rows
@@ -79,7 +85,7 @@ class StepShape:
             and self.key_blocks >= other.key_blocks)
 
 
-HEADER_SIZE = 9
+HEADER_SIZE = 10
 STOP_HEADER = np.zeros(HEADER_SIZE, np.int32)
 
 
@@ -97,9 +103,12 @@ class Buckets:
   ``dense_bound``: the tokens a fresh sequence may hold in a step the dense route can take
   (None: the model takes none). Variants: greedy one-step programs for steps of at most
   ``max_num_seqs`` rows (larger steps sample greedy sequences by their argmax in the
-  ``SAMPLE`` program); ``FULL`` and scoring (``scores``: the engine serves prompt
-  log-probabilities) programs at every other token bucket down from the largest (such a step
-  pads to at most 4x its tokens; half the programs to compile).
+  ``SAMPLE`` program); ``FULL`` programs at every other token bucket down from the largest
+  (such a step pads to at most 4x its tokens; half the programs to compile), which in an
+  engine that serves prompt log-probabilities (``scores``) are its scoring programs. With
+  ``masked`` (the engine serves structured outputs) a step that samples a constrained
+  sequence runs a masked ``FULL`` program: the scoring programs take the masks (no more
+  programs), or, in an engine that scores none, masked ``FULL`` programs at the same sizes.
   """
 
   max_step_tokens: int
@@ -111,6 +120,7 @@ class Buckets:
   decode_steps: int = 1
   batch_multiple: int = 1
   scores: bool = False
+  masked: bool = False
 
   def tokens(self, num_tokens: int, minimum: int = MIN_TOKENS) -> int:
     return -(-bucket(num_tokens, minimum) // self.batch_multiple) * self.batch_multiple
@@ -126,7 +136,7 @@ class Buckets:
     ``dense_bound`` tokens); scoring when a chunk computes prompt rows whose next token's
     log-probability its request asks for; its sampler from what its sequences ask."""
     multi = decode_steps > 1
-    scores = full = False
+    scores = full = masked = False
     greedy = True
     fresh = self.dense_bound is not None and not multi
     computed = needed = 0
@@ -135,12 +145,17 @@ class Buckets:
       computed += c.num_computed
       scores = scores or (not multi and wants_scores(c))
       full = full or wants_full(c)
+      masked = masked or wants_mask(c)
       greedy = greedy and c.seq.params.temperature == 0
       fresh = fresh and c.num_cached == 0 and c.num_tokens <= self.dense_bound
       if key_chunk is not None:
         needed += (-(-(c.num_cached + decode_steps) // key_chunk) if multi else
                    chunk_blocks(c.num_cached, c.num_computed, key_chunk))
+    # An engine that scores prompts runs every FULL step on its scoring programs (one set of
+    # programs fewer to warm up; the scores of rows nobody asked for are dropped).
+    scores = scores or (full and self.scores)
     fresh = fresh and not scores
+    masked = masked or (scores and self.masked)  # scoring programs take masks too (warm-up)
     sampler = (Sampler.FULL if scores or full else Sampler.GREEDY if greedy else Sampler.SAMPLE)
     rows = self.tokens(computed, 1 if multi else MIN_TOKENS)
     if not multi and sampler is Sampler.FULL:
@@ -150,7 +165,7 @@ class Buckets:
     blocks = 0
     if key_chunk is not None and not fresh:
       blocks = rows * min(bucket(-(-needed // rows)), self.max_chunks)
-    return self._shape(rows, blocks, fresh, decode_steps, sampler, scores)
+    return self._shape(rows, blocks, fresh, decode_steps, sampler, scores, masked)
 
   def covering(self, shape: StepShape) -> StepShape:
     """The shape of the same kind and rows whose key blocks hold any step's: what warm-up
@@ -160,9 +175,9 @@ class Buckets:
     return dataclasses.replace(shape, key_blocks=shape.tokens * self.max_chunks)
 
   def _shape(self, tokens: int, key_blocks: int, fresh: bool, decode_steps: int,
-             sampler: Sampler, scores: bool = False) -> StepShape:
+             sampler: Sampler, scores: bool = False, masked: bool = False) -> StepShape:
     return StepShape(tokens, min(tokens, self.tokens(self.max_num_seqs)), self.max_pages,
-                     key_blocks, fresh, decode_steps, sampler, scores)
+                     key_blocks, fresh, decode_steps, sampler, scores, masked)
 
   def _greedy_rows(self) -> int:
     return self.tokens(self.max_num_seqs)
@@ -186,12 +201,13 @@ class Buckets:
     shapes = [self._shape(n, blocks(n), False, 1, Sampler.SAMPLE) for n in sizes]
     shapes += [self._shape(n, blocks(n), False, 1, Sampler.GREEDY)
                for n in sizes if n <= self._greedy_rows()]
-    shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL)
+    shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=self.scores,
+                           masked=self.masked and self.scores)
                for n in self._every_other_size()]
     if self.dense_bound is not None:
       shapes += [self._shape(n, 0, True, 1, Sampler.SAMPLE) for n in sizes]
-    if self.scores:
-      shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, scores=True)
+    if self.masked and not self.scores:
+      shapes += [self._shape(n, blocks(n), False, 1, Sampler.FULL, masked=True)
                  for n in self._every_other_size()]
     if self.decode_steps > 1:
       shapes += [self._shape(n, blocks(n), False, self.decode_steps, sampler)
@@ -218,10 +234,16 @@ def wants_scores(chunk: Chunk) -> bool:
 
 def wants_full(chunk: Chunk) -> bool:
   """Whether ``chunk``'s sampling needs the ``FULL`` program: log-probabilities, a logit
-  bias, a penalty, or stop ids still held back by ``min_tokens``."""
+  bias, a penalty, stop ids still held back by ``min_tokens``, or a constraint."""
   params = chunk.seq.params
   return chunk.samples and (params.logprobs is not None or bool(params.logit_bias)
-                            or params.penalized or chunk.seq.num_output < params.min_tokens)
+                            or params.penalized or chunk.seq.num_output < params.min_tokens
+                            or params.constraint is not None)
+
+
+def wants_mask(chunk: Chunk) -> bool:
+  """Whether ``chunk`` samples under a constraint: its step takes the token bitmasks."""
+  return chunk.samples and chunk.seq.params.constraint is not None
 
 
 # ---- inputs ------------------------------------------------------------------------------
@@ -248,7 +270,9 @@ class StepInputs:
   it on the device, and ``min_tokens`` holds them back). ``FULL`` programs also take
   ``min_left_S`` (tokens before its stop ids may be drawn), ``bias_ids_SB`` and ``bias_SB``
   (its ``logit_bias``: ids, -1 padded, and values), ``repetition_S``, ``frequency_S``,
-  ``presence_S`` (its penalties) and ``num_prompt_S`` (where its output starts).
+  ``presence_S`` (its penalties) and ``num_prompt_S`` (where its output starts); masked ones
+  ``allowed_SW`` (the tokens its constraint allows: bit t % 32 of word t // 32, every bit set
+  for an unconstrained sequence).
   """
 
   ids_T: np.ndarray
@@ -278,6 +302,7 @@ class StepInputs:
   frequency_S: np.ndarray | None = None
   presence_S: np.ndarray | None = None
   num_prompt_S: np.ndarray | None = None
+  allowed_SW: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +313,7 @@ class Layout:
   shape: StepShape
   logit_rows: int
   mtp: bool
+  vocab_size: int = 0  # the bitmask's bits (masked shapes)
 
   def input_fields(self) -> list[tuple[str, tuple[int, ...], type]]:
     t, s, j = self.shape.tokens, self.shape.seqs, self.logit_rows
@@ -310,6 +336,8 @@ class Layout:
                  ("bias_SB", (s, MAX_LOGIT_BIAS), f32), ("repetition_S", (s,), f32),
                  ("frequency_S", (s,), f32), ("presence_S", (s,), f32),
                  ("num_prompt_S", (s,), i32)]
+    if self.shape.masked:
+      fields += [("allowed_SW", (s, -(-self.vocab_size // 32)), i32)]
     return fields
 
   def output_fields(self) -> list[tuple[str, tuple[int, ...], type]]:
@@ -328,14 +356,12 @@ class Layout:
                  ("row_top_ids", (t, k), i32), ("row_top", (t, k), f32)]
     return fields
 
-  def zeros(self) -> StepInputs:
-    """Inputs of nothing to compute: padding everywhere (what ``build`` starts from)."""
-    arrays = {}
-    for name, dims, dtype in self.input_fields():
-      fill = -1 if name in ("next_ids_T", "logit_row_T", "stop_ids_SM", "bias_ids_SB") else 0
-      fill = 1 if name in ("top_p_S", "repetition_S") else fill
-      arrays[name] = np.full(dims, fill, dtype)
-    return StepInputs(**arrays)
+  def zeros(self) -> PackedInputs:
+    """Inputs of nothing to compute, padding everywhere: each field a view into the step's two
+    packed arrays (``build`` fills them in place; they are sent as they are)."""
+    ints, floats = (a.copy() for a in _padding(self))
+    inputs = StepInputs(**_split(self.input_fields(), {np.int32: ints, np.float32: floats}))
+    return PackedInputs(inputs, ints, floats)
 
   def pack(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     """The int32 and float32 arrays the program takes (two transfers)."""
@@ -362,6 +388,27 @@ class Layout:
     """(On the host) the outputs, as views of the one packed array."""
     return _split(self.output_fields(), {np.int32: packed, np.float32: packed.view(np.float32)},
                   one=True)
+
+
+class PackedInputs(NamedTuple):
+  """A step's inputs (``StepInputs``, views) and the two packed arrays they live in."""
+
+  inputs: StepInputs
+  ints: np.ndarray
+  floats: np.ndarray
+
+
+@functools.lru_cache(maxsize=128)
+def _padding(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+  """The packed arrays of a step of nothing (ids -1 where -1 pads, top_p and repetition 1),
+  made once per layout."""
+  arrays = {}
+  for name, dims, dtype in layout.input_fields():
+    fill = -1 if name in ("next_ids_T", "logit_row_T", "stop_ids_SM", "bias_ids_SB",
+                          "allowed_SW") else 0
+    fill = 1 if name in ("top_p_S", "repetition_S") else fill
+    arrays[name] = np.full(dims, fill, dtype)
+  return layout.pack(StepInputs(**arrays))
 
 
 def _split(fields, sources: dict, *, one: bool = False) -> dict:
@@ -397,5 +444,6 @@ def receive(layout_of) -> tuple[StepShape, tuple[np.ndarray, np.ndarray]] | None
   if shape is None:
     return None
   layout = layout_of(shape)
-  packed = multihost_utils.broadcast_one_to_all(layout.pack(layout.zeros()))
+  blank = layout.zeros()
+  packed = multihost_utils.broadcast_one_to_all((blank.ints, blank.floats))
   return shape, tuple(np.asarray(a) for a in packed)

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.decoding import penalties
-from mla_jax.decoding.logits import (Adjustments, Sampler, Sampling, bias_rows, process_logits,
-                                     stop_mask)
+from mla_jax.decoding.logits import (Adjustments, Sampler, Sampling, allowed_rows, bias_rows,
+                                     process_logits, stop_mask)
 from mla_jax.decoding.protocol import FlatRows
 from mla_jax.decoding.sampling import seed_keys
 from mla_jax.decoding.speculative import draft, drafts_wanted, row
@@ -116,12 +116,14 @@ class StepProgram:
 
   def _adjustments(self, x: StepInputs, token_ids, last_S, vocab: int):
     """A ``FULL`` program's: the bias, the penalties' counts (from the pool of token ids, up
-    to each sequence's sampled row) and the stop ids ``min_tokens`` holds back."""
+    to each sequence's sampled row), the stop ids ``min_tokens`` holds back and, masked, the
+    tokens each sequence's constraint allows."""
     counts_SV, seen_SV = penalties.context_counts(token_ids, x.table_SN, last_S, x.num_prompt_S,
                                                   self.page_size, vocab)
     return Adjustments(bias_rows(x.bias_ids_SB, x.bias_SB, vocab), counts_SV, seen_SV,
                        x.repetition_S, x.frequency_S, x.presence_S,
-                       stop_mask(x.stop_ids_SM, vocab), x.min_left_S)
+                       stop_mask(x.stop_ids_SM, vocab), x.min_left_S,
+                       None if x.allowed_SW is None else allowed_rows(x.allowed_SW, vocab))
 
   def _one_step(self, model, pools, last_tokens, ids_T, x: StepInputs):
     blocks = self._key_blocks(x)
@@ -131,7 +133,7 @@ class StepProgram:
     adjustments = None
     if sampler is Sampler.FULL:
       adjustments = self._adjustments(x, pools[2], x.pos_T[x.logit_rows_SJ[:, 0]],
-                                      model.config.vocab_size)
+                                      model.vocab_size)
     accepted_S, tokens_SJ = process_logits(logits_SJV, ids_T[x.logit_rows_SJ], x.num_logits_S,
                                            self._sampling(x, x.counters_S), sampler,
                                            adjustments)

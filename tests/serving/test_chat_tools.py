@@ -48,7 +48,7 @@ def _refused(**body):
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
      "tools.0.function.parameters", "should be an object"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "strict": True}}]),
-     "tools.0.function.strict", "guided decoding"),
+     "tools.0.function.strict", "tool_choice \"required\" or a named function"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]),
      "tools.0.function.name", "pattern"),
     (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools.0.type", "'function'"),
