@@ -47,6 +47,7 @@ from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
 from mla_jax.serving.runner import (CompiledStep, InFlight, ModelRunner, engine_pools,
                                     page_bytes)
 from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
+from mla_jax.serving.snapshots import Snapshots
 from mla_jax.serving.stalls import StallGuard
 from mla_jax.serving.step_inputs import Buckets, StepShape
 from mla_jax.step_plan import StepPlan
@@ -145,6 +146,9 @@ class Engine:
       (``warmup`` too). A step that samples a constrained request is read before the next is
       dispatched (its next mask needs its token), though the next is scheduled and built
       while it runs.
+    num_snapshots: for a model with per-sequence state (DeepSeek-V4's rings), the slots of
+      state saved at page ends that prefix hits restore (``serving.snapshots``; default
+      ``max_num_seqs`` with prefix caching; 0: hits take no cached prefix).
   """
 
   def __init__(self, model, *, num_pages: int, page_size: int = 64,
@@ -154,7 +158,8 @@ class Engine:
                log_interval: float | None = 10.0, seed: int = 0,
                max_speculative_tokens: int = 0,
                decode_steps: int = DECODE_STEPS_PER_DISPATCH, prompt_logprobs: bool = False,
-               context_topk: str = "exact", structured_outputs: bool = False):
+               context_topk: str = "exact", structured_outputs: bool = False,
+               num_snapshots: int | None = None):
     check_decode_model(model)
     self.page_size = checks.static_int(page_size, "page_size", minimum=1)
     model.check_page_size(self.page_size)
@@ -172,6 +177,12 @@ class Engine:
     if self.max_speculative_tokens and not model.num_mtp_layers:
       raise ValueError("max_speculative_tokens > 0 needs a model with MTP layers (its config "
                        "counts num_mtp_layers = 0; load a checkpoint that stores them)")
+    if self.max_speculative_tokens and model.sequence_state:
+      # Rejected drafts would be written into the per-sequence rings, which have no rollback
+      # in pages yet (mla_jax.generate's contiguous rings do: spare rows).
+      raise ValueError(f"max_speculative_tokens > 0: the engine drafts for no model with "
+                       f"per-sequence state yet ({type(model).__name__}); use "
+                       "mla_jax.generate(..., speculative_tokens=) for it")
     self.decode_steps = checks.static_int(decode_steps, "decode_steps", minimum=1, maximum=256)
     for name, flag in (("prefix_caching", prefix_caching), ("prompt_logprobs", prompt_logprobs),
                        ("structured_outputs", structured_outputs)):
@@ -197,9 +208,16 @@ class Engine:
                        f"of size {self.context}: give a multiple of {self.context}")
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
+    # A model with per-sequence state keeps it in a slot per seat, and prefix hits restore it
+    # from snapshots at page ends (``serving.snapshots``).
+    if num_snapshots is None:
+      num_snapshots = self.max_num_seqs if model.sequence_state and prefix_caching else 0
+    self.num_snapshots = checks.static_int(num_snapshots, "num_snapshots", minimum=0)
+    snapshots = (Snapshots(self.max_num_seqs, self.num_snapshots)
+                 if model.sequence_state and prefix_caching else None)
     self.scheduler = Scheduler(
         self.pages, max_num_seqs=self.max_num_seqs, max_step_tokens=self.max_step_tokens,
-        prefix_caching=prefix_caching)
+        prefix_caching=prefix_caching, snapshots=snapshots)
     # The indexer scores a flat step's keys in blocks of this many positions, each row its own.
     self._key_chunk = model.key_chunk
     self._logit_rows = 1 + self.max_speculative_tokens
@@ -211,7 +229,9 @@ class Engine:
         model, num_rows=self.num_pages * self.page_size, page_size=self.page_size,
         cache_dtype=self.cache_dtype, num_slots=self.max_num_seqs, logit_rows=self._logit_rows,
         mtp=bool(self.max_speculative_tokens), context_topk=self.context_topk,
-        buckets=self.buckets, plan_of=self._plans)
+        buckets=self.buckets, plan_of=self._plans,
+        num_state_slots=(self.max_num_seqs + self.num_snapshots if model.sequence_state
+                         else 0))
     self._inputs = InputBatch(self.max_num_seqs, max_pages)
     self._in_flight: _Dispatched | None = None
     self._seqs: dict[str, Sequence] = {}
@@ -406,6 +426,7 @@ class Engine:
     if not batch:
       return None
     multi = self._multi_step(batch)
+    self.scheduler.plan_snapshots(batch)
     shape = self.buckets.shape(batch.chunks, batch.decode_steps)
     program = self.runner.program_shape(shape)
     inputs = self._inputs.build(batch.chunks, self.runner.layout(program), batch.decode_steps)

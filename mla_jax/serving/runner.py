@@ -131,7 +131,8 @@ class ModelRunner:
     return rows(main), rows(mtp), placed(sharding.REPLICATED)
 
   def layout(self, shape: StepShape) -> Layout:
-    return Layout(shape, self.logit_rows, self.mtp, self.model.vocab_size)
+    return Layout(shape, self.logit_rows, self.mtp, self.model.vocab_size,
+                  self.model.sequence_state)
 
   # ---- programs -------------------------------------------------------------------------
 
@@ -229,8 +230,8 @@ class ModelRunner:
     plan, traced = self.trace_step(shape)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - t0
-    logger.debug("compiled step program %s (route %s) in %.1f s", shape, plan.route.name,
-                  seconds)
+    logger.debug("compiled step program %s (%s) in %.1f s", shape,
+                 ", ".join(sorted({str(p) for p in self.model.plan_layers(plan)})), seconds)
     run = lambda *args: compiled(*args)[1]  # (check error: always None unchecked, outputs)
     return run, CompiledStep(shape, plan, summarize_jaxpr(traced.jaxpr), seconds)
 

@@ -97,15 +97,17 @@ class StepProgram:
       return None
     return KeyBlocks.for_reaches(x.reach_T, self.plan.key_chunk, self.shape.key_blocks)
 
-  def _forward(self, model, pools, ids_T, pos_T, real_T, x: StepInputs, blocks):
+  def _forward(self, model, pools, ids_T, pos_T, real_T, x: StepInputs, blocks,
+               state_src_S=None):
     """The main model on the flat rows (its paged caches: the decode protocol's
-    ``paged_cache``): hidden states [T, ...] and the pools (the rows' token ids recorded
-    too)."""
+    ``paged_cache``; ``state_src_S``: where each sequence's state is read, by default
+    ``x``'s): hidden states [T, ...] and the pools (the rows' token ids recorded too)."""
     main_pools, mtp_pools, token_ids = pools
     token_ids = penalties.record_ids(token_ids, ids_T, x.table_SN[x.seq_T], pos_T, real_T,
                                      self.page_size)
     rows = FlatRows(x.seq_T, pos_T, x.table_SN, x.slot_S, self.page_size, blocks,
-                    context=self.context)
+                    x.state_src_S if state_src_S is None else state_src_S, x.snapshot_S,
+                    x.snapshot_at_S, context=self.context)
     hidden_T1X, caches = model.forward_hidden(ids_T[:, None], model.paged_cache(main_pools, rows),
                                               new_lens_B=real_T, plan=self.plan)
     return hidden_T1X[:, 0], (caches.pools, mtp_pools, token_ids)
@@ -191,7 +193,10 @@ class StepProgram:
 
     def one_step(carry, i):
       pools, ids_S, active_S = carry
-      hidden_SD, pools = self._forward(model, pools, ids_S, x.pos_T + i, active_S, x, blocks)
+      # A sequence's state: where the first step reads it (a prefix hit's snapshot), then its own.
+      src_S = None if x.state_src_S is None else jnp.where(i == 0, x.state_src_S, x.slot_S)
+      hidden_SD, pools = self._forward(model, pools, ids_S, x.pos_T + i, active_S, x, blocks,
+                                       src_S)
       _, new_S1 = process_logits(model.logits(hidden_SD)[:, None], ids_S[:, None], no_drafts_S,
                                  self._sampling(x, x.counters_S + i), sampler)
       new_S = new_S1[:, 0]
