@@ -303,11 +303,9 @@ def cmd_serve(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"
-  if v4_cli.is_v4_checkpoint(args.checkpoint):
-    raise SystemExit(f"error: {args.checkpoint} is a DeepSeek-V4 checkpoint: serving V4 is not "
-                     "supported yet (the engine's paged caches do not hold V4's compressed "
-                     "entries; docs/models.md#not-supported-yet); mla-jax generate "
-                     "--checkpoint runs it")
+  v4 = v4_cli.is_v4_checkpoint(args.checkpoint)
+  if v4:
+    v4_cli.check_flags(args, serving=True)
   api_key = args.api_key or os.environ.get("MLA_JAX_API_KEY")
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   _start_processes(args)
@@ -320,18 +318,20 @@ def cmd_serve(args) -> int:
   from mla_jax.serving.server import ServerSettings, create_app, run
 
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
-  config = _speculative_config(args, _config(args))
+  config = None if v4 else _speculative_config(args, _config(args))
+  vocab_size = v4_cli.vocab_size(args.checkpoint) if v4 else config.vocab_size
   tok = tokenizer.checkpoint_tokenizer(args.checkpoint) if args.checkpoint else \
       tokenizer.ByteTokenizer()
   if isinstance(tok, tokenizer.HFTokenizer):
-    tok.check_fits(config.vocab_size)
+    tok.check_fits(vocab_size)
   template, template_source = _chat_template(args)
-  model = _build_model(args, config, mesh, mtp=args.speculative_tokens > 0)
+  model = (v4_cli.load(args, mesh, mtp=False) if v4 else
+           _build_model(args, config, mesh, mtp=args.speculative_tokens > 0))
   num_pages = _num_pages(args, model)
   engine = Engine(model, num_pages=num_pages, page_size=args.page_size,
                   max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                   max_model_len=args.max_model_len, cache_dtype=args.cache_dtype,
-                  tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
+                  tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < vocab_size],
                   prefix_caching=args.prefix_caching, log_interval=args.log_interval,
                   seed=args.seed, max_speculative_tokens=args.speculative_tokens,
                   decode_steps=args.decode_steps, prompt_logprobs=args.prompt_logprobs,
@@ -354,7 +354,7 @@ def cmd_serve(args) -> int:
   tool_parser, reasoning_parser = _output_parsers(args)
   settings = ServerSettings(
       model_name=name, tokenizer=tok, chat_template=template,
-      max_model_len=engine.max_model_len, vocab_size=config.vocab_size,
+      max_model_len=engine.max_model_len, vocab_size=vocab_size,
       pool_tokens=engine.num_pages * engine.page_size, api_key=api_key,
       max_body_bytes=args.max_body_bytes, max_pending=args.max_pending,
       temperature=defaults.temperature, top_p=defaults.top_p,
@@ -364,8 +364,10 @@ def cmd_serve(args) -> int:
   # Process 0 listens while it warms up: /health answers 503 "warming up" until it is done.
   loop = EngineLoop(engine, metrics, warmup=warmup if args.warmup else None)
   app = create_app(loop, settings, metrics)
-  print(f"serving {name!r} ({type(model.layer_module(0).self_attn).__name__} x "
-        f"{config.num_layers} layers, backend {model.backend.name}, {engine.num_pages} pages "
+  layers = (f"DeepSeek-V4 x {model.config.num_layers}" if v4 else
+            f"{type(model.layer_module(0).self_attn).__name__} x {config.num_layers}")
+  print(f"serving {name!r} ({layers} layers, backend {model.backend.name}, "
+        f"{engine.num_pages} pages "
         f"of {engine.page_size} tokens, context {engine.max_model_len}, chat template "
         f"{template_source}, tool-call parser "
         f"{tool_parser or 'none'}, reasoning parser {reasoning_parser or 'none'}) on "
@@ -380,7 +382,7 @@ def cmd_serve(args) -> int:
   return 0
 
 
-TOOL_CALL_PARSERS = ("deepseek_v32", "glm45")  # serving.tool_parsers.TOOL_PARSERS
+TOOL_CALL_PARSERS = ("deepseek_v32", "deepseek_v4", "glm45")  # serving.tool_parsers.TOOL_PARSERS
 REASONING_PARSERS = ("deepseek_v3", "glm45")    # serving.reasoning.REASONING_PARSERS
 
 
@@ -474,7 +476,8 @@ def _plan_v4(args) -> int:
   print("\npartition rules:")
   print(v4_plan.format_rules())
   print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): "
-        "mla-jax serve (the engine's paged caches for V4), fp8 caches, a 'context' axis")
+        "speculative decoding under mla-jax serve (the engine's drafts), fp8 caches, a "
+        "'context' axis")
   return 0
 
 

@@ -63,8 +63,9 @@ def test_tokens_equal_generate_with_chunks_and_prefix_hits(model, page_size, bud
   """Ragged prompts (1 to 150 tokens) prefilled in chunks of at most ``budget`` tokens; then
   prompts sharing 13, 29 and 41 tokens with one of them take its pages and its state as of
   the last whole page: with pages of 4, hits of 12 and 28 end inside an HCA window (m = 8)
-  and every hit inside the sliding window (8). Then a prompt one token past a hit: its
-  decode dispatch restores the state in its first step."""
+  and every hit inside the sliding window (8). Then a prompt one token past a hit: its last
+  prompt token is a decode, so a multi-step dispatch reads the snapshot in its first step
+  and its own slot after."""
   first = _prompts(0, (1, 9, 40, 150))
   engine = Engine(model, num_pages=256, page_size=page_size, max_step_tokens=budget,
                   num_snapshots=64, **SETTINGS)
@@ -74,7 +75,7 @@ def test_tokens_equal_generate_with_chunks_and_prefix_hits(model, page_size, bud
   outputs = engine.generate([list(p) for p in second], max_tokens=NEW)
   assert [o.num_cached_prompt_tokens for o in outputs] == hits
   assert [list(o.tokens) for o in outputs] == _reference(model, second)
-  third = (first[3][:hits[1] + 1],)  # one token past a hit: a decode from the snapshot
+  third = (first[3][:hits[1] + 1],)  # one token past a hit
   outputs = engine.generate([list(p) for p in third], max_tokens=NEW)
   assert outputs[0].num_cached_prompt_tokens == hits[1]
   assert [list(o.tokens) for o in outputs] == _reference(model, third)

@@ -27,13 +27,15 @@ def is_v4_checkpoint(checkpoint: str | None) -> bool:
   return bool(checkpoint) and read_config(Path(checkpoint)).get("model_type") == MODEL_TYPE
 
 
-def check_flags(args: argparse.Namespace) -> None:
-  """``SystemExit`` naming each flag a V4 checkpoint cannot take (yet)."""
+def check_flags(args: argparse.Namespace, *, serving: bool = False) -> None:
+  """``SystemExit`` naming each flag a V4 checkpoint cannot take (yet); ``serving``: those of
+  ``mla-jax serve`` (its engine drafts for no model with per-sequence state yet)."""
   context = args.mesh and sharding.parse_mesh_spec(args.mesh)[sharding.CONTEXT] > 1
   unsupported = {
       "--mesh with a 'context' axis": context, "--coordinator": args.coordinator,
       "--cache-dtype fp8": args.cache_dtype == "fp8",
-      "--attention dense-capable": args.attention != "mqa-only"}
+      "--attention dense-capable": args.attention != "mqa-only",
+      "--speculative-tokens with mla-jax serve": serving and args.speculative_tokens > 0}
   named = [flag for flag, value in unsupported.items() if value]
   if named:
     raise SystemExit(f"error: {', '.join(named)}: not supported for DeepSeek-V4 checkpoints "
