@@ -86,12 +86,15 @@ def test_tokens_equal_generate_with_chunks_and_prefix_hits(model, page_size, bud
 def test_preemption_aborts_and_few_snapshots(model):
   """A 16-page pool of 8-token pages: decodes that need a page preempt the newest sequence,
   which recomputes (from a prefix hit where its snapshot survived: one snapshot slot, most
-  recently used); a running and a waiting request are aborted. The others' tokens are
-  generate's, and no page is left in use."""
+  recently used); a running and a waiting request are aborted. The others' greedy tokens
+  are generate's; a seeded request at temperature 1 draws what it draws alone; no page is
+  left in use."""
   prompts = _prompts(3, (40, 33, 47, 20, 35))
   engine = Engine(model, num_pages=16, page_size=8, max_step_tokens=16, num_snapshots=1,
                   **SETTINGS)
-  ids = [engine.add_request(list(p), SamplingParams(max_tokens=3 * NEW)) for p in prompts]
+  seeded = SamplingParams(max_tokens=3 * NEW, temperature=1.0, seed=3)
+  params = [seeded if i == 3 else SamplingParams(max_tokens=3 * NEW) for i in range(5)]
+  ids = [engine.add_request(list(p), q) for p, q in zip(prompts, params)]
   engine.step()
   engine.step()
   aborted = {engine.scheduler.running[0].request_id, engine.scheduler.waiting[-1].request_id}
@@ -104,8 +107,12 @@ def test_preemption_aborts_and_few_snapshots(model):
     output = engine.release(request_id)
     if request_id in aborted:
       assert output.finish_reason == "abort"
+    elif i == 3:
+      drawn = output.tokens
     else:
       assert list(output.tokens) == want[i], request_id
+  alone = engine.generate([list(prompts[3])], [seeded])[0].tokens
+  assert list(alone) == list(drawn) != want[3]
   assert engine.scheduler.num_preemptions > 0
   assert len(engine.scheduler.snapshots) == 1
   _no_leaks(engine)
