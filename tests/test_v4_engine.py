@@ -13,6 +13,7 @@ from flax import nnx
 from mla_jax.generation import generate
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.requests import SamplingParams
+from mla_jax.traces import summarize_jaxpr
 from mla_jax.v4.config import tiny_v4_config
 from mla_jax.v4.model import V4CausalLM
 from mla_jax.v4.step_plan import selection_violations
@@ -140,3 +141,20 @@ def test_drafting_is_refused_before_anything_is_allocated():
   abstract = nnx.eval_shape(lambda: V4CausalLM(config, rngs=nnx.Rngs(0), backend="xla"))
   with pytest.raises(ValueError, match="per-sequence state"):
     Engine(abstract, num_pages=64, page_size=8, max_speculative_tokens=1, **SETTINGS)
+
+
+def test_every_warmup_program_keeps_the_selection_contract():
+  """Every program an engine warms up (one step, FULL with scores, multi-step; traced, not
+  compiled, on an abstract model) holds what each layer class declares and no loop or
+  branch on a device value."""
+  abstract = nnx.eval_shape(lambda: V4CausalLM(tiny_v4_config(), rngs=nnx.Rngs(0),
+                                               backend="xla"))
+  engine = Engine(abstract, num_pages=64, page_size=8, prompt_logprobs=True,
+                  **{**SETTINGS, "max_num_seqs": 2, "decode_steps": 8})
+  shapes = engine.buckets.all_shapes()
+  assert {s.decode_steps for s in shapes} == {1, 8} and any(s.scores for s in shapes)
+  for shape in shapes:
+    plan, traced = engine.trace_step(shape)
+    summary = summarize_jaxpr(traced.jaxpr)
+    assert selection_violations(abstract.attentions, plan.capacity, summary) == [], shape
+    assert not DEVICE_PREDICATED & set(summary.primitives), shape
