@@ -1,8 +1,8 @@
 """DeepSeek-V4 in the engine: greedy tokens equal ``mla_jax.generate``'s (which equal HF's,
 tests/test_hf_parity_v4.py) under ragged prompts, chunked prefill, prefix hits that end inside
 a window and inside a compression window (state restored from snapshots), preemption and
-aborts; no page leaks; every step program it compiled keeps the selection contract, and the
-walk catches a mis-declared class."""
+aborts, seeded sampling; no page leaks; every step program it compiled or would warm up keeps
+the selection contract (the walk catches a mis-declared class) and holds no while or cond."""
 
 import functools
 
