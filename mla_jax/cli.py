@@ -26,6 +26,7 @@ from mla_jax.checkpoints.generation_config import (GENERATION_CONFIG, Generation
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.models.config import ATTENTION_KINDS, FULL_SIZE, small_lm, tiny_lm, tiny_moe_lm
 from mla_jax.plan import FIT_FRACTION, HOST_POOL_BYTES, HOST_POOL_FRACTION
+from mla_jax.v4 import cli as v4_cli
 from mla_jax.v4.plan import V4_SIZES
 
 logger = logging.getLogger("mla_jax")
@@ -234,10 +235,9 @@ def cmd_generate(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"  # the precision it was trained and evaluated in
-  from mla_jax.v4.cli import cmd_generate_v4, is_v4_checkpoint
-
-  if is_v4_checkpoint(args.checkpoint):
-    return cmd_generate_v4(args)
+  v4 = v4_cli.is_v4_checkpoint(args.checkpoint)
+  if v4:
+    v4_cli.check_flags(args)
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   if mesh_sizes and mesh_sizes[sharding.CONTEXT] > 1:
     raise SystemExit(f"--mesh {args.mesh}: a 'context' axis splits the page pools of "
@@ -252,24 +252,24 @@ def cmd_generate(args) -> int:
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
   if jax.process_index() != 0:  # every process computes; the first one reports
     sys.stdout = open(os.devnull, "w")
-  config = _speculative_config(args, _config(args))
   speculative = args.speculative_tokens > 0
-  tok = _tokenizer(args, config.vocab_size)
+  config = None if v4 else _speculative_config(args, _config(args))
+  tok = _tokenizer(args, v4_cli.vocab_size(args.checkpoint) if v4 else config.vocab_size)
   temperature, top_p = _sampling(args)
   t0 = time.perf_counter()
-  model = _build_model(args, config, mesh, mtp=speculative)
+  model = (v4_cli.load(args, mesh, mtp=speculative) if v4 else
+           _build_model(args, config, mesh, mtp=speculative))
   build_s = time.perf_counter() - t0
-  prompt = _prompt_ids(args, tok, model.config.vocab_size)
-  print(f"model: {type(model.layer_module(0).self_attn).__name__} x "
-        f"{model.config.num_layers} layers, backend {model.backend.name}, "
-        f"index_topk {model.config.mla.indexer.topk if model.config.mla.indexer else '-'}, "
-        f"built in {build_s:.2f}s")
+  prompt = _prompt_ids(args, tok, model.vocab_size)
+  print(v4_cli.describe(model, build_s) if v4 else _describe(model, build_s))
   if mesh is not None:
     print(f"mesh: {args.mesh} over {jax.device_count()} devices in "
           f"{jax.process_count()} process(es)")
   print(f"tokenizer: {tok.describe()}")
-  layer_cache = jax.eval_shape(lambda: init_layer_cache(model.config.mla, 1, 1, args.cache_dtype))
-  print(f"cache: {args.cache_dtype}, {layer_cache.bytes_per_token} bytes per token per layer")
+  if not v4:
+    layer_cache = jax.eval_shape(lambda: init_layer_cache(model.config.mla, 1, 1,
+                                                          args.cache_dtype))
+    print(f"cache: {args.cache_dtype}, {layer_cache.bytes_per_token} bytes per token per layer")
   print(f"prompt: {len(prompt)} tokens")
   print(f"sampling: temperature {temperature:g}, top_p {top_p:g}")
   eos = tok.eos_ids if args.stop_at_eos else None
@@ -277,13 +277,22 @@ def cmd_generate(args) -> int:
                     temperature=temperature, top_p=top_p, seed=args.seed, eos_id=eos,
                     cache_dtype=args.cache_dtype, speculative_tokens=args.speculative_tokens,
                     progress=not args.quiet and jax.process_index() == 0)
-  for i, route in enumerate(result.prefill_routes):
-    print(f"prefill route, layer {i}: {route.value}")
+  for line in (v4_cli.layer_lines(model, result.prefill_routes) if v4 else
+               [f"prefill route, layer {i}: {route.value}"
+                for i, route in enumerate(result.prefill_routes)]):
+    print(line)
   print_generated(args, tok, result)
   if result.acceptance_rate is not None:
     print(f"speculative: {args.speculative_tokens} draft tokens per step, "
           f"{result.accepted} of {result.drafted} accepted ({result.acceptance_rate:.2f})")
   return 0
+
+
+def _describe(model, build_s: float) -> str:
+  config = model.config
+  return (f"model: {type(model.layer_module(0).self_attn).__name__} x {config.num_layers} "
+          f"layers, backend {model.backend.name}, index_topk "
+          f"{config.mla.indexer.topk if config.mla.indexer else '-'}, built in {build_s:.2f}s")
 
 
 def cmd_serve(args) -> int:
@@ -294,13 +303,9 @@ def cmd_serve(args) -> int:
   if args.preset in TRAINED_PRESETS and not args.checkpoint:
     args.checkpoint = str(TRAINED_PRESETS[args.preset])
     args.dtype = args.dtype or "float32"
-  from mla_jax.v4.cli import is_v4_checkpoint
-
-  if is_v4_checkpoint(args.checkpoint):
-    raise SystemExit(f"error: {args.checkpoint} is a DeepSeek-V4 checkpoint: serving V4 is not "
-                     "supported yet (the engine's paged caches do not hold V4's compressed "
-                     "entries; docs/models.md#not-supported-yet); mla-jax generate "
-                     "--checkpoint runs it")
+  v4 = v4_cli.is_v4_checkpoint(args.checkpoint)
+  if v4:
+    v4_cli.check_flags(args, serving=True)
   api_key = args.api_key or os.environ.get("MLA_JAX_API_KEY")
   mesh_sizes = sharding.parse_mesh_spec(args.mesh) if args.mesh else None
   _start_processes(args)
@@ -313,18 +318,20 @@ def cmd_serve(args) -> int:
   from mla_jax.serving.server import ServerSettings, create_app, run
 
   mesh = sharding.make_mesh(mesh_sizes) if mesh_sizes else None
-  config = _speculative_config(args, _config(args))
+  config = None if v4 else _speculative_config(args, _config(args))
+  vocab_size = v4_cli.vocab_size(args.checkpoint) if v4 else config.vocab_size
   tok = tokenizer.checkpoint_tokenizer(args.checkpoint) if args.checkpoint else \
       tokenizer.ByteTokenizer()
   if isinstance(tok, tokenizer.HFTokenizer):
-    tok.check_fits(config.vocab_size)
+    tok.check_fits(vocab_size)
   template, template_source = _chat_template(args)
-  model = _build_model(args, config, mesh, mtp=args.speculative_tokens > 0)
+  model = (v4_cli.load(args, mesh, mtp=False) if v4 else
+           _build_model(args, config, mesh, mtp=args.speculative_tokens > 0))
   num_pages = _num_pages(args, model)
   engine = Engine(model, num_pages=num_pages, page_size=args.page_size,
                   max_num_seqs=args.max_num_seqs, max_step_tokens=args.max_step_tokens,
                   max_model_len=args.max_model_len, cache_dtype=args.cache_dtype,
-                  tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < config.vocab_size],
+                  tokenizer=tok, eos_token_ids=[t for t in tok.eos_ids if t < vocab_size],
                   prefix_caching=args.prefix_caching, log_interval=args.log_interval,
                   seed=args.seed, max_speculative_tokens=args.speculative_tokens,
                   decode_steps=args.decode_steps, prompt_logprobs=args.prompt_logprobs,
@@ -347,7 +354,7 @@ def cmd_serve(args) -> int:
   tool_parser, reasoning_parser = _output_parsers(args)
   settings = ServerSettings(
       model_name=name, tokenizer=tok, chat_template=template,
-      max_model_len=engine.max_model_len, vocab_size=config.vocab_size,
+      max_model_len=engine.max_model_len, vocab_size=vocab_size,
       pool_tokens=engine.num_pages * engine.page_size, api_key=api_key,
       max_body_bytes=args.max_body_bytes, max_pending=args.max_pending,
       temperature=defaults.temperature, top_p=defaults.top_p,
@@ -357,8 +364,10 @@ def cmd_serve(args) -> int:
   # Process 0 listens while it warms up: /health answers 503 "warming up" until it is done.
   loop = EngineLoop(engine, metrics, warmup=warmup if args.warmup else None)
   app = create_app(loop, settings, metrics)
-  print(f"serving {name!r} ({type(model.layer_module(0).self_attn).__name__} x "
-        f"{config.num_layers} layers, backend {model.backend.name}, {engine.num_pages} pages "
+  layers = (f"DeepSeek-V4 x {model.config.num_layers}" if v4 else
+            f"{type(model.layer_module(0).self_attn).__name__} x {config.num_layers}")
+  print(f"serving {name!r} ({layers} layers, backend {model.backend.name}, "
+        f"{engine.num_pages} pages "
         f"of {engine.page_size} tokens, context {engine.max_model_len}, chat template "
         f"{template_source}, tool-call parser "
         f"{tool_parser or 'none'}, reasoning parser {reasoning_parser or 'none'}) on "
@@ -373,7 +382,7 @@ def cmd_serve(args) -> int:
   return 0
 
 
-TOOL_CALL_PARSERS = ("deepseek_v32", "glm45")  # serving.tool_parsers.TOOL_PARSERS
+TOOL_CALL_PARSERS = ("deepseek_v32", "deepseek_v4", "glm45")  # serving.tool_parsers.TOOL_PARSERS
 REASONING_PARSERS = ("deepseek_v3", "glm45")    # serving.reasoning.REASONING_PARSERS
 
 
@@ -467,7 +476,8 @@ def _plan_v4(args) -> int:
   print("\npartition rules:")
   print(v4_plan.format_rules())
   print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): "
-        "mla-jax serve (the engine's paged caches for V4), fp8 caches, a 'context' axis")
+        "speculative decoding under mla-jax serve (the engine's drafts), fp8 caches, a "
+        "'context' axis")
   return 0
 
 

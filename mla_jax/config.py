@@ -10,14 +10,14 @@ import dataclasses
 import math
 
 
-def _require(condition: bool, field: str, value, expectation: str) -> None:
+def require(condition: bool, field: str, value, expectation: str) -> None:
   if not condition:
     raise ValueError(f"{field} must be {expectation}, got {value!r}")
 
 
-def _positive_int(field: str, value) -> None:
-  _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field, value,
-           "a positive int")
+def positive_int(field: str, value) -> None:
+  require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field, value,
+          "a positive int")
 
 
 def _finite_number(value) -> bool:
@@ -25,12 +25,12 @@ def _finite_number(value) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _positive_float(field: str, value) -> None:
-  _require(_finite_number(value) and value > 0, field, value, "a positive finite number")
+def positive_float(field: str, value) -> None:
+  require(_finite_number(value) and value > 0, field, value, "a positive finite number")
 
 
 def _number_at_least(field: str, value, low: float) -> None:
-  _require(_finite_number(value) and value >= low, field, value, f"a finite number >= {low:g}")
+  require(_finite_number(value) and value >= low, field, value, f"a finite number >= {low:g}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +46,11 @@ class YarnConfig:
 
   def __post_init__(self):
     _number_at_least("yarn.factor", self.factor, 1)
-    _positive_int("yarn.original_max_position_embeddings", self.original_max_position_embeddings)
-    _positive_float("yarn.beta_fast", self.beta_fast)
-    _positive_float("yarn.beta_slow", self.beta_slow)
-    _require(self.beta_fast > self.beta_slow, "yarn.beta_fast", self.beta_fast,
-             f"> beta_slow ({self.beta_slow})")
+    positive_int("yarn.original_max_position_embeddings", self.original_max_position_embeddings)
+    positive_float("yarn.beta_fast", self.beta_fast)
+    positive_float("yarn.beta_slow", self.beta_slow)
+    require(self.beta_fast > self.beta_slow, "yarn.beta_fast", self.beta_fast,
+            f"> beta_slow ({self.beta_slow})")
     _number_at_least("yarn.mscale", self.mscale, 0)
     _number_at_least("yarn.mscale_all_dim", self.mscale_all_dim, 0)
 
@@ -61,9 +61,9 @@ class RopeConfig:
   yarn: YarnConfig | None = None
 
   def __post_init__(self):
-    _positive_float("rope.theta", self.theta)
-    _require(self.yarn is None or isinstance(self.yarn, YarnConfig), "rope.yarn", self.yarn,
-             "a YarnConfig or None")
+    positive_float("rope.theta", self.theta)
+    require(self.yarn is None or isinstance(self.yarn, YarnConfig), "rope.yarn", self.yarn,
+            "a YarnConfig or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +82,17 @@ class IndexerConfig:
   norm_eps: float = 1e-6
 
   def __post_init__(self):
-    _positive_int("indexer.num_heads", self.num_heads)
-    _positive_int("indexer.head_dim", self.head_dim)
-    _positive_int("indexer.topk", self.topk)
-    _require(isinstance(self.rope_interleave, bool), "indexer.rope_interleave",
-             self.rope_interleave, "a bool")
-    _require(isinstance(self.use_hadamard, bool), "indexer.use_hadamard", self.use_hadamard,
-             "a bool")
+    positive_int("indexer.num_heads", self.num_heads)
+    positive_int("indexer.head_dim", self.head_dim)
+    positive_int("indexer.topk", self.topk)
+    require(isinstance(self.rope_interleave, bool), "indexer.rope_interleave",
+            self.rope_interleave, "a bool")
+    require(isinstance(self.use_hadamard, bool), "indexer.use_hadamard", self.use_hadamard,
+            "a bool")
     if self.use_hadamard:
-      _require(self.head_dim & (self.head_dim - 1) == 0, "indexer.head_dim", self.head_dim,
-               "a power of two when use_hadamard is True")
-    _positive_float("indexer.norm_eps", self.norm_eps)
+      require(self.head_dim & (self.head_dim - 1) == 0, "indexer.head_dim", self.head_dim,
+              "a power of two when use_hadamard is True")
+    positive_float("indexer.norm_eps", self.norm_eps)
 
   @property
   def score_scale(self) -> float:
@@ -125,15 +125,15 @@ class MLAConfig:
   def __post_init__(self):
     for field in ("hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-      _positive_int(field, getattr(self, field))
-    _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
-    _require(isinstance(self.rope, RopeConfig), "rope", self.rope, "a RopeConfig")
-    _positive_float("latent_norm_eps", self.latent_norm_eps)
-    _require(self.indexer is None or isinstance(self.indexer, IndexerConfig), "indexer",
-             self.indexer, "an IndexerConfig or None")
+      positive_int(field, getattr(self, field))
+    require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim, "even")
+    require(isinstance(self.rope, RopeConfig), "rope", self.rope, "a RopeConfig")
+    positive_float("latent_norm_eps", self.latent_norm_eps)
+    require(self.indexer is None or isinstance(self.indexer, IndexerConfig), "indexer",
+            self.indexer, "an IndexerConfig or None")
     if self.indexer is not None:
-      _require(self.indexer.head_dim >= self.qk_rope_head_dim, "indexer.head_dim",
-               self.indexer.head_dim, f">= qk_rope_head_dim ({self.qk_rope_head_dim})")
+      require(self.indexer.head_dim >= self.qk_rope_head_dim, "indexer.head_dim",
+              self.indexer.head_dim, f">= qk_rope_head_dim ({self.qk_rope_head_dim})")
 
   @property
   def qk_head_dim(self) -> int:

@@ -40,13 +40,26 @@ def _sub_jaxprs(value) -> Iterator:
 
 
 class ProgramSummary(collections.namedtuple(
-    "ProgramSummary", "scopes primitives kernels kernel_primitives")):
+    "ProgramSummary", "scopes primitives kernels kernel_primitives stacks",
+    defaults=(frozenset(),))):
   """What a traced program contains.
 
   scopes: frozenset of scope names; primitives: Counter of primitives outside kernel bodies
   (where a ``cond`` would be runtime routing); kernels: tuple of Pallas kernel names;
-  kernel_primitives: Counter of primitives inside kernel bodies (their own loops and guards).
+  kernel_primitives: Counter of primitives inside kernel bodies (their own loops and guards);
+  stacks: frozenset of whole name stacks (``"outer/inner"``), which say in which scope each
+  scope sits (``scopes_within``).
   """
+
+
+def scopes_within(summary: ProgramSummary, scope: str) -> frozenset[str]:
+  """The scopes opened inside ``scope`` (e.g. one layer's, when each layer opens its own)."""
+  inner = set()
+  for stack in summary.stacks:
+    names = stack.split("/")
+    if scope in names:
+      inner.update(names[names.index(scope) + 1:])
+  return frozenset(inner)
 
 
 # Pallas-Triton kernels trace as ``pallas_call``; Mosaic GPU's ``plgpu.kernel`` as ``mpmd_map``
@@ -84,16 +97,18 @@ def walk_equations(jaxpr) -> Iterator[tuple[object, bool]]:
 
 def summarize_jaxpr(jaxpr) -> ProgramSummary:
   """Scopes, primitive counts and kernel names of a (Closed)Jaxpr and everything inside it."""
-  scopes, kernels = set(), []
+  scopes, stacks, kernels = set(), set(), []
   prims, kernel_prims = collections.Counter(), collections.Counter()
   for eqn, in_kernel in walk_equations(jaxpr):
     (kernel_prims if in_kernel else prims)[eqn.primitive.name] += 1
     stack = str(eqn.source_info.name_stack)
     if stack:
       scopes.update(stack.split("/"))
+      stacks.add(stack)
     if eqn.primitive.name in KERNEL_PRIMITIVES and not in_kernel:
       kernels.append(_kernel_name(eqn))
-  return ProgramSummary(frozenset(scopes), prims, tuple(kernels), kernel_prims)
+  return ProgramSummary(frozenset(scopes), prims, tuple(kernels), kernel_prims,
+                        frozenset(stacks))
 
 
 def summarize(fn, *args, **kwargs) -> ProgramSummary:

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from mla_jax.v4.checkpoint import load_pretrained, save_pretrained  # noqa: E402
-from mla_jax.v4.generate import generate  # noqa: E402
+from mla_jax.generation import generate  # noqa: E402
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
@@ -92,14 +92,14 @@ def pair(request, tmp_path_factory):
 
 
 @nnx.jit
-def _step(model, ids, caches, start):
+def _step(model, ids, caches):
   """One compiled step: cheaper than the first run of its eager ops for a single shape."""
-  return model(ids, caches, start)
+  return model(ids, caches)
 
 
 def _ours(model, ids):
   caches = model.init_cache(ids.shape[0], 384)
-  logits, _ = model(jnp.asarray(ids), caches, jnp.zeros(ids.shape[0], jnp.int32))
+  logits, _ = model(jnp.asarray(ids), caches)
   return np.asarray(logits)
 
 
@@ -172,7 +172,7 @@ def test_where_index_scores_tie_hf_rows_see_later_tokens_and_ours_do_not(tmp_pat
   other[n:] = (seq[n:] + 1) % COMMON["vocab_size"]  # the same first n tokens
   ids = jnp.asarray(np.stack([seq, other]))
   ours = load_pretrained(tmp_path, dtype=jnp.float32, backend="xla")
-  got, _ = _step(ours, ids, ours.init_cache(2, ids.shape[1]), jnp.zeros(2, jnp.int32))
+  got, _ = _step(ours, ids, ours.init_cache(2, ids.shape[1]))
   got = np.asarray(got)
   assert np.max(np.abs(got[1, :n] - got[0, :n])) < tol
   assert np.max(np.abs(got[1, n:] - got[0, n:])) > 1e3 * tol  # the later tokens do differ

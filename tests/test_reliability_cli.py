@@ -71,8 +71,9 @@ def test_num_pages_auto_fills_a_gpu_with_the_pools_the_engine_allocates(monkeypa
 
 
 def test_plan_of_v4_says_what_is_not_supported_yet(monkeypatch, capsys):
-  """The V4 figures come with what V4 cannot do yet: serve, fp8 caches, a context axis (the
-  plan itself, an eval_shape of the full model, is stood in for: tests/test_v4_plan.py)."""
+  """The V4 figures come with what V4 cannot do yet: drafts under serve, fp8 caches, a context
+  axis (the plan itself, an eval_shape of the full model, is stood in for:
+  tests/test_v4_plan.py)."""
   from mla_jax.v4 import plan as v4_plan
 
   monkeypatch.setattr(v4_plan, "abstract_model", lambda config, dtype: None)
@@ -88,10 +89,11 @@ def test_plan_of_v4_says_what_is_not_supported_yet(monkeypatch, capsys):
   assert "mla-jax serve" in out
 
 
-def test_serving_a_v4_checkpoint_is_refused_by_name(tmp_path):
+def test_serving_a_v4_checkpoint_with_drafts_is_refused_by_name(tmp_path):
+  """The engine drafts for no model with per-sequence state yet: refused before loading."""
   (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4"}')
-  with pytest.raises(SystemExit, match="DeepSeek-V4 checkpoint: serving V4 is not supported"):
-    cli.main(["serve", "--checkpoint", str(tmp_path)])
+  with pytest.raises(SystemExit, match="--speculative-tokens with mla-jax serve: not supported"):
+    cli.main(["serve", "--checkpoint", str(tmp_path), "--speculative-tokens", "1"])
 
 
 def test_help_texts_are_plain_text_and_name_every_command(capsys):

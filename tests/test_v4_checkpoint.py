@@ -167,7 +167,7 @@ def test_cli_generates_from_a_v4_checkpoint(saved, capsys):
   ids = [int(t) for t in out.split("generated ids: [")[1].split("]")[0].split(",")]
   prompt = np.random.default_rng(0).integers(0, 256, size=19)
   # The same greedy tokens as the cached steps of the model it was saved from.
-  from mla_jax.v4.generate import generate
+  from mla_jax.generation import generate
   assert generate(model, [prompt.tolist()], 6).tokens[0] == ids
 
 

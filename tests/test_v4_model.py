@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mla_jax import partial_softmax
 from mla_jax.config import RopeConfig, YarnConfig
+from mla_jax.generation import generate
 from mla_jax.v4 import hyper
-from mla_jax.v4.attention import merge_with_sink, window_indices
+from mla_jax.v4.cache import V4Cache
 from mla_jax.v4.compressor import Compressor
 from mla_jax.v4.config import CSA, HCA, HASH_MOE, MOE, SLIDING, tiny_v4_config
 from mla_jax.v4.model import V4CausalLM
@@ -41,20 +43,21 @@ def build(seed: int = 0, dtype=jnp.float32, backend="xla", **overrides):
   return randomize(model, seed + 1)
 
 
-@nnx.jit
-def _step(model, ids_BT, caches, start_B):
-  return model(ids_BT, caches, start_B)
+@nnx.jit(static_argnames="plan")
+def _step(model, ids_BT, caches, new_lens_B=None, plan=None):
+  return model(ids_BT, caches, new_lens_B=new_lens_B, plan=plan)
 
 
-def run(model, ids_BT, capacity: int = 64, chunks=None):
-  """Logits of ``ids_BT`` from 0, in one step or in steps of ``chunks`` tokens."""
+def run(model, ids_BT, capacity: int = 64, chunks=None, kv_rows=None):
+  """Logits of ``ids_BT`` from 0, in one step or in steps of ``chunks`` tokens (reading the
+  entries of positions below ``kv_rows``: all by default)."""
   b, t = ids_BT.shape
   caches = model.init_cache(b, capacity)
   chunks = chunks or [t]
   out, start = [], 0
   for size in chunks:
-    logits, caches = _step(model, ids_BT[:, start:start + size], caches,
-                           jnp.full((b,), start, jnp.int32))
+    plan = model.step_plan(size, None, capacity=capacity, kv_rows=kv_rows)
+    logits, caches = _step(model, ids_BT[:, start:start + size], caches, plan=plan)
     out.append(logits)
     start += size
   return np.asarray(jnp.concatenate(out, axis=1))
@@ -116,8 +119,8 @@ def test_rows_ignore_later_tokens_where_index_scores_tie():
   model = build(seed=3, index_n_heads=1)
   ids = np.random.default_rng(3).integers(0, model.config.vocab_size, (1, 64))
   full = run(model, jnp.asarray(ids, jnp.int32))  # 16 CSA entries per row of scores
-  # 49 tokens in a cache of 49: 12 entries, the width of HF's rows for a 49-token input.
-  prefix = run(model, jnp.asarray(ids[:, :49], jnp.int32), capacity=49)
+  # 49 tokens reading 12 entries, the width of HF's rows for a 49-token input.
+  prefix = run(model, jnp.asarray(ids[:, :49], jnp.int32), capacity=49, kv_rows=49)
   assert rel_err(prefix, full[:, :49]) < 1e-5
   assert rel_err(full[0], ref.forward(ref.params_of(model), model.config, ids[0])) < 1e-5
 
@@ -147,11 +150,13 @@ def test_compressor_matches_reference_and_streams():
     got = np.zeros_like(want)
     start = 0
     for size in (5, 1, 18):
-      entries, window, kv, gate = comp(x[:, start:start + size], kv, gate,
-                                       jnp.array([start], jnp.int32))
-      for j, w in enumerate(np.asarray(window[0])):
+      # One sequence in slot 0 (its pages are not needed here), ``size`` rows from ``start``.
+      geo = V4Cache((), jnp.array([start], jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                    jnp.zeros((1,), jnp.int32), 64).geometry(size, jnp.array([size]))
+      entries, window, _, kv, gate = comp(x[0, start:start + size], kv, gate, geo)
+      for j, w in enumerate(np.asarray(window)):
         if w >= 0:
-          got[w] = np.asarray(entries[0, j])
+          got[w] = np.asarray(entries[j])
       start += size
     assert rel_err(got, want) < 1e-5
 
@@ -198,8 +203,9 @@ def test_routers_match_reference(scoring):
 
 
 def test_merge_with_sink_is_one_softmax():
-  """Two parts' partial softmaxes and the sink merge into one softmax over all their rows;
-  a part without rows (LSE +inf) adds nothing."""
+  """Two parts' partial softmaxes and the sink merge into one softmax over all their rows
+  (``partial_softmax.merge``, V4's and context parallelism's); a part without rows (LSE
+  +inf) adds nothing."""
   rng = np.random.default_rng(0)
   logits = rng.standard_normal((3, 2, 7))
   values = rng.standard_normal((7, 5))
@@ -211,20 +217,25 @@ def test_merge_with_sink_is_one_softmax():
     return jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32)
 
   empty = (jnp.zeros((3, 2, 5)), jnp.full((3, 2), jnp.inf))
-  got = merge_with_sink([part([0, 1, 2]), part([3, 4, 5, 6]), empty], jnp.asarray(sink))
+  got, _ = partial_softmax.merge([part([0, 1, 2]), part([3, 4, 5, 6]), empty],
+                                 sink=jnp.asarray(sink))
   full = np.concatenate([logits, np.broadcast_to(sink[None, :, None], (3, 2, 1))], -1)
   want = np.einsum("thk,kv->thv", ref.softmax(full, -1)[..., :-1], values)
   assert rel_err(np.asarray(got), want) < 1e-5
 
 
-def test_window_indices():
-  """Query at p sees positions p-W+1..p: the ring (slot p % W) for those before the step,
-  this step's rows after the ring for the rest; none before position 0."""
+def test_window_rows():
+  """Query at p sees positions p-W+1..p: the ring (row p % R of the slot its state is read
+  from) for those before the step, this step's rows for the rest; none before position 0.
+  Two sequences of 3 rows each, at 6 (state read from slot 2) and at 0."""
   w = 4
-  idx = np.asarray(window_indices(jnp.array([6, 0], jnp.int32), 3, w))
-  assert idx[0, 0].tolist() == [w + 0, 5 % w, 4 % w, 3 % w]  # position 6
-  assert idx[0, 2].tolist() == [w + 2, w + 1, w + 0, 5 % w]  # position 8
-  assert idx[1, 1].tolist() == [w + 1, w + 0, -1, -1]  # position 1 of a fresh sequence
+  geo = V4Cache((), jnp.array([6, 0], jnp.int32), jnp.zeros((2, 1), jnp.int32),
+                jnp.array([0, 1], jnp.int32), 64,
+                state_src_S=jnp.array([2, 1], jnp.int32)).geometry(3, jnp.array([3, 3]))
+  step, ring = (np.asarray(a) for a in geo.window(w, w))
+  assert step[0].tolist() == [0, -1, -1, -1] and ring[0].tolist() == [-1, 2 * w + 1, 2 * w, 2 * w + 3]
+  assert step[2].tolist() == [2, 1, 0, -1] and ring[2].tolist() == [-1, -1, -1, 2 * w + 1]
+  assert step[4].tolist() == [4, 3, -1, -1] and (ring[4] == -1).all()  # position 1
 
 
 def test_sliding_only_layer_reads_window_alone():
@@ -241,76 +252,71 @@ def test_sliding_only_layer_reads_window_alone():
 @pytest.mark.parametrize("num_new", [1, 7])
 def test_steps_update_every_cache_in_place(num_new):
   """The compiled step (decode and prefill) aliases every cache buffer to an output."""
-  from mla_jax.decoding.sampling import SamplingConfig
-  from mla_jax.v4.generate import step_program
-
   model = build(seed=2)
   graphdef, state = nnx.split(model)
   caches = model.init_cache(2, 64)
-  compiled = step_program.lower(graphdef, state, jnp.zeros((2, num_new), jnp.int32), caches,
-                                jnp.zeros((2,), jnp.int32), jax.random.key(0),
-                                SamplingConfig()).compile()
+  step = jax.jit(lambda state, ids, caches: nnx.merge(graphdef, state)(ids, caches)[1],
+                 donate_argnums=2)
+  compiled = step.lower(state, jnp.zeros((2, num_new), jnp.int32), caches).compile()
   assert compiled.memory_analysis().alias_size_in_bytes == sum(
       x.nbytes for x in jax.tree.leaves(caches))
 
 
-def test_generate_checks_its_arguments_and_stops_at_eos():
-  from mla_jax.v4.generate import generate
-
+def test_generate_takes_ragged_prompts_and_stops_at_eos():
+  """``mla_jax.generate`` runs V4 (the decode protocol): prompts of different lengths in one
+  batch give each prompt's tokens alone; an eos id stops its row."""
   model = build(seed=4)
-  with pytest.raises(ValueError, match="prompts of one length, got lengths \\[3, 5\\]"):
-    generate(model, [[1, 2, 3], [1, 2, 3, 4, 5]], 4)
   with pytest.raises(ValueError, match="max_new_tokens"):
     generate(model, [[1, 2, 3]], 0)
   with pytest.raises(ValueError, match="outside the vocabulary"):
     generate(model, [[1, 999]], 2)
-  free = generate(model, [[5, 6, 7], [8, 9, 10]], 6).tokens
+  prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+  free = generate(model, prompts, 6).tokens
+  assert free == [generate(model, [p], 6).tokens[0] for p in prompts]
   eos = free[0][2]
-  stopped = generate(model, [[5, 6, 7], [8, 9, 10]], 6, eos_id=eos).tokens
+  stopped = generate(model, prompts, 6, eos_id=eos).tokens
   assert stopped[0] == free[0][:free[0].index(eos) + 1]
   assert stopped[1] == (free[1][:free[1].index(eos) + 1] if eos in free[1] else free[1])
 
 
 def test_rows_at_different_positions_equal_each_row_alone():
-  """A batch whose rows sit at different positions (and a capacity of 45, no multiple of
-  m = 4 or 8) gives each row the logits it gets alone."""
+  """A batch whose rows sit at different positions (ragged: one step of 13 prefills 10 and
+  13 tokens; a capacity of 45, no multiple of m = 4 or 8) gives each row the logits it gets
+  alone."""
   model = build(seed=6)
   rng = np.random.default_rng(6)
   ids = jnp.asarray(rng.integers(0, 256, (2, 30)), jnp.int32)
   starts = (10, 13)
-  caches = model.init_cache(2, 45)
-  # Prefill each row's own prefix in a step of its own, then one step of 5 at (10, 13).
   alone = []
   for row, start in enumerate(starts):
     c = model.init_cache(1, 45)
-    _, c = _step(model, ids[row:row + 1, :start], c, jnp.zeros((1,), jnp.int32))
-    logits, _ = _step(model, ids[row:row + 1, start:start + 5], c,
-                      jnp.full((1,), start, jnp.int32))
+    _, c = _step(model, ids[row:row + 1, :start], c)
+    logits, _ = _step(model, ids[row:row + 1, start:start + 5], c)
     alone.append(np.asarray(logits[0]))
-    caches = jax.tree.map(lambda big, one, r=row: big.at[r].set(one[0]), caches, c)
+  _, caches = _step(model, ids[:, :13], model.init_cache(2, 45), jnp.asarray(starts))
   step_ids = jnp.stack([ids[r, s:s + 5] for r, s in enumerate(starts)])
-  together, _ = _step(model, step_ids, caches, jnp.asarray(starts, jnp.int32))
+  together, _ = _step(model, step_ids, caches)
   for row in range(2):
     assert rel_err(np.asarray(together[row]), alone[row]) < 1e-5
 
 
 def test_a_position_past_the_caches_is_refused():
-  """init_cache(1, 16): entries for positions up to (16 // m + 1) m - 2; a step past them
+  """init_cache(1, 14) holds 16 positions (a multiple of every ratio); a step past them
   would drop entries, and is refused."""
   from mla_jax.checks import CheckError
 
   model = build(seed=8)
-  caches = model.init_cache(1, 16)
-  assert model.positions_held(caches) == 19  # HCA: (16 // 8 + 1) x 8 - 1; CSA allows 19 too
-  ids = jnp.zeros((1, 20), jnp.int32)
-  with pytest.raises(CheckError, match="more than the cache capacity 19"):
-    model(ids, caches, jnp.zeros((1,), jnp.int32))
-  model(ids[:, :19], caches, jnp.zeros((1,), jnp.int32))  # every entry fits
+  caches = model.init_cache(1, 14)
+  assert caches.capacity == 16
+  ids = jnp.zeros((1, 17), jnp.int32)
+  with pytest.raises(CheckError, match="more than the cache capacity 16"):
+    model(ids, caches)
+  model(ids[:, :16], caches)  # every entry fits
 
 
 def test_cache_dtype_is_kept_by_a_step():
   """A bf16 cache under a float32 model stays bf16, so a compiled step runs again."""
   model = build(seed=9)
   caches = model.init_cache(1, 32, jnp.bfloat16)
-  _, after = _step(model, jnp.zeros((1, 5), jnp.int32), caches, jnp.zeros((1,), jnp.int32))
+  _, after = _step(model, jnp.zeros((1, 5), jnp.int32), caches)
   assert jax.tree.map(lambda a: a.dtype, after) == jax.tree.map(lambda a: a.dtype, caches)

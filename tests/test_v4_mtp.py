@@ -13,10 +13,9 @@ from flax import nnx
 
 from mla_jax import cli
 from mla_jax.checkpoints.reading import open_checkpoint
-from mla_jax.generation import speculative
+from mla_jax.generation import generate, speculative
 from mla_jax.v4.checkpoint import load_pretrained, save_pretrained
 from mla_jax.v4.config import CSA, MOE, tiny_v4_config
-from mla_jax.v4.generate import generate
 from mla_jax.v4.model import V4CausalLM
 from tests import v4_reference as ref
 from tests.test_v4_model import randomize, rel_err
@@ -58,14 +57,12 @@ def test_mtp_tensors_are_stored_under_deepseeks_names(saved):
 @nnx.jit
 def _main_and_mtp(model, ids_BT, next_BT):
   b, t = ids_BT.shape
-  start_B = jnp.zeros((b,), jnp.int32)
-  _, _, streams = model(ids_BT, model.init_cache(b, t), start_B, return_hidden=True)
+  _, _, streams = model(ids_BT, model.init_cache(b, t), return_hidden=True)
   chunk = t // 2  # two MTP steps of one program: the second reads the first's window ring
   caches, out = model.init_mtp_cache(b, t), []
   for start in (0, chunk):
     logits, _, caches = model.mtp_forward(0, streams[:, start:start + chunk],
-                                          next_BT[:, start:start + chunk], caches,
-                                          start_B + start)
+                                          next_BT[:, start:start + chunk], caches)
     out.append(logits)
   return streams, jnp.concatenate(out, axis=1)
 
@@ -85,8 +82,8 @@ def test_mtp_layer_matches_float64_reference(saved):
 
 
 @nnx.jit
-def _step(model, ids_BT, caches, start_B):
-  return model(ids_BT, caches, start_B)
+def _step(model, ids_BT, caches):
+  return model(ids_BT, caches)
 
 
 def test_positions_a_step_ran_ahead_are_never_read(saved):
@@ -101,8 +98,8 @@ def test_positions_a_step_ran_ahead_are_never_read(saved):
   def run(starts, tokens):
     caches, out = model.init_cache(1, 16, spare=2), {}
     for start, row in zip(starts, tokens):
-      logits, caches = _step(model, jnp.asarray(row[None, start:start + 3], jnp.int32), caches,
-                             jnp.asarray([start], jnp.int32))
+      logits, caches = _step(model, jnp.asarray(row[None, start:start + 3], jnp.int32),
+                             caches.with_num_cached(start))
       out.update({start + t: np.asarray(logits[0, t]) for t in range(3)})
     return out
 
@@ -143,7 +140,7 @@ def test_accepted_drafts_advance_the_caches(saved, monkeypatch):
 
 def test_speculative_decoding_needs_mtp_layers(saved, tmp_path, capsys):
   path, _ = saved
-  with pytest.raises(ValueError, match="speculative_tokens needs MTP layers"):
+  with pytest.raises(ValueError, match="drafts with the model's MTP layers, but it has none"):
     generate(load_pretrained(path, mtp=False, **LOAD), PROMPTS, 2, speculative_tokens=1)
   save_pretrained(V4CausalLM(tiny_v4_config(), rngs=nnx.Rngs(0), backend="xla"), tmp_path)
   assert cli.main(["generate", "--checkpoint", str(tmp_path), "--speculative-tokens", "1",

@@ -46,8 +46,8 @@ _KINDS = {"float32": dict(dtype=jnp.float32),
 
 
 @nnx.jit
-def _step(model, ids_BT, caches, start_B):
-  return model(ids_BT, caches, start_B)
+def _step(model, ids_BT, caches):
+  return model(ids_BT, caches)
 
 
 def two_steps(model):
@@ -57,8 +57,7 @@ def two_steps(model):
   caches = model.init_cache(2, CAPACITY)
   out = []
   for start in (0, STEP):
-    logits, caches = _step(model, ids[:, start:start + STEP], caches,
-                           jnp.full((2,), start, jnp.int32))
+    logits, caches = _step(model, ids[:, start:start + STEP], caches)
     out.append(np.asarray(logits))
   return np.concatenate(out, axis=1), caches
 
@@ -101,9 +100,9 @@ def test_steps_on_a_mesh_equal_one_device(checkpoints, spec, kind):
 
 def test_cli_generates_on_a_mesh_the_tokens_of_one_device(checkpoints, capsys):
   """``mla-jax generate --mesh`` on a V4 checkpoint: its batch over data, heads and experts
-  over tensor and expert; the greedy tokens of ``v4.generate`` on one device."""
+  over tensor and expert; the greedy tokens of ``mla_jax.generate`` on one device."""
   from mla_jax import cli
-  from mla_jax.v4.generate import generate
+  from mla_jax.generation import generate
 
   mesh = "data=2,tensor=2,expert=2"
   assert cli.main(["generate", "--checkpoint", str(checkpoints / "float32"), "--mesh", mesh,

@@ -128,7 +128,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   """Generates up to ``max_new_tokens`` after each prompt (a batch of ragged prompts).
 
   Args:
-    model: a ``CausalLM``.
+    model: a decode model (``mla_jax.decoding.protocol``): a ``CausalLM``, a ``V4CausalLM``.
     prompt_ids: a list of id lists (any lengths) or an int array [B, T] / [T].
     max_new_tokens: tokens to generate per sequence (fewer when it emits ``eos_id``).
     temperature, top_p: 0 is greedy; otherwise nucleus sampling.
@@ -146,7 +146,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       (cache overflow, out-of-range lengths or ids, a query row without a top-k index)
       raises ``checks.CheckError`` instead of giving wrong tokens. Slower to compile and run.
     speculative_tokens: k > 0 decodes speculatively (``generation.speculative``): each
-      iteration drafts k tokens with the model's MTP layers (``config.num_mtp_layers >= 1``)
+      iteration drafts k tokens with the model's MTP layers (``num_mtp_layers >= 1``)
       and verifies them in one forward of k + 1 tokens. Greedy tokens are the plain ones;
       sampled tokens have the plain distribution (rejection sampling), not the same draws.
       At most ``decoding.speculative.MAX_SPECULATIVE_TOKENS``; the cache needs k more rows;
@@ -166,7 +166,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   steps = min(request.steps_per_dispatch, max(new_tokens - 1, 1))
   compiled = _Programs(model, request, steps, return_logits)
   mesh = model.mesh
-  caches = model.init_cache(request.batch, request.capacity, request.cache_dtype)
+  # A verify step writes k draft rows past what its sequence keeps (``spare``: rings hold them).
+  caches = model.init_cache(request.batch, request.capacity, request.cache_dtype,
+                            spare=request.speculative_tokens)
   ids_BT, lens_B = _place(request.ids_BT, mesh), _place(request.lens_B, mesh)
   seed_arr = _place(np.uint32(request.seed), mesh, sharding.REPLICATED)
   if request.speculative_tokens:
@@ -185,11 +187,11 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
   tokens = [[int(t) for t in row if t >= 0] for row in decoded.rows]
   return GenerationResult(
       tokens=tokens,
-      prefill_routes=[compiled.prefill_plan.route] * model.config.num_layers,
+      prefill_routes=model.plan_layers(compiled.prefill_plan),
       compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=decoded.seconds,
       prefill_tokens=int(request.lens_B.sum()),
       decode_tokens=sum(len(t) for t in tokens) - request.batch,
-      step_logits=decoded.logits(model.config.vocab_size) if return_logits else None,
+      step_logits=decoded.logits(model.vocab_size) if return_logits else None,
       decode_buckets=tuple(sorted(compiled.decoders)))
 
 
@@ -202,7 +204,7 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
   from them which are done and how far each cache reaches, for the next dispatch's bucket."""
   model, k = compiled.model, request.speculative_tokens
   new_tokens, eos_id, batch = request.max_new_tokens, request.eos_id, request.batch
-  mtp_caches = model.init_mtp_cache(batch, request.capacity, request.cache_dtype)
+  mtp_caches = model.init_mtp_cache(batch, request.capacity, request.cache_dtype, spare=k)
   prefill = compiled.prefill(caches, mtp_caches, ids_BT, lens_B, seed_arr)
   t0 = time.perf_counter()
   err, (tokens_B, caches, mtp_caches, draft_BV, hidden_BD) = prefill(
@@ -245,7 +247,7 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
     bar.update(max(len(r) for r in rows) - bar.n)
   bar.close()
   return GenerationResult(
-      tokens=rows, prefill_routes=[compiled.prefill_plan.route] * model.config.num_layers,
+      tokens=rows, prefill_routes=model.plan_layers(compiled.prefill_plan),
       compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=seconds,
       prefill_tokens=int(request.lens_B.sum()), decode_tokens=sum(map(len, rows)) - batch,
       decode_buckets=tuple(sorted(compiled.decoders)),

@@ -26,14 +26,16 @@ from mla_jax.decoding.sampling import SamplingConfig, sample
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.decoding.stops import is_stop
 from mla_jax.generation import speculative
-from mla_jax.step_plan import StepPlan
 
 trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
 
 
 def _check_plan(plan) -> None:
-  if not isinstance(plan, StepPlan):
-    raise TypeError(f"plan must be a StepPlan (model.step_plan), got {type(plan).__name__}")
+  """A model's step plan (the decode protocol's ``step_plan``: a frozen dataclass, hashable,
+  with its tokens per sequence and the cache rows it reads)."""
+  if not (dataclasses.is_dataclass(plan) and not isinstance(plan, type)
+          and hasattr(plan, "num_new_tokens") and hasattr(plan, "kv_rows")):
+    raise TypeError(f"plan must be a step plan (model.step_plan), got {type(plan).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,7 @@ class PrefillSettings:
 
   ``plan``: the model's ``StepPlan`` for the prompt (every layer reads it)."""
 
-  plan: StepPlan
+  plan: object  # the model's step plan
   sampling: SamplingConfig = SamplingConfig()
   checked: bool = False  # run-time checks raise (``checks.CheckError``) instead of compiling out
 
@@ -57,7 +59,7 @@ class DecodeSettings:
   ``plan``: the model's ``StepPlan`` for one token per sequence after an unknown cached
   length, reading the rows of the live context's bucket (``plan.kv_rows``)."""
 
-  plan: StepPlan
+  plan: object  # the model's step plan
   sampling: SamplingConfig = SamplingConfig()
   eos_id: tuple[int, ...] | None = None
   steps: int = 1  # decode steps per dispatch (a ``lax.scan``)
@@ -86,8 +88,8 @@ class SpeculativeSettings:
   ``draft_plan``: one token per sequence (the further draft steps). Both read the rows of
   the live context's bucket (``plan.kv_rows``)."""
 
-  verify_plan: StepPlan
-  draft_plan: StepPlan
+  verify_plan: object  # the model's step plans
+  draft_plan: object
   sampling: SamplingConfig = SamplingConfig()
   eos_id: tuple[int, ...] | None = None
   steps: int = 1  # iterations per dispatch (a ``lax.scan``)

@@ -15,10 +15,10 @@ import numpy as np
 
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import is_int
+from mla_jax.decoding.protocol import check_decode_model
 from mla_jax.decoding.requests import checked_prompt
 from mla_jax.decoding.sampling import SamplingConfig
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
-from mla_jax.models.lm import CausalLM
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,7 +93,7 @@ def check_speculative_tokens(model, speculative_tokens, return_logits: bool = Fa
     raise ValueError(f"speculative_tokens must be an int in [0, {limit}] (draft tokens per "
                      f"verify step), got {speculative_tokens!r}")
   speculative_tokens = int(speculative_tokens)
-  if speculative_tokens and model.config.num_mtp_layers < 1:
+  if speculative_tokens and model.num_mtp_layers < 1:
     raise ValueError(f"speculative_tokens={speculative_tokens} drafts with the model's MTP "
                      "layers, but it has none (config.num_mtp_layers is 0): load a checkpoint "
                      "that has them with load_pretrained(..., mtp=True)")
@@ -106,27 +106,24 @@ def check_request(model, prompt_ids, max_new_tokens, *, temperature, top_p, seed
                   cache_capacity, cache_dtype, steps_per_dispatch, checks,
                   speculative_tokens=0, return_logits=False) -> Request:
   """``generate``'s arguments checked and normalised; see ``generate`` for their meaning."""
-  if not isinstance(model, CausalLM):
-    raise TypeError(f"model must be a CausalLM, got {type(model).__name__} (generate runs a "
-                    "whole language model; call a single layer directly)")
+  check_decode_model(model)
   max_new_tokens = _positive_int(max_new_tokens, "max_new_tokens")
   speculative_tokens = check_speculative_tokens(model, speculative_tokens, return_logits)
   if not is_int(seed) or not 0 <= seed < 2**32:
     raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
   steps_per_dispatch = _positive_int(steps_per_dispatch, "steps_per_dispatch")
   sampling = SamplingConfig(temperature, top_p)
-  cfg = model.config
-  eos_id = eos_ids(eos_id, cfg.vocab_size)
+  eos_id = eos_ids(eos_id, model.vocab_size)
   if cache_capacity is not None and (not is_int(cache_capacity) or cache_capacity < 1):
     raise ValueError(f"cache_capacity must be None or a positive int, got {cache_capacity!r}")
   cache_dtype = resolve_cache_dtype(cache_dtype, "cache_dtype")
   if not isinstance(checks, bool):
     raise TypeError(f"checks must be a bool, got {type(checks).__name__}")
-  ids_BT, lens_B = pad_prompts(prompt_ids, cfg.vocab_size)
+  ids_BT, lens_B = pad_prompts(prompt_ids, model.vocab_size)
   longest = ids_BT.shape[1]
   # A verify step writes its k draft rows past the last token before any is accepted.
   needed = longest + max_new_tokens + speculative_tokens
-  max_positions = cfg.mla.max_position_embeddings
+  max_positions = model.max_positions
   if cache_capacity is None and needed > max_positions:
     raise ValueError(f"prompt of {longest} tokens plus {max_new_tokens} new tokens"
                      f"{_drafts(speculative_tokens)} needs {needed} positions, more than "

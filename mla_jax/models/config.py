@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from mla_jax.config import (IndexerConfig, MLAConfig, RopeConfig, YarnConfig, _positive_float,
-                            _positive_int, _require, deepseek_v3, deepseek_v32, glm5)
+from mla_jax.config import (IndexerConfig, MLAConfig, RopeConfig, YarnConfig, positive_float,
+                            positive_int, require, deepseek_v3, deepseek_v32, glm5)
 
 ATTENTION_KINDS = ("mqa-only", "dense-capable")
 
@@ -30,20 +30,20 @@ class MoEConfig:
   def __post_init__(self):
     for field in ("num_experts", "num_experts_per_tok", "n_group", "topk_group",
                   "moe_intermediate_size"):
-      _positive_int(f"moe.{field}", getattr(self, field))
-    _require(_int_at_least(self.n_shared_experts, 0), "moe.n_shared_experts",
-             self.n_shared_experts, "an int >= 0")
-    _require(self.num_experts % self.n_group == 0, "moe.n_group", self.n_group,
-             f"a divisor of num_experts ({self.num_experts})")
-    _require(self.topk_group <= self.n_group, "moe.topk_group", self.topk_group,
-             f"<= n_group ({self.n_group})")
+      positive_int(f"moe.{field}", getattr(self, field))
+    require(_int_at_least(self.n_shared_experts, 0), "moe.n_shared_experts",
+            self.n_shared_experts, "an int >= 0")
+    require(self.num_experts % self.n_group == 0, "moe.n_group", self.n_group,
+            f"a divisor of num_experts ({self.num_experts})")
+    require(self.topk_group <= self.n_group, "moe.topk_group", self.topk_group,
+            f"<= n_group ({self.n_group})")
     per_group = self.num_experts // self.n_group
-    _require(self.num_experts_per_tok <= self.topk_group * per_group, "moe.num_experts_per_tok",
-             self.num_experts_per_tok, f"<= topk_group * experts per group "
-             f"({self.topk_group * per_group})")
-    _positive_float("moe.routed_scaling_factor", self.routed_scaling_factor)
-    _require(isinstance(self.norm_topk_prob, bool), "moe.norm_topk_prob", self.norm_topk_prob,
-             "a bool")
+    require(self.num_experts_per_tok <= self.topk_group * per_group, "moe.num_experts_per_tok",
+            self.num_experts_per_tok, f"<= topk_group * experts per group "
+            f"({self.topk_group * per_group})")
+    positive_float("moe.routed_scaling_factor", self.routed_scaling_factor)
+    require(isinstance(self.norm_topk_prob, bool), "moe.norm_topk_prob", self.norm_topk_prob,
+            "a bool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,26 +72,26 @@ class ModelConfig:
   num_mtp_layers: int = 0
 
   def __post_init__(self):
-    _require(isinstance(self.mla, MLAConfig), "mla", self.mla, "an MLAConfig")
+    require(isinstance(self.mla, MLAConfig), "mla", self.mla, "an MLAConfig")
     for field in ("vocab_size", "num_layers", "intermediate_size"):
-      _positive_int(field, getattr(self, field))
-    _require(self.moe is None or isinstance(self.moe, MoEConfig), "moe", self.moe,
-             "a MoEConfig or None")
-    _require(_int_at_least(self.first_k_dense_replace, 0), "first_k_dense_replace",
-             self.first_k_dense_replace, "an int >= 0")
-    _require(self.attention in ATTENTION_KINDS, "attention", self.attention,
-             f"one of {ATTENTION_KINDS}")
-    _positive_float("rms_norm_eps", self.rms_norm_eps)
-    _require(_int_at_least(self.num_mtp_layers, 0), "num_mtp_layers", self.num_mtp_layers,
-             "an int >= 0")
+      positive_int(field, getattr(self, field))
+    require(self.moe is None or isinstance(self.moe, MoEConfig), "moe", self.moe,
+            "a MoEConfig or None")
+    require(_int_at_least(self.first_k_dense_replace, 0), "first_k_dense_replace",
+            self.first_k_dense_replace, "an int >= 0")
+    require(self.attention in ATTENTION_KINDS, "attention", self.attention,
+            f"one of {ATTENTION_KINDS}")
+    positive_float("rms_norm_eps", self.rms_norm_eps)
+    require(_int_at_least(self.num_mtp_layers, 0), "num_mtp_layers", self.num_mtp_layers,
+            "an int >= 0")
     if self.indexer_types is not None:
       types = self.indexer_types
-      _require(isinstance(types, tuple) and len(types) == self.num_layers
-               and set(types) <= {"full", "shared"}, "indexer_types", types,
-               f"a tuple of {self.num_layers} 'full'/'shared' entries")
-      _require(types[0] == "full", "indexer_types", types, "starting with a 'full' layer")
-      _require(self.mla.indexer is not None, "indexer_types", types,
-               "None for a model without an indexer")
+      require(isinstance(types, tuple) and len(types) == self.num_layers
+              and set(types) <= {"full", "shared"}, "indexer_types", types,
+              f"a tuple of {self.num_layers} 'full'/'shared' entries")
+      require(types[0] == "full", "indexer_types", types, "starting with a 'full' layer")
+      require(self.mla.indexer is not None, "indexer_types", types,
+              "None for a model without an indexer")
 
   def shares_topk(self, layer: int) -> bool:
     """Layer ``layer`` reuses a full layer's top-k (never an MTP layer, ``>= num_layers``)."""

@@ -13,6 +13,7 @@ before the scans and every layer of every repetition reads it, so all trace the 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +23,13 @@ from mla_jax import checks, sharding
 from mla_jax.attention import DeepseekV32Attention, MLAAttention, MLAAttentionBase
 from mla_jax.backends import Backend, get_backend
 from mla_jax.cache import LayerCache, cache_shape, empty_layer_cache, resolve_cache_dtype
+from mla_jax.decoding.protocol import FlatRows
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.models.config import LayerGroup, ModelConfig, layer_groups
 from mla_jax.models.mlp import MLP
 from mla_jax.models.moe import MoE, resolve_grouped_matmul
 from mla_jax.models.mtp import MTPLayer, check_mtp_inputs
+from mla_jax.paged_cache import PagedLayerCache, empty_pools
 from mla_jax.routing import PrefillRoute
 from mla_jax.step_plan import StepPlan, plan_flat_step, plan_step, static_num_cached, step_route
 
@@ -78,6 +81,12 @@ class ModelCache:
         c, num_cached_B=jnp.broadcast_to(num_cached_B, c.num_cached_B.shape).astype(
             c.num_cached_B.dtype))
         for c in unit) for unit in self.groups))
+
+  @property
+  def pools(self):
+    """The arrays alone, per group and unit position (a paged cache's: what an engine keeps
+    between steps, ``CausalLM.init_pools``'s structure)."""
+    return tuple(tuple(c.pools for c in unit) for unit in self.groups)
 
   def layer(self, index: int) -> LayerCache:
     """Layer ``index``'s cache (a slice of its group's stacked cache)."""
@@ -292,12 +301,16 @@ class CausalLM(nnx.Module):
     graphdef, state = nnx.split(stacked)
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[rep], state))
 
-  def init_cache(self, batch_size: int, capacity: int, dtype=jnp.float32) -> ModelCache:
+  def init_cache(self, batch_size: int, capacity: int, dtype=jnp.float32,
+                 spare: int = 0) -> ModelCache:
     """Empty caches for every layer, placed by the cache rules on the model's mesh.
 
     ``dtype``: ``"fp32" | "bf16" | "fp8"`` or a float dtype (``mla_jax.cache``); ``"fp8"``
-    holds latent rows and indexer keys in the fp8 layouts, quantized on write.
+    holds latent rows and indexer keys in the fp8 layouts, quantized on write. ``spare``
+    (the decode protocol's): positions a step may write past where the next one starts; rows
+    are addressed by position within ``capacity``, so nothing more is needed here.
     """
+    checks.static_int(spare, "spare", minimum=0)
     dtype = resolve_cache_dtype(dtype)
     batch_size, capacity = cache_shape(self.config.mla, batch_size, capacity)
 
@@ -330,8 +343,8 @@ class CausalLM(nnx.Module):
                        f"size {sharding.axis_size(self.mesh, sharding.DATA)}")
     return jax.jit(build, out_shardings=shardings_of(jax.eval_shape(build), self.mesh))()
 
-  def init_mtp_cache(self, batch_size: int, capacity: int,
-                     dtype=jnp.float32) -> tuple[LayerCache, ...]:
+  def init_mtp_cache(self, batch_size: int, capacity: int, dtype=jnp.float32,
+                     spare: int = 0) -> tuple[LayerCache, ...]:
     """Empty caches of the MTP layers: one ``LayerCache`` per layer (``()`` without any),
     each with indexer keys in a DSA model; ``dtype`` as in ``init_cache`` (``"fp8"``
     included). They are placed like ``init_cache``'s on the model's mesh.
@@ -351,6 +364,88 @@ class CausalLM(nnx.Module):
     return self._place_caches(
         build, batch_size,
         lambda caches, mesh: tuple(layer_cache_shardings(c, mesh) for c in caches))
+
+  # ---- the decode protocol (mla_jax.decoding.protocol) ------------------------------------
+
+  sequence_state: ClassVar[bool] = False  # every cached row lives in a page: no rings
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_positions(self) -> int:
+    return self.config.mla.max_position_embeddings
+
+  @property
+  def num_mtp_layers(self) -> int:
+    return self.config.num_mtp_layers
+
+  @property
+  def key_chunk(self) -> int | None:
+    """Key positions a flat step's indexer scores a block (the backend's; None: no
+    indexer)."""
+    return None if self.config.mla.indexer is None else self.backend.key_chunk
+
+  def check_page_size(self, page_size: int) -> None:
+    """Any page size holds this model's rows: one latent row (and key) per token."""
+
+  def init_pools(self, num_rows: int, cache_dtype, *, page_size: int | None = None,
+                 num_state_slots: int = 0, mtp: bool = False):
+    """An engine's page pools of ``num_rows`` token rows: ``(per group and unit position
+    (latent, keys or None), per MTP layer the same, or () without ``mtp``)``, in the cache
+    format ``cache_dtype`` (``PagedLayerCache`` reads them)."""
+    config, cache_dtype = self.config, resolve_cache_dtype(cache_dtype, "cache_dtype")
+    main = tuple(
+        tuple(empty_pools(config.mla, group.reps, num_rows, cache_dtype,
+                          index_keys=not config.shares_topk(group.layer(0, u)))
+              for u in range(group.unit_len))
+        for group in self.layer_groups)
+    mtp_pools = tuple(empty_pools(config.mla, 1, num_rows, cache_dtype, index_keys=True)
+                      for _ in range(config.num_mtp_layers if mtp else 0))
+    return main, mtp_pools
+
+  def paged_cache(self, pools, rows: FlatRows) -> ModelCache:
+    """The main pools (``init_pools``' first part) as the caches of one flat step: each
+    row a sequence of one token at its position, with its sequence's block table, the rows
+    of a sequence sharing its segment (``StepPlan.segmented``)."""
+    table_TN = rows.table_SN[rows.seq_T]
+    return ModelCache(tuple(
+        tuple(PagedLayerCache(latent, keys, table_TN,
+                              jnp.broadcast_to(rows.pos_T, (group.reps, *rows.pos_T.shape)),
+                              rows.page_size, rows.seq_T, rows.key_blocks, reps=group.reps,
+                              context=rows.context)
+              for latent, keys in unit)
+        for group, unit in zip(self.layer_groups, pools)), self.layer_groups)
+
+  def mtp_paged_caches(self, mtp_pools, table_BN, num_cached_B, *, page_size: int,
+                       context: int = 1, segment_ids_B=None, key_blocks=None):
+    """The MTP layers' pools (``init_pools``' second part) as their caches, one layer
+    each, at ``num_cached_B`` (a flat step's rows: ``segment_ids_B`` and ``key_blocks`` as
+    ``PagedLayerCache``'s)."""
+    return tuple(PagedLayerCache(latent, keys, table_BN, num_cached_B[None], page_size,
+                                 segment_ids_B, key_blocks, context=context).layer_view(0)
+                 for latent, keys in mtp_pools)
+
+  @staticmethod
+  def mtp_pools_of(mtp_caches) -> tuple:
+    """The pools behind ``mtp_paged_caches``' caches (after a step)."""
+    return tuple(c.buffers.pools for c in mtp_caches)
+
+  def plan_layers(self, plan: StepPlan) -> list[PrefillRoute]:
+    """What each layer does under ``plan``: the route, model-wide."""
+    return [plan.route] * self.config.num_layers
+
+  def dense_fresh_bound(self, max_step_tokens: int, max_model_len: int,
+                        page_size: int) -> int | None:
+    """The tokens a fresh sequence may hold in an engine's flat step that takes the dense
+    route (within the top-k, so dense attention is exact), or None when this model's flat
+    plans take none."""
+    indexer = self.config.mla.indexer
+    bound = min(max_step_tokens, indexer.topk if indexer else max_model_len)
+    rows = -(-bound // page_size) * page_size
+    route = self.flat_step_plan(bound, kv_rows=rows, key_chunk=self.key_chunk).route
+    return bound if route is PrefillRoute.DENSE_MHA else None
 
   def step_plan(self, num_new_tokens: int, num_cached_tokens: int | None, *, capacity: int,
                 kv_rows: int | None = None, force_mqa: bool = False,

@@ -35,11 +35,10 @@ import numpy as np
 from mla_jax import checks, context_parallel, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
+from mla_jax.decoding.protocol import check_decode_model
 from mla_jax.decoding.requests import check_fits, checked_prompt
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.decoding.text import IncrementalText
-from mla_jax.models.lm import CausalLM
-from mla_jax.routing import PrefillRoute
 from mla_jax.serving import constraints, step_inputs
 from mla_jax.serving.input_batch import InputBatch
 from mla_jax.serving.pages import PageTable, pages_for
@@ -48,6 +47,7 @@ from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
 from mla_jax.serving.runner import (CompiledStep, InFlight, ModelRunner, engine_pools,
                                     page_bytes)
 from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
+from mla_jax.serving.snapshots import Snapshots
 from mla_jax.serving.stalls import StallGuard
 from mla_jax.serving.step_inputs import Buckets, StepShape
 from mla_jax.step_plan import StepPlan
@@ -102,7 +102,8 @@ class CheckedPrompt(list):
 
 
 class Engine:
-  """Continuous batching for a ``CausalLM`` over ``num_pages`` pages of ``page_size`` tokens.
+  """Continuous batching for any decode model (``mla_jax.decoding.protocol``: a ``CausalLM``,
+  a ``V4CausalLM``) over ``num_pages`` pages of ``page_size`` tokens.
 
   Offline: ``engine.generate(prompts, max_tokens=..., temperature=...)`` (or one
   ``SamplingParams`` per prompt) returns a ``RequestOutput`` per prompt, in prompt order.
@@ -111,7 +112,7 @@ class Engine:
   first (otherwise each compiles when a step first needs it).
 
   Args:
-    model: the ``CausalLM`` (its backend and layer classes fix what routes can exist).
+    model: the ``DecodeModel`` (its backend and layer classes fix what routes can exist).
     num_pages, page_size: the page pool (every layer has one, of the same page ids).
     max_num_seqs: sequences running at once (seats).
     max_step_tokens: tokens computed per step (decodes count one each, drafts one each;
@@ -145,24 +146,27 @@ class Engine:
       (``warmup`` too). A step that samples a constrained request is read before the next is
       dispatched (its next mask needs its token), though the next is scheduled and built
       while it runs.
+    num_snapshots: for a model with per-sequence state (DeepSeek-V4's rings), the slots of
+      state saved at page ends that prefix hits restore (``serving.snapshots``; default
+      ``max_num_seqs`` with prefix caching; 0: hits take no cached prefix).
   """
 
-  def __init__(self, model: CausalLM, *, num_pages: int, page_size: int = 64,
+  def __init__(self, model, *, num_pages: int, page_size: int = 64,
                max_num_seqs: int = 32, max_step_tokens: int = 512,
                max_model_len: int | None = None, cache_dtype="fp32", tokenizer=None,
                eos_token_ids: Iterable[int] = (), prefix_caching: bool = True,
                log_interval: float | None = 10.0, seed: int = 0,
                max_speculative_tokens: int = 0,
                decode_steps: int = DECODE_STEPS_PER_DISPATCH, prompt_logprobs: bool = False,
-               context_topk: str = "exact", structured_outputs: bool = False):
-    if not isinstance(model, CausalLM):
-      raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
-    mla = model.config.mla
+               context_topk: str = "exact", structured_outputs: bool = False,
+               num_snapshots: int | None = None):
+    check_decode_model(model)
     self.page_size = checks.static_int(page_size, "page_size", minimum=1)
+    model.check_page_size(self.page_size)
     self.num_pages = checks.static_int(num_pages, "num_pages", minimum=1)
     self.max_num_seqs = checks.static_int(max_num_seqs, "max_num_seqs", minimum=1)
     self.max_step_tokens = checks.static_int(max_step_tokens, "max_step_tokens", minimum=1)
-    limit = mla.max_position_embeddings
+    limit = model.max_positions
     self.max_model_len = checks.static_int(limit if max_model_len is None else max_model_len,
                                            "max_model_len", minimum=2, maximum=limit)
     self.cache_dtype = resolve_cache_dtype(cache_dtype, "cache_dtype")
@@ -170,9 +174,15 @@ class Engine:
     self.max_speculative_tokens = checks.static_int(
         max_speculative_tokens, "max_speculative_tokens", minimum=0,
         maximum=MAX_SPECULATIVE_TOKENS)
-    if self.max_speculative_tokens and not model.config.num_mtp_layers:
+    if self.max_speculative_tokens and not model.num_mtp_layers:
       raise ValueError("max_speculative_tokens > 0 needs a model with MTP layers (its config "
                        "counts num_mtp_layers = 0; load a checkpoint that stores them)")
+    if self.max_speculative_tokens and model.sequence_state:
+      # Rejected drafts would be written into the per-sequence rings, which have no rollback
+      # in pages yet (mla_jax.generate's contiguous rings do: spare rows).
+      raise ValueError(f"max_speculative_tokens > 0: the engine drafts for no model with "
+                       f"per-sequence state yet ({type(model).__name__}); use "
+                       "mla_jax.generate(..., speculative_tokens=) for it")
     self.decode_steps = checks.static_int(decode_steps, "decode_steps", minimum=1, maximum=256)
     for name, flag in (("prefix_caching", prefix_caching), ("prompt_logprobs", prompt_logprobs),
                        ("structured_outputs", structured_outputs)):
@@ -184,7 +194,7 @@ class Engine:
       raise ValueError("structured_outputs needs the engine's tokenizer (Engine(..., "
                        "tokenizer=)): constraints are matched on its tokens' bytes")
     # Compiles and checks requests' constraints over the tokenizer (None: refused).
-    self.grammars = constraints.Grammars(self.tokenizer, model.config.vocab_size,
+    self.grammars = constraints.Grammars(self.tokenizer, model.vocab_size,
                                          self.eos_token_ids) if structured_outputs else None
     self.log_interval = _checked_interval(log_interval)
     seed = checks.static_int(seed, "seed", minimum=0, maximum=2**63 - 1)
@@ -198,11 +208,18 @@ class Engine:
                        f"of size {self.context}: give a multiple of {self.context}")
     self.pages = PageTable(self.num_pages, self.page_size,
                            salt=("mla_jax", str(self.cache_dtype), self.page_size))
+    # A model with per-sequence state keeps it in a slot per seat, and prefix hits restore it
+    # from snapshots at page ends (``serving.snapshots``).
+    if num_snapshots is None:
+      num_snapshots = self.max_num_seqs if model.sequence_state and prefix_caching else 0
+    self.num_snapshots = checks.static_int(num_snapshots, "num_snapshots", minimum=0)
+    snapshots = (Snapshots(self.max_num_seqs, self.num_snapshots)
+                 if model.sequence_state and prefix_caching else None)
     self.scheduler = Scheduler(
         self.pages, max_num_seqs=self.max_num_seqs, max_step_tokens=self.max_step_tokens,
-        prefix_caching=prefix_caching)
+        prefix_caching=prefix_caching, snapshots=snapshots)
     # The indexer scores a flat step's keys in blocks of this many positions, each row its own.
-    self._key_chunk = None if mla.indexer is None else model.backend.key_chunk
+    self._key_chunk = model.key_chunk
     self._logit_rows = 1 + self.max_speculative_tokens
     max_pages = pages_for(self.max_model_len, self.page_size)
     self.buckets = Buckets(self.max_step_tokens, self.max_num_seqs, max_pages, self.page_size,
@@ -212,7 +229,9 @@ class Engine:
         model, num_rows=self.num_pages * self.page_size, page_size=self.page_size,
         cache_dtype=self.cache_dtype, num_slots=self.max_num_seqs, logit_rows=self._logit_rows,
         mtp=bool(self.max_speculative_tokens), context_topk=self.context_topk,
-        buckets=self.buckets, plan_of=self._plans)
+        buckets=self.buckets, plan_of=self._plans,
+        num_state_slots=(self.max_num_seqs + self.num_snapshots if model.sequence_state
+                         else 0))
     self._inputs = InputBatch(self.max_num_seqs, max_pages)
     self._in_flight: _Dispatched | None = None
     self._seqs: dict[str, Sequence] = {}
@@ -226,10 +245,8 @@ class Engine:
   def _dense_bound(self) -> int | None:
     """The tokens a fresh sequence may hold in a step that takes the dense route (within the
     top-k, so dense attention is exact), or None when this model's plans take none."""
-    indexer = self.model.config.mla.indexer
-    bound = min(self.max_step_tokens, indexer.topk if indexer else self.max_model_len)
-    route = self._flat_plan(bound, pages_for(bound, self.page_size)).route
-    return bound if route is PrefillRoute.DENSE_MHA else None
+    return self.model.dense_fresh_bound(self.max_step_tokens, self.max_model_len,
+                                        self.page_size)
 
   def _flat_plan(self, fresh_tokens: int | None, kv_pages: int, *,
                  segmented: bool = True) -> StepPlan:
@@ -299,7 +316,7 @@ class Engine:
       if self.tokenizer is None:
         raise TypeError("a string prompt needs the engine's tokenizer (Engine(..., tokenizer=))")
       prompt = self.tokenizer.encode(prompt)
-    ids = checked_prompt(prompt, self.model.config.vocab_size, name)
+    ids = checked_prompt(prompt, self.model.vocab_size, name)
     check_fits(len(ids), params.max_tokens, self.max_model_len, name)
     pages = pages_for(len(ids) + params.max_tokens, self.page_size)
     if pages > self.num_pages:
@@ -308,7 +325,7 @@ class Engine:
     if params.min_tokens and len(self._stop_ids(params)) > step_inputs.STOP_IDS:
       raise ValueError(f"min_tokens holds back at most {step_inputs.STOP_IDS} stop ids (the "
                        "request's stop_token_ids and the engine's eos ids)")
-    vocab = self.model.config.vocab_size
+    vocab = self.model.vocab_size
     for token in params.stop_token_ids:
       if token >= vocab:
         raise ValueError(f"stop_token_ids entry {token} is outside the vocabulary [0, {vocab})")
@@ -409,6 +426,7 @@ class Engine:
     if not batch:
       return None
     multi = self._multi_step(batch)
+    self.scheduler.plan_snapshots(batch)
     shape = self.buckets.shape(batch.chunks, batch.decode_steps)
     program = self.runner.program_shape(shape)
     inputs = self._inputs.build(batch.chunks, self.runner.layout(program), batch.decode_steps)

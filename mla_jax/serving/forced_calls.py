@@ -27,7 +27,7 @@ from mla_jax.serving.constraints import JSON_OPTIONS, Constraint
 from mla_jax.serving.reasoning import END_THINK
 from mla_jax.serving.tool_parsers import DeepSeekV32ToolParser as Dsml
 from mla_jax.serving.tool_parsers import Glm45ToolParser as Glm
-from mla_jax.serving.tool_parsers import string_typed
+from mla_jax.serving.tool_parsers import TOOL_PARSERS, string_typed
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
@@ -105,7 +105,7 @@ def _dsml_call(g: _Grammar, tool: dict) -> str:
   return g.rule(" ".join(parts))
 
 
-FORMATS = {"glm45": _glm_call, "deepseek_v32": _dsml_call}
+FORMATS = {"glm45": _glm_call, "deepseek_v32": _dsml_call, "deepseek_v4": _dsml_call}
 
 
 def call_constraint(parser: str, tools: Sequence[dict], *, name: str | None = None,
@@ -126,6 +126,7 @@ def call_constraint(parser: str, tools: Sequence[dict], *, name: str | None = No
   if parser == "glm45":
     body = call if single else f'{call} ("\\n"? {call})*'
   else:
-    body = f'{g.tag(Dsml.start_tag)} "\\n" {call if single else call + "+"} {g.tag(Dsml.end_tag)}'
+    tags = TOOL_PARSERS[parser]  # V3.2's and V4's DSML differ in their outer tags only
+    body = f'{g.tag(tags.start_tag)} "\\n" {call if single else call + "+"} {g.tag(tags.end_tag)}'
   head = f"{g.text_until(END_THINK)} " if reasoning else ""
   return Constraint("grammar", "\n".join([f"start: {head}{body}", *g.rules]), field)

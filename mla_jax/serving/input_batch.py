@@ -107,6 +107,12 @@ class InputBatch:
       self._next_rows(chunks, offsets, x)
     if x.reach_T is not None:
       x.reach_T[:] = (x.pos_T + decode_steps) * x.real_T
+    if x.state_src_S is not None:
+      x.state_src_S[:n] = [slot if c.seq.state_src is None else c.seq.state_src
+                           for c, slot in zip(chunks, slots.tolist())]
+      for s, c in enumerate(chunks):
+        if c.snapshot is not None:
+          x.snapshot_S[s], x.snapshot_at_S[s] = c.snapshot
     if layout.shape.sampler is Sampler.FULL:
       x.min_left_S[:n] = np.maximum(self.min_tokens[slots] - counters, 0)
       x.bias_ids_SB[:n], x.bias_SB[:n] = self.bias_ids[slots], self.bias[slots]

@@ -124,6 +124,7 @@ def _merge(deltas: list[dict], d: dict) -> None:
 REASONING_PARSERS = ("deepseek_v3", "glm45")  # vLLM's names; both are the <think> split here
 # model_type (config.json) -> (tool-call parser, reasoning parser), as vLLM's recipes serve them
 DEFAULT_PARSERS = {"deepseek_v32": ("deepseek_v32", "deepseek_v3"),
+                   "deepseek_v4": ("deepseek_v4", "deepseek_v3"),
                    "glm_moe_dsa": ("glm45", "glm45")}
 
 

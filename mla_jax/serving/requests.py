@@ -214,6 +214,7 @@ class Sequence:
   num_accepted: int = 0           # of which accepted
 
   slot: int | None = None         # its persistent slot while running (step inputs, last token)
+  state_src: int | None = None    # a prefix hit's snapshot its next step reads its state from
   admissions: int = 0             # times admitted (a preempted one returns with new pages)
   num_pending: int = 0            # tokens sampled by a step in flight, not read yet
   guide: Guide | None = None      # its constraint's matcher and next mask (``constraints``)

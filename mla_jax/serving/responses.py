@@ -8,15 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import TYPE_CHECKING
 
 from mla_jax.serving.reasoning import ChatOutputParser
 from mla_jax.serving.requests import RequestOutput, TokenLogprobs
+from mla_jax.serving.settings import ServerSettings
 from mla_jax.serving.text import TextStream
 from mla_jax.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-  from mla_jax.serving.server import ServerSettings
 
 @dataclasses.dataclass
 class Choice:

@@ -23,11 +23,8 @@ import numpy as np
 from flax import nnx
 
 from mla_jax import sharding
-from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import functionalize
 from mla_jax.decoding.programs import ProgramCache, signature
-from mla_jax.models.lm import CausalLM
-from mla_jax.paged_cache import empty_pools
 from mla_jax.serving import step_inputs
 from mla_jax.serving.step_inputs import Buckets, Layout, PackedInputs, StepShape
 from mla_jax.serving.step_program import StepProgram
@@ -50,28 +47,24 @@ class CompiledStep:
   compile_s: float
 
 
-def engine_pools(model: CausalLM, rows: int, cache_dtype, *, mtp: bool):
-  """An engine's page pools of ``rows`` token rows: ``(main pools per group and unit, MTP
-  pools per MTP layer, or () without speculative decoding, each row's token id)`` (the ids:
-  ``mla_jax.decoding.penalties``)."""
-  config, cache_dtype = model.config, resolve_cache_dtype(cache_dtype, "cache_dtype")
-  main = tuple(
-      tuple(empty_pools(config.mla, group.reps, rows, cache_dtype,
-                        index_keys=not config.shares_topk(group.layer(0, u)))
-            for u in range(group.unit_len))
-      for group in model.layer_groups)
-  mtp_pools = tuple(empty_pools(config.mla, 1, rows, cache_dtype, index_keys=True)
-                    for _ in range(config.num_mtp_layers if mtp else 0))
+def engine_pools(model, rows: int, cache_dtype, *, mtp: bool, page_size: int | None = None,
+                 num_state_slots: int = 0):
+  """An engine's page pools of ``rows`` token rows (the decode protocol's ``init_pools``:
+  the model's own, its MTP layers', () without speculative decoding) and each row's token
+  id (``mla_jax.decoding.penalties``): ``(main, mtp, token_ids)``."""
+  main, mtp_pools = model.init_pools(rows, cache_dtype, page_size=page_size,
+                                     num_state_slots=num_state_slots, mtp=mtp)
   return main, mtp_pools, jnp.zeros((rows,), jnp.int32)
 
 
-def page_bytes(model: CausalLM, page_size: int, cache_dtype="fp32", *, mtp: bool = False) -> int:
+def page_bytes(model, page_size: int, cache_dtype="fp32", *, mtp: bool = False) -> int:
   """The bytes one page of ``page_size`` tokens takes in every pool of an engine on one
   device (shapes only: nothing is allocated). The engine holds its pools whole on every
   device, or on a mesh with a ``context`` axis each device 1/context of the layers' pools
-  (and the token ids whole): the bytes of a page, averaged over the ranks."""
+  (and the token ids whole): the bytes of a page, averaged over the ranks. A family's
+  per-sequence state (``init_pools``' state slots) is not a page's: it is left out."""
   main, mtp_pools, token_ids = jax.eval_shape(
-      lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp))
+      lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp, page_size=page_size))
   size = lambda tree: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
   ranks = sharding.axis_size(model.mesh, sharding.CONTEXT)
   return -(-size((main, mtp_pools)) // ranks) + size(token_ids)
@@ -100,9 +93,9 @@ class ModelRunner:
   ``num_slots``: persistent slots (each running request's last token lives in one).
   """
 
-  def __init__(self, model: CausalLM, *, num_rows: int, page_size: int, cache_dtype,
-               num_slots: int, logit_rows: int, mtp: bool, context_topk: str, buckets: Buckets,
-               plan_of):
+  def __init__(self, model, *, num_rows: int, page_size: int, cache_dtype, num_slots: int,
+               logit_rows: int, mtp: bool, context_topk: str, buckets: Buckets, plan_of,
+               num_state_slots: int = 0):
     self.model, self.page_size, self.cache_dtype = model, page_size, cache_dtype
     self.logit_rows, self.mtp, self.context_topk = logit_rows, mtp, context_topk
     self.buckets, self._plan_of = buckets, plan_of
@@ -110,7 +103,8 @@ class ModelRunner:
     self._state_leaves, self._state_def = jax.tree.flatten(state)
     self.context = sharding.axis_size(model.mesh, sharding.CONTEXT)
     self._multiprocess = jax.process_count() > 1
-    make_pools = lambda: engine_pools(model, num_rows, cache_dtype, mtp=mtp)
+    make_pools = lambda: engine_pools(model, num_rows, cache_dtype, mtp=mtp,
+                                      page_size=page_size, num_state_slots=num_state_slots)
     mesh = model.mesh
     self._replicated = None if mesh is None else jax.sharding.NamedSharding(
         mesh, sharding.REPLICATED)
@@ -137,7 +131,8 @@ class ModelRunner:
     return rows(main), rows(mtp), placed(sharding.REPLICATED)
 
   def layout(self, shape: StepShape) -> Layout:
-    return Layout(shape, self.logit_rows, self.mtp, self.model.config.vocab_size)
+    return Layout(shape, self.logit_rows, self.mtp, self.model.vocab_size,
+                  self.model.sequence_state)
 
   # ---- programs -------------------------------------------------------------------------
 
@@ -216,8 +211,7 @@ class ModelRunner:
     is asserted on it without compiling, e.g. for a backend whose kernels only run on a
     GPU)."""
     program = self.step_program(shape)
-    step = program.build(self._graphdef, self._state_def, self.model.layer_groups,
-                         self._pool_placement)
+    step = program.build(self._graphdef, self._state_def, self._pool_placement)
     out_shardings = None
     if self._replicated is not None:
       out_shardings = (None, (self._replicated, self._pool_placement, self._replicated))
@@ -236,8 +230,8 @@ class ModelRunner:
     plan, traced = self.trace_step(shape)
     compiled = traced.lower().compile()
     seconds = time.perf_counter() - t0
-    logger.debug("compiled step program %s (route %s) in %.1f s", shape, plan.route.name,
-                  seconds)
+    logger.debug("compiled step program %s (%s) in %.1f s", shape,
+                 ", ".join(sorted({str(p) for p in self.model.plan_layers(plan)})), seconds)
     run = lambda *args: compiled(*args)[1]  # (check error: always None unchecked, outputs)
     return run, CompiledStep(shape, plan, summarize_jaxpr(traced.jaxpr), seconds)
 

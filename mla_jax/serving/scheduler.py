@@ -24,6 +24,7 @@ import time
 
 from mla_jax.serving.pages import PageTable, page_keys, pages_for
 from mla_jax.serving.requests import Sequence, Status
+from mla_jax.serving.snapshots import Snapshots
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -43,6 +44,7 @@ class Chunk:
   token_ids: list[int] = dataclasses.field(default_factory=list)
   emits: int = 0
   num_computed: int = 0  # rows the step computes: the tokens and the drafts
+  snapshot: tuple[int, int] | None = None  # (state slot, position): save its state there
 
   @classmethod
   def of(cls, seq: Sequence, num_tokens: int, drafts: tuple[int, ...] = ()) -> Chunk:
@@ -97,8 +99,9 @@ class Scheduler:
   drafts included, counts once)."""
 
   def __init__(self, pages: PageTable, *, max_num_seqs: int, max_step_tokens: int,
-               prefix_caching: bool = True):
+               prefix_caching: bool = True, snapshots: Snapshots | None = None):
     self.pages = pages
+    self.snapshots = snapshots  # per-sequence state at page ends (a model with such state)
     self.max_num_seqs, self.max_step_tokens = max_num_seqs, max_step_tokens
     self.prefix_caching = prefix_caching
     self.waiting: collections.deque[Sequence] = collections.deque()
@@ -176,6 +179,7 @@ class Scheduler:
       advance = emits if steps > 1 else chunk.num_tokens
       seq.num_cached += advance
       seq.num_pending += emits
+      seq.state_src = None  # its state is in its own slot from this step on
       self.rows_dispatched += advance
       self._register_full_pages(seq)
       chunk.emits = emits
@@ -212,20 +216,54 @@ class Scheduler:
       if seq.params.prompt_logprobs is not None:
         reusable = min(reusable, seq.num_scored)
       keys = page_keys(seq.tokens[:reusable], size, self.pages.salt)
-      hits = self.pages.match(keys)
+      hits = self._restorable(seq, keys, self.pages.match(keys))
       seq.page_keys = keys[:len(hits)]
     # The whole sequence must fit, with the MTP rows of its first drafts (``Chunk.rows``).
     last = seq.num_prompt + seq.params.max_tokens
     reach = min(len(seq.tokens) + max(seq.params.speculative_tokens - 1, 0), last)
     if pages_for(reach, size) - len(hits) > self.pages.num_free:
       self.pages.release(hits)
-      seq.page_keys = []
+      seq.page_keys, seq.state_src = [], None
       return False
     seq.pages = hits
     seq.num_cached = len(hits) * size
     if seq.num_preemptions == 0:
       seq.num_cached_prompt = seq.num_cached
     return True
+
+  def _restorable(self, seq: Sequence, keys: list, hits: list[int]) -> list[int]:
+    """The hit pages a sequence takes: all of them, or with per-sequence state, up to the
+    last one whose end has a snapshot (``snapshots``), which its next step reads its state
+    from (``seq.state_src``); the pages past it are released."""
+    if self.snapshots is None:
+      return hits
+    taken = len(hits)
+    while taken and self.snapshots.slot_of(keys[taken - 1]) is None:
+      taken -= 1
+    self.pages.release(hits[taken:])
+    seq.state_src = self.snapshots.slot_of(keys[taken - 1]) if taken else None
+    return hits[:taken]
+
+  def plan_snapshots(self, batch: StepBatch) -> None:
+    """With per-sequence state: each prefill chunk of ``batch`` (a step, not a multi-step
+    dispatch) that crosses a page boundary of known tokens saves its state as of the last one
+    it crosses into a snapshot slot (``Chunk.snapshot``), keyed by that page's prefix key;
+    unless that page has one already (``snapshots`` module docstring). Called once the step's
+    chunks are final, before its inputs are built."""
+    if self.snapshots is None or batch.decode_steps > 1:
+      return
+    size = self.pages.page_size
+    for c in batch.chunks:
+      seq, end = c.seq, c.num_cached + c.num_tokens
+      boundary = min(end, len(seq.tokens)) // size * size
+      if boundary <= c.num_cached:
+        continue
+      done = len(seq.page_keys)  # registered pages: all before num_cached
+      key = page_keys(seq.tokens, size, self.pages.salt, start=done,
+                      parent=seq.page_keys[-1] if done else None, stop=boundary // size)[-1]
+      slot = self.snapshots.take(key)
+      if slot is not None:
+        c.snapshot = (slot, boundary)
 
   def _reserve(self, seq: Sequence, count: int, batch: StepBatch) -> bool:
     """Pages for ``count`` more tokens of ``seq``, preempting newer sequences if need be;
@@ -256,6 +294,7 @@ class Scheduler:
     if seq.slot is not None:
       self._free_slots.append(seq.slot)
     seq.pages, seq.page_keys, seq.num_cached, seq.drafts, seq.slot = [], [], 0, [], None
+    seq.state_src = None
 
   # ---- after the step -------------------------------------------------------------------
 

@@ -272,7 +272,10 @@ class StepInputs:
   (its ``logit_bias``: ids, -1 padded, and values), ``repetition_S``, ``frequency_S``,
   ``presence_S`` (its penalties) and ``num_prompt_S`` (where its output starts); masked ones
   ``allowed_SW`` (the tokens its constraint allows: bit t % 32 of word t // 32, every bit set
-  for an unconstrained sequence).
+  for an unconstrained sequence). A model with per-sequence state takes ``state_src_S`` (the
+  state slot a sequence reads at the step's start: its persistent slot, or a prefix hit's
+  snapshot) and ``snapshot_S`` / ``snapshot_at_S`` (save its state as of that position into
+  that slot; -1: none).
   """
 
   ids_T: np.ndarray
@@ -303,17 +306,23 @@ class StepInputs:
   presence_S: np.ndarray | None = None
   num_prompt_S: np.ndarray | None = None
   allowed_SW: np.ndarray | None = None
+  state_src_S: np.ndarray | None = None
+  snapshot_S: np.ndarray | None = None
+  snapshot_at_S: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where each input lives in a step's two packed arrays (int32 and float32), and each
-  output in its one packed int32 array (float32 outputs bitcast): fixed by the shape."""
+  output in its one packed int32 array (float32 outputs bitcast): fixed by the shape (and
+  whether the model drafts with MTP layers, ``mtp``, or keeps per-sequence state,
+  ``state``)."""
 
   shape: StepShape
   logit_rows: int
   mtp: bool
   vocab_size: int = 0  # the bitmask's bits (masked shapes)
+  state: bool = False  # per-sequence state (``DecodeModel.sequence_state``)
 
   def input_fields(self) -> list[tuple[str, tuple[int, ...], type]]:
     t, s, j = self.shape.tokens, self.shape.seqs, self.logit_rows
@@ -331,6 +340,9 @@ class Layout:
       fields += [("logit_row_T", (t,), i32)]
     if self.shape.key_blocks:
       fields += [("reach_T", (t,), i32)]
+    if self.state:
+      fields += [("state_src_S", (s,), i32), ("snapshot_S", (s,), i32),
+                 ("snapshot_at_S", (s,), i32)]
     if self.shape.sampler is Sampler.FULL:
       fields += [("min_left_S", (s,), i32), ("bias_ids_SB", (s, MAX_LOGIT_BIAS), i32),
                  ("bias_SB", (s, MAX_LOGIT_BIAS), f32), ("repetition_S", (s,), f32),
@@ -405,7 +417,7 @@ def _padding(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
   arrays = {}
   for name, dims, dtype in layout.input_fields():
     fill = -1 if name in ("next_ids_T", "logit_row_T", "stop_ids_SM", "bias_ids_SB",
-                          "allowed_SW") else 0
+                          "allowed_SW", "snapshot_S") else 0
     fill = 1 if name in ("top_p_S", "repetition_S") else fill
     arrays[name] = np.full(dims, fill, dtype)
   return layout.pack(StepInputs(**arrays))

@@ -42,15 +42,13 @@ from flax import nnx
 from mla_jax.decoding import penalties
 from mla_jax.decoding.logits import (Adjustments, Sampler, Sampling, allowed_rows, bias_rows,
                                      process_logits, stop_mask)
+from mla_jax.decoding.protocol import FlatRows
 from mla_jax.decoding.sampling import seed_keys
 from mla_jax.decoding.speculative import draft, drafts_wanted, row
 from mla_jax.decoding.stops import ends
 from mla_jax.indexer import KeyBlocks
-from mla_jax.models.lm import ModelCache
-from mla_jax.paged_cache import PagedLayerCache
 from mla_jax.serving.requests import MAX_LOGPROBS
 from mla_jax.serving.step_inputs import Layout, StepInputs
-from mla_jax.step_plan import StepPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +63,8 @@ class StepProgram:
   """
 
   layout: Layout
-  plan: StepPlan
-  draft_plan: StepPlan | None
+  plan: object  # the model's flat step plan (the decode protocol's ``flat_step_plan``)
+  draft_plan: object | None
   page_size: int
   context: int = 1
 
@@ -74,7 +72,7 @@ class StepProgram:
   def shape(self):
     return self.layout.shape
 
-  def build(self, graphdef, state_def, layer_groups, pool_shardings=None):
+  def build(self, graphdef, state_def, pool_shardings=None):
     """``step(state_leaves, pools, last_tokens, ints, floats) -> (outputs, pools,
     last_tokens)``: ``ints`` / ``floats`` the packed ``StepInputs``, ``outputs`` the packed
     outputs (``Layout.output_fields``). ``pool_shardings``: where the pools live on the mesh,
@@ -88,7 +86,7 @@ class StepProgram:
       x = self.layout.unpack(ints, floats)
       # Placeholders: the tokens the step before computed, kept on the device.
       ids_T = jnp.where(x.ids_T < 0, last_tokens[x.slot_S[x.seq_T]], x.ids_T)
-      outputs, pools, last_tokens = run(model, layer_groups, pools, last_tokens, ids_T, x)
+      outputs, pools, last_tokens = run(model, pools, last_tokens, ids_T, x)
       return self.layout.pack_outputs(outputs), keep(pools), last_tokens
 
     return step
@@ -99,23 +97,20 @@ class StepProgram:
       return None
     return KeyBlocks.for_reaches(x.reach_T, self.plan.key_chunk, self.shape.key_blocks)
 
-  def _forward(self, model, layer_groups, pools, ids_T, pos_T, real_T, x: StepInputs, blocks):
-    """The main model on the flat rows: hidden states [T, D] and the pools (the rows' token
-    ids recorded too)."""
+  def _forward(self, model, pools, ids_T, pos_T, real_T, x: StepInputs, blocks,
+               state_src_S=None):
+    """The main model on the flat rows (its paged caches: the decode protocol's
+    ``paged_cache``; ``state_src_S``: where each sequence's state is read, by default
+    ``x``'s): hidden states [T, ...] and the pools (the rows' token ids recorded too)."""
     main_pools, mtp_pools, token_ids = pools
-    table_TN = x.table_SN[x.seq_T]
-    token_ids = penalties.record_ids(token_ids, ids_T, table_TN, pos_T, real_T, self.page_size)
-    caches = ModelCache(tuple(
-        tuple(PagedLayerCache(latent, keys, table_TN,
-                              jnp.broadcast_to(pos_T, (group.reps, *pos_T.shape)),
-                              self.page_size, x.seq_T, blocks, reps=group.reps,
-                              context=self.context)
-              for latent, keys in unit)
-        for group, unit in zip(layer_groups, main_pools)), layer_groups)
-    hidden_T1D, caches = model.forward_hidden(ids_T[:, None], caches, new_lens_B=real_T,
-                                              plan=self.plan)
-    main_pools = tuple(tuple(c.pools for c in unit) for unit in caches.groups)
-    return hidden_T1D[:, 0], (main_pools, mtp_pools, token_ids)
+    token_ids = penalties.record_ids(token_ids, ids_T, x.table_SN[x.seq_T], pos_T, real_T,
+                                     self.page_size)
+    rows = FlatRows(x.seq_T, pos_T, x.table_SN, x.slot_S, self.page_size, blocks,
+                    x.state_src_S if state_src_S is None else state_src_S, x.snapshot_S,
+                    x.snapshot_at_S, context=self.context)
+    hidden_T1X, caches = model.forward_hidden(ids_T[:, None], model.paged_cache(main_pools, rows),
+                                              new_lens_B=real_T, plan=self.plan)
+    return hidden_T1X[:, 0], (caches.pools, mtp_pools, token_ids)
 
   def _sampling(self, x: StepInputs, counters_S):
     return Sampling(seed_keys(x.seeds_S), counters_S, x.temperature_S, x.top_p_S, x.top_k_S,
@@ -132,16 +127,15 @@ class StepProgram:
                        stop_mask(x.stop_ids_SM, vocab), x.min_left_S,
                        None if x.allowed_SW is None else allowed_rows(x.allowed_SW, vocab))
 
-  def _one_step(self, model, layer_groups, pools, last_tokens, ids_T, x: StepInputs):
+  def _one_step(self, model, pools, last_tokens, ids_T, x: StepInputs):
     blocks = self._key_blocks(x)
-    hidden_TD, pools = self._forward(model, layer_groups, pools, ids_T, x.pos_T, x.real_T, x,
-                                     blocks)
+    hidden_TD, pools = self._forward(model, pools, ids_T, x.pos_T, x.real_T, x, blocks)
     logits_SJV = model.logits(hidden_TD[x.logit_rows_SJ])
     sampler = self.shape.sampler
     adjustments = None
     if sampler is Sampler.FULL:
       adjustments = self._adjustments(x, pools[2], x.pos_T[x.logit_rows_SJ[:, 0]],
-                                      model.config.vocab_size)
+                                      model.vocab_size)
     accepted_S, tokens_SJ = process_logits(logits_SJV, ids_T[x.logit_rows_SJ], x.num_logits_S,
                                            self._sampling(x, x.counters_S), sampler,
                                            adjustments)
@@ -165,12 +159,13 @@ class StepProgram:
     sampled_T = tokens_SJ[x.seq_T, jnp.maximum(x.logit_row_T, 0)]
     pairs_T = jnp.where(x.next_ids_T < 0, sampled_T, x.next_ids_T)
     valid_T = x.real_T * ((x.logit_row_T < 0) | (x.logit_row_T <= accepted_S[x.seq_T]))
-    views = _mtp_views(mtp_pools, x.table_SN[x.seq_T], x.pos_T, self.page_size, self.context,
-                       x.seq_T, blocks)
+    views = model.mtp_paged_caches(mtp_pools, x.table_SN[x.seq_T], x.pos_T,
+                                   page_size=self.page_size, context=self.context,
+                                   segment_ids_B=x.seq_T, key_blocks=blocks)
     _, mtp_hidden_T1D, views = model.mtp_forward(
         0, hidden_TD[:, None], pairs_T[:, None], views, new_lens_B=valid_T, plan=self.plan,
         logits=False)
-    mtp_pools = tuple(v.buffers.pools for v in views)
+    mtp_pools = model.mtp_pools_of(views)
     outputs = {}
     if self.draft_plan is not None:
       emitted_S = accepted_S + 1
@@ -180,13 +175,14 @@ class StepProgram:
       table_SN, page_size, context = x.table_SN, self.page_size, self.context
       drafts_SD, mtp_pools = draft(
           model, model.mtp_logits(0, last_hidden_SD), last_hidden_SD, mtp_pools,
-          lambda pools, rows_S: _mtp_views(pools, table_SN, rows_S, page_size, context),
-          lambda views: tuple(v.buffers.pools for v in views), x.pos_T[last_S] + 1,
-          wanted_S, self.layout.logit_rows - 1, self.draft_plan)
+          lambda pools, rows_S: model.mtp_paged_caches(pools, table_SN, rows_S,
+                                                       page_size=page_size, context=context),
+          model.mtp_pools_of, x.pos_T[last_S] + 1, wanted_S, self.layout.logit_rows - 1,
+          self.draft_plan)
       outputs = {"drafts": drafts_SD, "wanted": wanted_S}
     return (main_pools, mtp_pools, token_ids), outputs
 
-  def _decode_steps(self, model, layer_groups, pools, last_tokens, ids_T, x: StepInputs):
+  def _decode_steps(self, model, pools, last_tokens, ids_T, x: StepInputs):
     """N decode steps of every real row (row s: sequence s's last token), each sampling one
     token, as a fixed-length scan: a sequence that stopped (a stop id or its last allowed
     token) writes and emits nothing more (-1)."""
@@ -197,8 +193,10 @@ class StepProgram:
 
     def one_step(carry, i):
       pools, ids_S, active_S = carry
-      hidden_SD, pools = self._forward(model, layer_groups, pools, ids_S, x.pos_T + i,
-                                       active_S, x, blocks)
+      # A sequence's state: where the first step reads it (a prefix hit's snapshot), then its own.
+      src_S = None if x.state_src_S is None else jnp.where(i == 0, x.state_src_S, x.slot_S)
+      hidden_SD, pools = self._forward(model, pools, ids_S, x.pos_T + i, active_S, x, blocks,
+                                       src_S)
       _, new_S1 = process_logits(model.logits(hidden_SD)[:, None], ids_S[:, None], no_drafts_S,
                                  self._sampling(x, x.counters_S + i), sampler)
       new_S = new_S1[:, 0]
@@ -245,12 +243,3 @@ def _pad_k(x_XK, fill):
   """The top entries padded to ``MAX_LOGPROBS`` (a vocabulary may be smaller)."""
   pad = MAX_LOGPROBS - x_XK.shape[-1]
   return jnp.pad(x_XK, [(0, 0)] * (x_XK.ndim - 1) + [(0, pad)], constant_values=fill)
-
-
-def _mtp_views(mtp_pools, table_BN, num_cached_B, page_size, context, segment_ids_B=None,
-               key_blocks=None):
-  """The MTP layers' paged caches (one layer each) at ``num_cached_B`` (a flat step's rows:
-  ``segment_ids_B`` and ``key_blocks`` as ``PagedLayerCache``'s)."""
-  return tuple(PagedLayerCache(latent, keys, table_BN, num_cached_B[None], page_size,
-                               segment_ids_B, key_blocks, context=context).layer_view(0)
-               for latent, keys in mtp_pools)

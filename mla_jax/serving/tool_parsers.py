@@ -11,6 +11,8 @@
 
   A parameter with ``string="true"`` is the text between the tags; ``string="false"`` is JSON
   (kept as the text when it does not decode).
+- ``deepseek_v4``: DeepSeek-V4's DSML, V3.2's invokes and parameters in
+  ``<｜DSML｜tool_calls>`` ... ``</｜DSML｜tool_calls>`` (vLLM's ``deepseek_v4`` parser).
 - ``glm45``: the GLM-4.5 / 4.6 / 4.7 / GLM-5 chat templates' format, the name ended by a
   newline (4.5, 4.6) or directly by the first ``<arg_key>`` (4.7, 5)::
 
@@ -366,7 +368,16 @@ class Glm45ToolParser(ToolParser):
         self._state = "args"
 
 
+class DeepSeekV4ToolParser(DeepSeekV32ToolParser):
+  """DeepSeek-V4's DSML tool calls: V3.2's grammar in ``tool_calls`` tags."""
+
+  start_tag = f"<{_DSML}tool_calls>"
+  end_tag = f"</{_DSML}tool_calls>"
+  tags = (start_tag, end_tag)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v32": DeepSeekV32ToolParser,
+    "deepseek_v4": DeepSeekV4ToolParser,
     "glm45": Glm45ToolParser,
 }

@@ -10,7 +10,10 @@ and three attention layer types (docs/models.md):
   ``m' = 128`` tokens.
 
 Each is absorbed MQA over a set of rows (window, compressed entries), so it runs on the
-backends' sparse MQA; what a layer may select is fixed by its class (``attention``).
+backends' sparse MQA; what a layer may select is fixed by its class (``attention``) and
+decided once per step (``step_plan``). ``V4CausalLM`` is a decode model
+(``mla_jax.decoding.protocol``): ``mla_jax.generate``, the engine and ``mla-jax serve`` run it,
+over contiguous or paged caches (``cache``).
 Residuals are mHC streams (``hyper``), feed-forwards DeepSeek MoE with hash-routed first
 layers (``moe``).
 
@@ -20,7 +23,6 @@ M (tokens a compressed entry pools), N (mHC streams).
 
 from mla_jax.v4.checkpoint import load_pretrained, save_pretrained
 from mla_jax.v4.config import V4Config
-from mla_jax.v4.generate import generate
 from mla_jax.v4.model import V4CausalLM
 
-__all__ = ["V4CausalLM", "V4Config", "generate", "load_pretrained", "save_pretrained"]
+__all__ = ["V4CausalLM", "V4Config", "load_pretrained", "save_pretrained"]

@@ -16,14 +16,18 @@ Which entries a query attends is the class's, at trace time (``compressed_select
   every valid entry is selected and nothing is scored, a complete selection. A class that
   does not declare it always scores.
 
-Both sets run on the backend's sparse MQA (absorbed MQA over selected rows); their partial
-softmaxes merge with the sink by log-sum-exp, so the compressed entries are read in place.
+Every set runs on the backend's sparse MQA (absorbed MQA over selected rows), reading its rows
+where they lie: the window's in the state's ring and in this step's rows, the entries in their
+pages (``mla_jax.v4.cache``). The parts' partial softmaxes merge with the sink by log-sum-exp
+(``partial_softmax.merge``). A step's rows lie flat, [N] = every sequence's tokens end to end
+(``StepGeometry``), so a prefill, a decode and an engine's mixed step are one computation.
 The output's rotary slice is rotated back by the query's position (K = V carries the keys'
 rotation), then projected per head group (``o_a_proj``) and mixed (``o_b_proj``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import ClassVar
 
@@ -31,12 +35,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax import partial_softmax
 from mla_jax.backends import Backend
 from mla_jax.backends.on_mesh import MeshOps
 from mla_jax.indexer import topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
-from mla_jax.v4.compressor import Compressor, ring_rows, write_entries, write_ring
+from mla_jax.v4.cache import StepGeometry, V4LayerCache, entries_per_page
+from mla_jax.v4.compressor import Compressor, write_entries
 from mla_jax.v4.config import CSA, HCA, SLIDING, V4Config
 from mla_jax.v4.hyper import unweighted_rms_norm
 
@@ -60,29 +66,6 @@ def compressed_selection(layer, capacity: int) -> CompressedSelection:
   if layer.skips_complete_scoring and capacity <= layer.config.index_topk:
     return CompressedSelection.ALL
   return CompressedSelection.SCORED
-
-
-def window_indices(start_B, num_new: int, window: int, ring: int | None = None):
-  """Rows of each query's window (its last ``window`` positions) in ``[ring (R) | this step's
-  rows (T)]``: [B, T, W], -1 where the position is before the sequence. The ring holds
-  position p at slot ``p % R``; R is ``window``, or more to hold spare slots (``ring_rows``)."""
-  pos_BT = start_B[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
-  key_BTW = pos_BT[..., None] - jnp.arange(window, dtype=jnp.int32)
-  row_BTW = ring_rows(key_BTW, start_B[:, None, None], window if ring is None else ring)
-  return jnp.where(key_BTW >= 0, row_BTW, -1)
-
-
-def merge_with_sink(parts, sink_H):
-  """One softmax over every part's rows and the sink, from each part's ``(out, lse)``.
-
-  A part with no rows for a query has LSE +inf (the backends' empty row) and weight 0."""
-  lses = [jnp.where(jnp.isinf(lse), -jnp.inf, lse) for _, lse in parts]
-  sink = jnp.broadcast_to(sink_H.astype(jnp.float32), lses[0].shape)
-  top = jnp.maximum(jnp.max(jnp.stack(lses), axis=0), sink)
-  weights = [jnp.exp(lse - top) for lse in lses]
-  total = sum(weights) + jnp.exp(sink - top)
-  out = sum(w[..., None] * out.astype(jnp.float32) for w, (out, _) in zip(weights, parts))
-  return out / total[..., None]
 
 
 class V4Attention(nnx.Module):
@@ -138,86 +121,105 @@ class V4Attention(nnx.Module):
   def ratio(self) -> int:
     return self.config.compress_ratio(self.layer_type)
 
-  def init_cache(self, batch: int, capacity: int, dtype, spare: int = 0) -> dict:
-    """This layer's cache for sequences of up to ``capacity`` tokens (all zeros); its rings
-    (window, compressor state) hold ``spare`` more slots, for steps that run ahead of the
-    next step's start (``compressor`` module docstring)."""
-    cache = {"window": jnp.zeros((batch, self.config.sliding_window + spare,
-                                  self.config.head_dim), dtype)}
-    if self.compressed:
-      cache["entries"] = jnp.zeros((batch, capacity // self.ratio, self.config.head_dim), dtype)
-      cache["pool_kv"], cache["pool_gate"] = self.compressor.init_state(batch, dtype, spare)
-    if self.scored:
-      cache["index_keys"] = jnp.zeros((batch, capacity // self.ratio,
-                                       self.config.index_head_dim), dtype)
-      cache["index_pool_kv"], cache["index_pool_gate"] = self.indexer.init_state(batch, dtype,
-                                                                                 spare)
-    return cache
+  def init_cache(self, slots: int, num_pages: int, page_size: int, dtype,
+                 spare: int = 0) -> V4LayerCache:
+    """This layer's arrays (all zeros): state for ``slots`` sequences, its rings (window,
+    compressor) holding ``spare`` more rows for steps that run ahead of the next step's
+    start; entries for ``num_pages`` pages of ``page_size`` tokens (``mla_jax.v4.cache``)."""
+    config = self.config
+    window = jnp.zeros((slots, config.sliding_window + spare, config.head_dim), dtype)
+    if not self.compressed:
+      return V4LayerCache(window)
+    rows = num_pages * entries_per_page(page_size, self.ratio)
+    pool_kv, pool_gate = self.compressor.init_state(slots, dtype, spare)
+    cache = V4LayerCache(window, pool_kv, pool_gate, jnp.zeros((rows, config.head_dim), dtype))
+    if not self.scored:
+      return cache
+    index_kv, index_gate = self.indexer.init_state(slots, dtype, spare)
+    return dataclasses.replace(cache, index_pool_kv=index_kv, index_pool_gate=index_gate,
+                               index_keys=jnp.zeros((rows, config.index_head_dim), dtype))
 
-  def _rotate(self, x, pos_BT, *, inverse: bool = False):
+  def _rotate(self, x, pos_N, *, inverse: bool = False):
+    """RoPE on the last ``rope_dim`` features of rows [N, ...] at positions ``pos_N``."""
     r = self.config.rope_dim
-    rotated = apply_rope(x[..., -r:], pos_BT, self.rope, interleaved=True, inverse=inverse,
+    rotated = apply_rope(x[..., -r:], pos_N, self.rope, interleaved=True, inverse=inverse,
                          max_position=self.config.max_position_embeddings)
     return jnp.concatenate([x[..., :-r], rotated], axis=-1)
 
-  def __call__(self, x_BTD, cache: dict, start_B):
-    """Attention of T new tokens at positions ``start_B + t``; returns ``(out_BTD, cache)``."""
+  def __call__(self, x_BTD, cache: V4LayerCache, geo: StepGeometry,
+               selection: CompressedSelection, kv_rows: int):
+    """Attention of a step's rows (``x_BTD`` flattened in ``geo``'s row order) under
+    ``selection`` (the step plan's for this layer), reading entries of positions below
+    ``kv_rows``; returns ``(out_BTD, cache)``."""
     config = self.config
-    b, t, _ = x_BTD.shape
-    h, dh = config.num_attention_heads, config.head_dim
-    pos_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    q_res_BTC = self.q_a_norm(self.q_a_proj(x_BTD))
-    q_BTHL = unweighted_rms_norm(self.q_b_proj(q_res_BTC).reshape(b, t, h, dh),
-                                 config.rms_norm_eps)
-    q_BTHL = self._rotate(q_BTHL, pos_BT)
-    kv_BTL = self._rotate(self.kv_norm(self.kv_proj(x_BTD)), pos_BT)
-    sm_scale = dh**-0.5
-    cache = dict(cache)
+    b, t, d = x_BTD.shape
+    n, h, dh = b * t, config.num_attention_heads, config.head_dim
+    x_ND = x_BTD.reshape(n, d)
+    pos_N = geo.pos_N
+    q_res_NC = self.q_a_norm(self.q_a_proj(x_ND))
+    q_NHL = unweighted_rms_norm(self.q_b_proj(q_res_NC).reshape(n, h, dh), config.rms_norm_eps)
+    q_N1HL = self._rotate(q_NHL, pos_N)[:, None]
+    kv_NL = self._rotate(self.kv_norm(self.kv_proj(x_ND)), pos_N)
+    attend = lambda rows, idx_NK: self.ops.sparse_mqa(
+        q_N1HL, rows.astype(q_N1HL.dtype), idx_NK[:, None], sm_scale=dh**-0.5, d_v=dh,
+        batched_rows=False)
 
     with jax.named_scope("v4_window"):
-      kv_BTL = kv_BTL.astype(cache["window"].dtype)  # as the ring holds it
-      rows_BSL = jnp.concatenate([cache["window"], kv_BTL], 1)
-      idx_BTW = window_indices(start_B, t, config.sliding_window, cache["window"].shape[1])
-      parts = [self.ops.sparse_mqa(q_BTHL, rows_BSL.astype(q_BTHL.dtype), idx_BTW,
-                                   sm_scale=sm_scale, d_v=dh)]
-      cache["window"] = write_ring(cache["window"], kv_BTL, start_B)
+      ring = cache.window
+      kv_NL = kv_NL.astype(ring.dtype)  # as the ring holds it
+      step_NW, ring_NW = geo.window(config.sliding_window, ring.shape[1])
+      parts = [attend(ring.reshape(-1, dh), ring_NW), attend(kv_NL, step_NW)]
+      cache = dataclasses.replace(cache, window=geo.state_after(ring, kv_NL))
     if self.compressed:
-      entries, window_BJ, cache["pool_kv"], cache["pool_gate"] = self.compressor(
-          x_BTD, cache["pool_kv"], cache["pool_gate"], start_B)
-      cache["entries"] = write_entries(cache["entries"], entries, window_BJ)
-      selection = compressed_selection(self, cache["entries"].shape[1])
+      with jax.named_scope("v4_compressor"):
+        entries, window_J, row_J, pool_kv, pool_gate = self.compressor(
+            x_ND, cache.pool_kv, cache.pool_gate, geo)
+        rows_J = geo.entry_rows(geo.seq_N[row_J], window_J, self.ratio)
+        cache = dataclasses.replace(
+            cache, pool_kv=pool_kv, pool_gate=pool_gate,
+            entries=write_entries(cache.entries, entries, rows_J, window_J >= 0))
       with jax.named_scope(selection.scope):
-        idx_BTK = self._select(selection, x_BTD, q_res_BTC, pos_BT, start_B, cache)
-        parts.append(self.ops.sparse_mqa(q_BTHL, cache["entries"].astype(q_BTHL.dtype),
-                                         idx_BTK, sm_scale=sm_scale, d_v=dh))
-    out_BTHL = merge_with_sink(parts, self.sinks[...]).astype(x_BTD.dtype)
-    out_BTHL = self._rotate(out_BTHL, pos_BT, inverse=True)
+        rows_NK, cache = self._select(selection, x_ND, q_res_NC, geo, cache, kv_rows)
+        parts.append(attend(cache.entries, rows_NK))
+    out_NHL, _ = partial_softmax.merge(parts, sink=self.sinks[...])
+    out_NHL = self._rotate(out_NHL[:, 0].astype(x_BTD.dtype), pos_N, inverse=True)
     groups = config.o_groups
-    out_BTGX = out_BTHL.reshape(b, t, groups, -1)
+    out_NGX = out_NHL.reshape(n, groups, -1)
     w_GOX = self.o_a_proj.weight[...].reshape(groups, config.o_lora_rank, -1)
-    grouped_BTGO = jnp.einsum("btgx,gox->btgo", out_BTGX, w_GOX.astype(out_BTGX.dtype),
-                              preferred_element_type=jnp.float32).astype(x_BTD.dtype)
-    return self.o_b_proj(grouped_BTGO.reshape(b, t, -1)), cache
+    grouped_NGO = jnp.einsum("ngx,gox->ngo", out_NGX, w_GOX.astype(out_NGX.dtype),
+                             preferred_element_type=jnp.float32).astype(x_BTD.dtype)
+    return self.o_b_proj(grouped_NGO.reshape(n, -1)).reshape(b, t, d), cache
 
-  def _select(self, selection: CompressedSelection, x_BTD, q_res_BTC, pos_BT, start_B, cache):
-    """Entry indices of each query, -1 for none: valid ones only, never an unwritten row."""
-    capacity = cache["entries"].shape[1]
-    visible_BT = (pos_BT + 1) // self.ratio  # entries [0, visible) are complete
+  def _select(self, selection: CompressedSelection, x_ND, q_res_NC, geo: StepGeometry,
+              cache: V4LayerCache, kv_rows: int):
+    """Each row's entries as pool rows, -1 for none: valid ones only (complete at its
+    position, ``i < (pos + 1) // m``), never an unwritten row; and the cache (a scored
+    selection writes its indexer's keys first)."""
+    m = self.ratio
+    num_entries = max(kv_rows // m, 1)  # the entries a position below kv_rows can see
+    entry_C = jnp.arange(num_entries, dtype=jnp.int32)
+    visible_N = jnp.where(geo.real_N, (geo.pos_N + 1) // m, 0)  # entries [0, visible)
+    rows_NC = jnp.where(entry_C < visible_N[:, None],
+                        geo.entry_rows(geo.seq_N[:, None], entry_C[None, :], m), -1)
     if selection is CompressedSelection.ALL:
-      idx_C = jnp.arange(capacity, dtype=jnp.int32)
-      return jnp.where(idx_C < visible_BT[..., None], idx_C, -1)
-    keys, window_BJ, cache["index_pool_kv"], cache["index_pool_gate"] = self.indexer(
-        x_BTD, cache["index_pool_kv"], cache["index_pool_gate"], start_B)
-    cache["index_keys"] = write_entries(cache["index_keys"], keys, window_BJ)
-    config = self.config
-    b, t, _ = x_BTD.shape
-    g, i = config.index_n_heads, config.index_head_dim
-    q_BTGI = self._rotate(self.indexer.q_b_proj(q_res_BTC).reshape(b, t, g, i), pos_BT)
-    w_BTG = self.indexer.weights_proj(x_BTD).astype(jnp.float32) * (g**-0.5 * i**-0.5)
-    logits_BTC = self.ops.indexer_logits(
-        q_BTGI, cache["index_keys"].astype(q_BTGI.dtype), w_BTG, jnp.zeros_like(visible_BT),
-        visible_BT)
-    return topk_indices(logits_BTC, min(config.index_topk, capacity))
+      return rows_NC, cache
+    config, n = self.config, x_ND.shape[0]
+    with jax.named_scope("v4_indexer"):
+      keys, window_J, row_J, index_kv, index_gate = self.indexer(
+          x_ND, cache.index_pool_kv, cache.index_pool_gate, geo)
+      rows_J = geo.entry_rows(geo.seq_N[row_J], window_J, m)
+      cache = dataclasses.replace(
+          cache, index_pool_kv=index_kv, index_pool_gate=index_gate,
+          index_keys=write_entries(cache.index_keys, keys, rows_J, window_J >= 0))
+      g, i = config.index_n_heads, config.index_head_dim
+      q_NGI = self._rotate(self.indexer.q_b_proj(q_res_NC).reshape(n, g, i), geo.pos_N)
+      w_NG = self.indexer.weights_proj(x_ND).astype(jnp.float32) * (g**-0.5 * i**-0.5)
+      logits_N1C = self.ops.indexer_logits(
+          q_NGI[:, None], cache.index_keys, w_NG[:, None], jnp.zeros((n, 1), jnp.int32),
+          visible_N[:, None], key_rows_BS=rows_NC)
+      top_NK = topk_indices(logits_N1C, min(config.index_topk, num_entries))[:, 0]
+      picked_NK = jnp.take_along_axis(rows_NC, jnp.maximum(top_NK, 0), axis=1)
+      return jnp.where(top_NK >= 0, picked_NK, -1), cache
 
 
 class SlidingAttention(V4Attention):

@@ -11,18 +11,19 @@ with window ``w``'s Cb: 2m slots, stride m; window -1 has no tokens (softmax wei
 entry is then rotated at position ``w m`` (the compress RoPE, on its last ``rope_dim``
 features).
 
-A step of T new tokens needs the projections of the tokens before it that no entry has used
-up yet: the last ``m`` tokens' (``2m`` with overlap). They are the compressor's state
-(``pool_kv`` / ``pool_gate``), a fixed-size buffer whatever the sequence's length, so a step
-costs O(T + m) and never reads the sequence again. The buffer is a ring addressed by position
-(position p in slot p % R, ``ring_rows``), as the attention's window is: with R = 2m + k (k
-spare rows) a step may run k tokens past the position the next step starts from, and none of
-what those tokens wrote is read (speculative decoding's rejected drafts, ``mla_jax.v4.mtp``).
+A step's rows need the projections of the tokens before them that no entry has used up yet:
+the last ``m`` tokens' (``2m`` with overlap). They are the compressor's state (``pool_kv`` /
+``pool_gate``), a ring per sequence whatever its length (position p in row p % R,
+``mla_jax.v4.cache``), so a step costs O(T + m) and never reads the sequence again. With
+R = 2m + k (k spare rows) a step may run k tokens past the position the next step starts
+from, and none of what those tokens wrote is read (speculative decoding's rejected drafts).
+
+A row whose position ends a window (``(p + 1) % m == 0``) computes that window's entry, from
+this step's rows and the state read before it; at most ``rows / m + sequences`` rows of a
+step do, so only that many candidates are pooled.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from flax import nnx
 from mla_jax.config import RopeConfig
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
+from mla_jax.v4.cache import StepGeometry
 
 
 class Compressor(nnx.Module):
@@ -52,43 +54,41 @@ class Compressor(nnx.Module):
     """Tokens of projections the state keeps: m, or 2m with overlap."""
     return self.ratio * (2 if self.overlap else 1)
 
-  def init_state(self, batch: int, dtype, spare: int = 0):
+  def init_state(self, slots: int, dtype, spare: int = 0):
     """Zero rings of the last ``state_tokens`` (+ ``spare``) tokens' projections."""
-    shape = (batch, self.state_tokens + spare, self.kv_proj.weight.shape[0])
+    shape = (slots, self.state_tokens + spare, self.kv_proj.weight.shape[0])
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
-  def __call__(self, x_BTD, pool_kv_BRX, pool_gate_BRX, start_B):
-    """Entries of the windows that the T new tokens (at ``start_B + t``) complete.
+  def __call__(self, x_ND, pool_kv_SRX, pool_gate_SRX, geo: StepGeometry):
+    """Entries of the windows that the step's rows (``x_ND``, at ``geo``'s positions) end.
 
-    Returns ``(entries_BJW, window_BJ, pool_kv, pool_gate)``: J = ceil(T / m) candidate
-    windows, ``window_BJ`` their entry index or -1 where the window is not complete by the
-    end of the step (its row of ``entries`` is then garbage that no write keeps), and the
-    state after the step.
+    Returns ``(entries_JW, window_J, row_J, pool_kv, pool_gate)``: for J candidate rows, the
+    entry of the window each ends (``window_J`` its index, -1 where the row ends none: its
+    entry is garbage that no write keeps) and the rows' indices; then the state after the
+    step.
     """
     # In the state's dtype (the cache's), so the state keeps its dtype from step to step.
-    kv_BTX = self.kv_proj(x_BTD).astype(pool_kv_BRX.dtype)
-    gate_BTX = self.gate_proj(x_BTD).astype(pool_gate_BRX.dtype)
-    src_kv = jnp.concatenate([pool_kv_BRX, kv_BTX], axis=1)
-    src_gate = jnp.concatenate([pool_gate_BRX, gate_BTX], axis=1)
-    pool = functools.partial(self._pool, num_new=x_BTD.shape[1], ring=pool_kv_BRX.shape[1])
-    entries, window = jax.vmap(pool)(src_kv, src_gate, start_B)
-    return (entries.astype(x_BTD.dtype), window, write_ring(pool_kv_BRX, kv_BTX, start_B),
-            write_ring(pool_gate_BRX, gate_BTX, start_B))
-
-  def _pool(self, src_kv_SX, src_gate_SX, start, *, num_new: int, ring: int):
-    m, width = self.ratio, self.width
-    num_windows = -(-num_new // m)
-    window_J = start // m + jnp.arange(num_windows, dtype=jnp.int32)
-    complete_J = (window_J + 1) * m <= start + num_new
+    kv_NX = self.kv_proj(x_ND).astype(pool_kv_SRX.dtype)
+    gate_NX = self.gate_proj(x_ND).astype(pool_gate_SRX.dtype)
+    m, width, n = self.ratio, self.width, x_ND.shape[0]
+    ends_N = geo.real_N & ((geo.pos_N + 1) % m == 0)
+    num_candidates = min(n, n // m + geo.slot_S.shape[0])
+    row_J = (jnp.arange(n, dtype=jnp.int32) if num_candidates == n else
+             jnp.nonzero(ends_N, size=num_candidates, fill_value=0)[0].astype(jnp.int32))
+    window_J = jnp.where(ends_N[row_J], (geo.pos_N[row_J] + 1) // m - 1, -1)
     pos_JM = window_J[:, None] * m + jnp.arange(m, dtype=jnp.int32)[None, :]
+    ring = pool_kv_SRX.shape[1]
+    flat = lambda pool: pool.reshape(-1, pool.shape[-1])
     bias_MX = self.position_bias[...]
 
     def slots(pos_JM, half: slice):
-      # Positions before 0 are masked below, past the step are incomplete windows' (dropped).
-      row_JM = jnp.clip(ring_rows(pos_JM, start, ring), 0, src_kv_SX.shape[0] - 1)
-      kv = src_kv_SX[row_JM][..., half].astype(jnp.float32)
-      gate = src_gate_SX[row_JM][..., half].astype(jnp.float32) + bias_MX[:, half]
-      return kv, jnp.where((pos_JM >= 0)[..., None], gate, -jnp.inf)
+      step_JM, ring_JM = geo.sources(row_J, pos_JM, ring)
+      pick = lambda new_NX, pool: jnp.where(
+          (step_JM >= 0)[..., None], new_NX[jnp.maximum(step_JM, 0)],
+          flat(pool)[jnp.maximum(ring_JM, 0)])[..., half].astype(jnp.float32)
+      held = (step_JM >= 0) | (ring_JM >= 0)  # positions before 0 are in neither
+      gate = pick(gate_NX, pool_gate_SRX) + bias_MX[:, half]
+      return pick(kv_NX, pool_kv_SRX), jnp.where(held[..., None], gate, -jnp.inf)
 
     if self.overlap:
       kv_a, gate_a = slots(pos_JM - m, slice(0, width))  # Ca of the window before
@@ -99,32 +99,15 @@ class Compressor(nnx.Module):
       kv_JSW, gate_JSW = slots(pos_JM, slice(0, width))
     pooled_JW = jnp.sum(jax.nn.softmax(gate_JSW, axis=1) * kv_JSW, axis=1)
     entries_JW = self.kv_norm(pooled_JW)
-    rope = apply_rope(entries_JW[:, width - self.rope_dim:], window_J * m, self.rope,
-                      interleaved=True, max_position=self.max_position)
+    rope = apply_rope(entries_JW[:, width - self.rope_dim:], jnp.maximum(window_J, 0) * m,
+                      self.rope, interleaved=True, max_position=self.max_position)
     entries_JW = jnp.concatenate([entries_JW[:, :width - self.rope_dim], rope], axis=-1)
-    return entries_JW, jnp.where(complete_J, window_J, -1)
+    return (entries_JW.astype(x_ND.dtype), window_J, row_J,
+            geo.state_after(pool_kv_SRX, kv_NX), geo.state_after(pool_gate_SRX, gate_NX))
 
 
-def ring_rows(pos, start, ring: int):
-  """Row of position ``pos`` in ``[ring (R rows, position p in slot p % R) | a step's rows
-  from position start]``."""
-  return jnp.where(pos >= start, ring + pos - start, pos % ring)
-
-
-def write_ring(ring_BRX, new_BTX, start_B):
-  """The ring after a step of T rows from ``start_B``: its last ``min(T, R)`` rows in slots
-  ``pos % R`` (in the ring's dtype)."""
-  size, num_new = ring_BRX.shape[1], new_BTX.shape[1]
-  kept = min(num_new, size)
-  pos_BK = start_B[:, None] + jnp.arange(num_new - kept, num_new, dtype=jnp.int32)
-  batch_BK = jnp.broadcast_to(jnp.arange(ring_BRX.shape[0])[:, None], pos_BK.shape)
-  return ring_BRX.at[batch_BK, pos_BK % size].set(new_BTX[:, num_new - kept:].astype(
-      ring_BRX.dtype))
-
-
-def write_entries(entries_BCW, new_BJW, window_BJ):
-  """``entries[b, window[b, j]] = new[b, j]`` where ``window >= 0``, in place under donation."""
-  capacity = entries_BCW.shape[1]
-  rows_BJ = jnp.where(window_BJ >= 0, window_BJ, capacity)  # out of range: dropped
-  batch_BJ = jnp.broadcast_to(jnp.arange(rows_BJ.shape[0])[:, None], rows_BJ.shape)
-  return entries_BCW.at[batch_BJ, rows_BJ].set(new_BJW.astype(entries_BCW.dtype), mode="drop")
+def write_entries(pool_RW, new_JW, rows_J, keep_J):
+  """``pool[rows_J] = new_JW`` where ``keep_J`` (in the pool's dtype; in place under
+  donation)."""
+  rows_J = jnp.where(keep_J, rows_J, pool_RW.shape[0])  # out of range: dropped
+  return pool_RW.at[rows_J].set(new_JW.astype(pool_RW.dtype), mode="drop")

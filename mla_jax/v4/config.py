@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mla_jax.config import RopeConfig, _positive_float, _positive_int, _require
+from mla_jax.config import RopeConfig, positive_float, positive_int, require
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -60,32 +60,32 @@ class V4Config:
                  "sliding_window", "csa_ratio", "hca_ratio", "index_n_heads", "index_head_dim",
                  "index_topk", "n_routed_experts", "num_experts_per_tok", "hc_mult",
                  "hc_sinkhorn_iters", "max_position_embeddings"):
-      _positive_int(name, getattr(self, name))
-    _require(type(self.num_mtp_layers) is int and self.num_mtp_layers >= 0, "num_mtp_layers",
-             self.num_mtp_layers, "an int >= 0")
+      positive_int(name, getattr(self, name))
+    require(type(self.num_mtp_layers) is int and self.num_mtp_layers >= 0, "num_mtp_layers",
+            self.num_mtp_layers, "an int >= 0")
     for name in ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps"):
-      _positive_float(name, getattr(self, name))
-    _require(self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, "rope_dim",
-             self.rope_dim, f"even and <= head_dim ({self.head_dim})")
-    _require(self.rope_dim <= self.index_head_dim, "rope_dim", self.rope_dim,
-             f"<= index_head_dim ({self.index_head_dim}): the indexer rotates it too")
-    _require(self.num_attention_heads % self.o_groups == 0, "o_groups", self.o_groups,
-             f"a divisor of num_attention_heads ({self.num_attention_heads})")
-    _require(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             self.num_experts_per_tok, f"<= n_routed_experts ({self.n_routed_experts})")
-    _require(self.scoring_func in SCORING_FUNCS, "scoring_func", self.scoring_func,
-             f"one of {SCORING_FUNCS}")
-    _require(isinstance(self.layer_types, tuple) and len(self.layer_types) > 0
-             and all(t in LAYER_TYPES for t in self.layer_types), "layer_types",
-             self.layer_types, f"a non-empty tuple of {LAYER_TYPES}")
-    _require(isinstance(self.mlp_layer_types, tuple)
-             and len(self.mlp_layer_types) == len(self.layer_types)
-             and all(t in MLP_LAYER_TYPES for t in self.mlp_layer_types), "mlp_layer_types",
-             self.mlp_layer_types,
-             f"a tuple of {MLP_LAYER_TYPES}, one per layer ({len(self.layer_types)})")
+      positive_float(name, getattr(self, name))
+    require(self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, "rope_dim",
+            self.rope_dim, f"even and <= head_dim ({self.head_dim})")
+    require(self.rope_dim <= self.index_head_dim, "rope_dim", self.rope_dim,
+            f"<= index_head_dim ({self.index_head_dim}): the indexer rotates it too")
+    require(self.num_attention_heads % self.o_groups == 0, "o_groups", self.o_groups,
+            f"a divisor of num_attention_heads ({self.num_attention_heads})")
+    require(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+            self.num_experts_per_tok, f"<= n_routed_experts ({self.n_routed_experts})")
+    require(self.scoring_func in SCORING_FUNCS, "scoring_func", self.scoring_func,
+            f"one of {SCORING_FUNCS}")
+    require(isinstance(self.layer_types, tuple) and len(self.layer_types) > 0
+            and all(t in LAYER_TYPES for t in self.layer_types), "layer_types",
+            self.layer_types, f"a non-empty tuple of {LAYER_TYPES}")
+    require(isinstance(self.mlp_layer_types, tuple)
+            and len(self.mlp_layer_types) == len(self.layer_types)
+            and all(t in MLP_LAYER_TYPES for t in self.mlp_layer_types), "mlp_layer_types",
+            self.mlp_layer_types,
+            f"a tuple of {MLP_LAYER_TYPES}, one per layer ({len(self.layer_types)})")
     for name in ("main_rope", "compress_rope"):
-      _require(isinstance(getattr(self, name), RopeConfig), name, getattr(self, name),
-               "a RopeConfig")
+      require(isinstance(getattr(self, name), RopeConfig), name, getattr(self, name),
+              "a RopeConfig")
 
   @property
   def num_layers(self) -> int:

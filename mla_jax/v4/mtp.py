@@ -13,7 +13,7 @@ p + 2 (one further per draft step, which feeds back the layer's own output strea
   stream. The embedding is zero at position 0, as vLLM masks it there.
 - ``block`` is a ``V4DecoderLayer`` with sliding-window attention (no compressor: vLLM gives
   the MTP layer compress ratio 1) and a learned-routing MoE (it gets no token ids to hash).
-  Its cache is the window ring, addressed by position like every V4 cache.
+  Its cache is the window ring, addressed by position like every V4 cache's state.
 - The embedding and the LM head are the main model's. A checkpoint's per-layer copies of them
   (``mtp.{k}.emb.*``, ``mtp.{k}.head.weight``, when present) are not read.
 """
@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mla_jax.layers import Linear, RMSNorm
+from mla_jax.v4.attention import CompressedSelection
+from mla_jax.v4.cache import StepGeometry, V4LayerCache
 from mla_jax.v4.config import SLIDING, V4Config
 from mla_jax.v4.hyper import HyperHead
 
@@ -45,16 +47,19 @@ class V4MTPLayer(nnx.Module):
     self.hc_head = HyperHead(d, config.hc_mult, hc_eps=config.hc_eps, norm_eps=eps, rngs=rngs)
     self.norm = RMSNorm(d, eps=eps)
 
-  def __call__(self, streams_BTND, next_ids_BT, embed_BTD, cache: dict, start_B):
-    """The output streams of T rows at positions ``start_B + t`` and the block's cache after.
+  def __call__(self, streams_BTND, next_ids_BT, embed_BTD, cache: V4LayerCache,
+               geo: StepGeometry):
+    """The output streams of a step's rows (at ``geo``'s positions) and the block's cache
+    after.
 
     ``streams_BTND``: the main model's streams at those positions (or a draft step's output);
     ``embed_BTD``: the embedding of ``next_ids_BT``, the tokens one position later."""
-    pos_BT = start_B[:, None] + jnp.arange(next_ids_BT.shape[1], dtype=jnp.int32)[None, :]
+    pos_BT = geo.pos_N.reshape(next_ids_BT.shape)
     embed_BTD = jnp.where((pos_BT == 0)[..., None], 0, embed_BTD)
     x_BTND = (self.h_proj(self.hnorm(streams_BTND.astype(embed_BTD.dtype)))
               + self.e_proj(self.enorm(embed_BTD))[:, :, None, :])
-    return self.block(x_BTND, next_ids_BT, cache, start_B)
+    # A sliding block: no compressed entries to select or read.
+    return self.block(x_BTND, next_ids_BT, cache, geo, CompressedSelection.NONE, 1)
 
   def hidden(self, streams_XND):
     """What the LM head reads: the streams collapsed by ``hc_head``, then ``norm``."""

@@ -167,7 +167,7 @@ def _walk(guide, rng, prefix=b"", steps=800) -> tuple[str, str | None]:
   return ByteTokenizer().decode(tokens), reason
 
 
-@pytest.mark.parametrize("parser", ["deepseek_v32", "glm45"])
+@pytest.mark.parametrize("parser", ["deepseek_v32", "deepseek_v4", "glm45"])
 def test_forced_calls_parse_as_valid_calls(parser):
   """Random walks under a forced call's grammar end (the grammar complete) in text that the
   parser reads as calls of the offered tools with arguments valid under their schemas: one
@@ -199,12 +199,15 @@ def test_forced_calls_parse_as_valid_calls(parser):
   # A free-text value: anything up to the closing tag.
   spelled = {"glm45": b"<tool_call>note<arg_key>text</arg_key><arg_value>a <b> c",
              "deepseek_v32": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="note">\n'
-                             '<｜DSML｜parameter name="text" string="true">a <b> c'.encode()}
+                             '<｜DSML｜parameter name="text" string="true">a <b> c'.encode(),
+             "deepseek_v4": '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="note">\n'
+                            '<｜DSML｜parameter name="text" string="true">a <b> c'.encode()}
   guide = grammars.guide(call_constraint(parser, [NOTE], name="note"))
   text, reason = _walk(guide, rng, spelled[parser], steps=len(spelled[parser]))
   assert reason is None  # the value goes on until its tag comes
   end = {"glm45": "</arg_value></tool_call>",
-         "deepseek_v32": "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>"}
+         "deepseek_v32": "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+         "deepseek_v4": "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>"}
   assert [guide.advance(t) for t in end[parser].encode()][-1] == "stop"
   _, calls = TOOL_PARSERS[parser]([NOTE]).parse(text + end[parser])
   assert json.loads(calls[0]["function"]["arguments"]) == {"text": "a <b> c"}
