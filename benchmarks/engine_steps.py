@@ -45,6 +45,7 @@ from mla_jax.serving.step_inputs import Layout  # noqa: E402
 from mla_jax.testing import randomize_params  # noqa: E402
 
 PAGE = 64
+MAX_CONTEXT = 32768  # every host engine is sized for the longest context: only the context varies
 HOST_GOALS_MS = {32: 0.2, 256: 1.0}
 
 
@@ -78,12 +79,12 @@ def stubbed_engine(seqs: int, context: int, decode_steps: int) -> Engine:
   ``context``-token prompts, every prompt computed."""
   config = tiny_lm()
   config = dataclasses.replace(config, mla=dataclasses.replace(
-      config.mla, max_position_embeddings=2 * context))
+      config.mla, max_position_embeddings=2 * MAX_CONTEXT))
   model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0), backend="xla"))
   real = engine_module.ModelRunner
   engine_module.ModelRunner = StubRunner
   try:
-    engine = Engine(model, num_pages=seqs * (context // PAGE + 4), page_size=PAGE,
+    engine = Engine(model, num_pages=seqs * (MAX_CONTEXT // PAGE + 4), page_size=PAGE,
                     max_num_seqs=seqs, max_step_tokens=max(512, seqs), log_interval=None,
                     decode_steps=decode_steps)
   finally:

@@ -339,7 +339,8 @@ def cmd_serve(args) -> int:
                   structured_outputs=args.structured_outputs)
 
   def warmup():  # every process compiles every program before any step runs
-    count, seconds = engine.warmup(progress=jax.process_index() == 0)
+    count, seconds = engine.warmup(progress=jax.process_index() == 0,
+                                   every_reach=args.warmup_every_reach)
     if jax.process_index() == 0:
       print(f"warm-up: {count} step programs compiled in {seconds:.1f} s; ready", flush=True)
 
@@ -668,6 +669,12 @@ def build_parser() -> argparse.ArgumentParser:
   serve.add_argument("--no-warmup", dest="warmup", action="store_false",
                      help="serve at once, compiling each step program when a step first needs "
                           "it (by default every one is compiled before the server listens)")
+  serve.add_argument("--warmup-every-reach", action="store_true",
+                     help="warm up every step program at every key-block bucket too, so that "
+                          "nothing compiles while serving (by default the smaller buckets, "
+                          "which follow the rows' reaches, compile in the background when a "
+                          "step first needs one, the step meanwhile running on the covering "
+                          "program); a warm-up about log2(context / key chunk) + 1 times longer")
   _add_speculative_tokens(serve, "for every request (the engine keeps the MTP layers' paged "
                           "caches)")
   serve.set_defaults(func=cmd_serve)

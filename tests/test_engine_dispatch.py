@@ -126,6 +126,44 @@ def test_default_settings_need_few_programs():
   assert set(dense) - set(default) == {s for s in dense if s.fresh} and len(dense) == 33
 
 
+def test_a_warmup_at_every_reach_holds_every_step_shape(monkeypatch):
+  """Every shape a step can take (random chunks: decodes, prompt chunks at any offset, multi-
+  step dispatches) is one of ``all_shapes(every_reach=True)``, and ``Engine.warmup`` compiles
+  those with ``every_reach`` (counted without compiling): nothing is left to compile while
+  serving. Without it only the covering shapes are warmed."""
+  from mla_jax.serving.requests import Sequence
+  from mla_jax.serving.scheduler import Chunk
+
+  model = nnx.eval_shape(lambda: CausalLM(tiny_lm("mqa-only"), rngs=nnx.Rngs(0),
+                                          backend="xla"))
+  engine = Engine(model, num_pages=64, page_size=16, max_num_seqs=8, max_step_tokens=64,
+                  decode_steps=4, log_interval=None)
+  buckets, rng = engine.buckets, np.random.default_rng(3)
+  every, covering = set(buckets.all_shapes(every_reach=True)), set(buckets.all_shapes())
+  assert covering < every
+  reaches = set()
+  for _ in range(300):
+    chunks = []
+    for _ in range(rng.integers(1, 9)):
+      cached = int(rng.integers(0, engine.max_model_len - 64))
+      rows = 1 if rng.random() < 0.6 else int(rng.integers(1, 64 // 8))
+      temperature = float(rng.choice([0.0, 1.0]))
+      seq = Sequence("r", [1] * (cached + rows), cached + rows,
+                     SamplingParams(temperature=temperature), 0, num_cached=cached)
+      chunks.append(Chunk.of(seq, rows))
+    multi = all(c.num_tokens == 1 for c in chunks) and rng.random() < 0.5
+    shape = buckets.shape(chunks, engine.decode_steps if multi else 1)
+    assert shape in every, shape
+    reaches.add(shape.key_blocks // shape.tokens)
+  assert len(reaches) >= 4  # the draws reach several key-block buckets
+
+  warmed = []
+  monkeypatch.setattr(engine.runner, "program_shape", warmed.append)
+  assert engine.warmup(every_reach=True)[0] == len(every) and set(warmed) == every
+  warmed.clear()
+  assert engine.warmup()[0] == len(covering) and set(warmed) == covering
+
+
 def test_the_route_walk_catches_a_misrouted_class(monkeypatch, prompts):
   """Positive control: engine buckets that take every fresh step for a dense one, over the
   deliberately misrouted MQA-only layer (it skips scoring where the plan says the step is

@@ -580,16 +580,19 @@ class Engine:
     """Every step program compiled so far, with its plan and what its trace contains."""
     return self.runner.programs
 
-  def warmup(self, *, progress: bool = False) -> tuple[int, float]:
+  def warmup(self, *, progress: bool = False, every_reach: bool = False) -> tuple[int, float]:
     """Compiles every kind of step program this engine's settings can run
     (``Buckets.all_shapes``: each at its covering key blocks), so that serving never waits
     for a compile; returns ``(programs compiled, seconds)``. Programs already compiled (by
-    this engine or another over the same model and pools) are reused. ``progress``: a
-    progress bar on stderr."""
+    this engine or another over the same model and pools) are reused. ``every_reach``: each
+    at every key-block bucket too, so that nothing compiles while serving (without it the
+    smaller buckets compile in the background when first needed, their steps meanwhile
+    running on the covering program); a warm-up about log2(context / key chunk) + 1 times
+    longer. ``progress``: a progress bar on stderr."""
     from mla_jax.progress import progress_bar
 
     t0, before = time.perf_counter(), self.runner.compile_s
-    shapes = self.buckets.all_shapes()
+    shapes = self.buckets.all_shapes(every_reach)
     with progress_bar(len(shapes), "compiling step programs", unit="program",
                       enabled=progress) as bar:
       for shape in shapes:

@@ -192,10 +192,22 @@ class Buckets:
   def _every_other_size(self) -> list[int]:
     return self._sizes(self.max_step_tokens, MIN_TOKENS)[::-2]
 
-  def all_shapes(self) -> list[StepShape]:
+  def all_shapes(self, every_reach: bool = False) -> list[StepShape]:
     """Every kind of step this engine can take, each at its covering key blocks: what
     ``Engine.warmup`` compiles (smaller key-block buckets compile when a step first needs
-    them, meanwhile running on these)."""
+    them, meanwhile running on these). ``every_reach``: each also at every smaller key-block
+    bucket (every shape ``shape`` can give)."""
+    shapes = self._covering_shapes()
+    if not every_reach or self.key_chunk is None:
+      return shapes
+    return [dataclasses.replace(s, key_blocks=s.tokens * chunks) for s in shapes
+            for chunks in (self._chunk_buckets() if s.key_blocks else (0,))]
+
+  def _chunk_buckets(self) -> list[int]:
+    """Key blocks a row, on average, of every bucket: powers of two up to ``max_chunks``."""
+    return [1 << i for i in range(self.max_chunks.bit_length())]
+
+  def _covering_shapes(self) -> list[StepShape]:
     blocks = lambda n: 0 if self.key_chunk is None else n * self.max_chunks
     sizes = self._sizes(self.max_step_tokens, MIN_TOKENS)
     shapes = [self._shape(n, blocks(n), False, 1, Sampler.SAMPLE) for n in sizes]
