@@ -266,10 +266,10 @@ def empty_layer_cache(config: MLAConfig, batch_size: int, capacity: int, dtype, 
   keys = None
   if config.indexer is not None and index_keys:
     head_dim = config.indexer.head_dim
-    keys = fp8_cache.empty_keys(batch_size, capacity, head_dim) if fp8 else \
+    keys = fp8_cache.empty_keys((batch_size, capacity), head_dim) if fp8 else \
         jnp.zeros((batch_size, capacity, head_dim), dtype)
   if fp8:
-    latent = fp8_cache.empty_latent(batch_size, capacity, config.kv_lora_rank,
+    latent = fp8_cache.empty_latent((batch_size, capacity), config.kv_lora_rank,
                                     config.qk_rope_head_dim)
   else:
     latent = jnp.zeros((batch_size, capacity, config.latent_dim), dtype)

@@ -99,18 +99,17 @@ def readable(part):
   return part
 
 
-def empty_latent(batch_size: int, capacity: int, latent_width: int, rope_width: int):
-  """Zero rows of the fp8 latent layout for ``batch_size`` x ``capacity`` tokens (stored)."""
-  lead = (batch_size, capacity)
+def empty_latent(lead: tuple[int, ...], latent_width: int, rope_width: int):
+  """Zero rows of the fp8 latent layout, ``lead`` [..., S] of them (stored)."""
   return _as_bits(Fp8LatentRows(
       jnp.zeros((*lead, latent_width), FP8),
       jnp.zeros((*lead, latent_width // latent_tile(latent_width)), jnp.float32),
       jnp.zeros((*lead, rope_width), ROPE_DTYPE)))
 
 
-def empty_keys(batch_size: int, capacity: int, head_dim: int) -> Fp8Keys:
-  return _as_bits(Fp8Keys(jnp.zeros((batch_size, capacity, head_dim), FP8),
-                          jnp.zeros((batch_size, capacity), jnp.float32)))
+def empty_keys(lead: tuple[int, ...], head_dim: int) -> Fp8Keys:
+  """Zero indexer keys, ``lead`` [..., S] of them (stored)."""
+  return _as_bits(Fp8Keys(jnp.zeros((*lead, head_dim), FP8), jnp.zeros(lead, jnp.float32)))
 
 
 def encode_like(stored, new_rows):

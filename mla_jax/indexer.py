@@ -51,7 +51,7 @@ def topk_indices(logits_BTS, k: int):
   return idx
 
 
-def _scoring_operands(q_BTGI, keys, w_BTG, *, pooled: bool):
+def scoring_operands(q_BTGI, keys, w_BTG, *, pooled: bool):
   """``(q, keys, w, key scales or None)`` for ``Backend.indexer_logits``.
 
   With fp8 keys (``Fp8Keys``) the queries are quantized to e4m3 too, one scale per (token,
@@ -111,7 +111,7 @@ class Indexer(nnx.Module):
     ``key_rows_BS`` as in ``select``.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
-    q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, keys_BSI, w_BTG,
+    q_BTGI, keys, w_BTG, k_scale = scoring_operands(q_BTGI, keys_BSI, w_BTG,
                                                      pooled=key_rows_BS is not None)
     ends_BT = positions_BT + 1  # causal, self included
     return backend.indexer_logits(q_BTGI, keys, w_BTG, jnp.zeros_like(ends_BT), ends_BT,
@@ -121,14 +121,14 @@ class Indexer(nnx.Module):
              key_rows_BS=None):
     """Top-k positions of the cached keys for every query: int32 [B, T, topk], -1 padded.
 
-    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache, see ``_scoring_operands``): each
+    ``keys_BSI`` is an array or ``Fp8Keys`` (an fp8 cache, see ``scoring_operands``): each
     sequence's keys [B, S, I], or, with ``key_rows_BS`` (int32 [B, S], what
     ``CacheView.index_keys`` gives), a pool of key rows [P, I] that position s of sequence b
     reads at row ``key_rows_BS[b, s]``. Query rows are scored ``chunk_size`` at a time so that
     a long prefill never holds more than a [B, chunk_size, S] block of logits.
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
-    q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, keys_BSI, w_BTG,
+    q_BTGI, keys, w_BTG, k_scale = scoring_operands(q_BTGI, keys_BSI, w_BTG,
                                                      pooled=key_rows_BS is not None)
     ends_BT = positions_BT + 1  # causal, self included
     topk = self.config.indexer.topk
@@ -166,7 +166,7 @@ class Indexer(nnx.Module):
     ``context_topk`` says how the ranks' selections combine (``MeshOps.ragged_topk``).
     """
     q_BTGI, w_BTG = self.scores_inputs(x_BTD, q_resid_BTC, positions_BT)
-    q_BTGI, keys, w_BTG, k_scale = _scoring_operands(q_BTGI, key_pool, w_BTG, pooled=True)
+    q_BTGI, keys, w_BTG, k_scale = scoring_operands(q_BTGI, key_pool, w_BTG, pooled=True)
     b = positions_BT.shape[0]
     rows_N = jnp.minimum(blocks.row_N, b - 1)  # padding blocks: any row, an empty window
     starts_N = blocks.start_N

@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mla_jax import partial_softmax
+from mla_jax import fp8_cache, partial_softmax
 from mla_jax.backends import Backend
 from mla_jax.backends.on_mesh import MeshOps
-from mla_jax.indexer import topk_indices
+from mla_jax.indexer import scoring_operands, topk_indices
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
 from mla_jax.v4.cache import StepGeometry, V4LayerCache, entries_per_page
@@ -122,22 +122,31 @@ class V4Attention(nnx.Module):
     return self.config.compress_ratio(self.layer_type)
 
   def init_cache(self, slots: int, num_pages: int, page_size: int, dtype,
-                 spare: int = 0) -> V4LayerCache:
+                 spare: int = 0, *, entry_dtype=None) -> V4LayerCache:
     """This layer's arrays (all zeros): state for ``slots`` sequences, its rings (window,
     compressor) holding ``spare`` more rows for steps that run ahead of the next step's
-    start; entries for ``num_pages`` pages of ``page_size`` tokens (``mla_jax.v4.cache``)."""
+    start; entries for ``num_pages`` pages of ``page_size`` tokens (``mla_jax.v4.cache``).
+    ``entry_dtype`` (default ``dtype``): the entries' and indexer keys', or ``"fp8"``: V3.2's
+    fp8 layouts (``mla_jax.fp8_cache``; the entry's RoPE part is the latent's)."""
     config = self.config
+    entry_dtype = dtype if entry_dtype is None else entry_dtype
+    fp8 = isinstance(entry_dtype, str)
     window = jnp.zeros((slots, config.sliding_window + spare, config.head_dim), dtype)
     if not self.compressed:
       return V4LayerCache(window)
     rows = num_pages * entries_per_page(page_size, self.ratio)
     pool_kv, pool_gate = self.compressor.init_state(slots, dtype, spare)
-    cache = V4LayerCache(window, pool_kv, pool_gate, jnp.zeros((rows, config.head_dim), dtype))
+    entries = (fp8_cache.empty_latent((rows,), config.head_dim - config.rope_dim,
+                                      config.rope_dim) if fp8
+               else jnp.zeros((rows, config.head_dim), entry_dtype))
+    cache = V4LayerCache(window, pool_kv, pool_gate, entries)
     if not self.scored:
       return cache
     index_kv, index_gate = self.indexer.init_state(slots, dtype, spare)
+    keys = (fp8_cache.empty_keys((rows,), config.index_head_dim) if fp8
+            else jnp.zeros((rows, config.index_head_dim), entry_dtype))
     return dataclasses.replace(cache, index_pool_kv=index_kv, index_pool_gate=index_gate,
-                               index_keys=jnp.zeros((rows, config.index_head_dim), dtype))
+                               index_keys=keys)
 
   def _rotate(self, x, pos_N, *, inverse: bool = False):
     """RoPE on the last ``rope_dim`` features of rows [N, ...] at positions ``pos_N``."""
@@ -180,7 +189,10 @@ class V4Attention(nnx.Module):
             entries=write_entries(cache.entries, entries, rows_J, window_J >= 0))
       with jax.named_scope(selection.scope):
         rows_NK, cache = self._select(selection, x_ND, q_res_NC, geo, cache, kv_rows)
-        parts.append(attend(cache.entries, rows_NK))
+        # fp8 entries are dequantized whole: the kernels' fp8 rows give only their latent
+        # part as values, and a V4 entry's RoPE part is a value too (docs/models.md)
+        parts.append(attend(fp8_cache.dense_latent(fp8_cache.readable(cache.entries),
+                                                   q_N1HL.dtype), rows_NK))
     out_NHL, _ = partial_softmax.merge(parts, sink=self.sinks[...])
     out_NHL = self._rotate(out_NHL[:, 0].astype(x_BTD.dtype), pos_N, inverse=True)
     groups = config.o_groups
@@ -214,9 +226,11 @@ class V4Attention(nnx.Module):
       g, i = config.index_n_heads, config.index_head_dim
       q_NGI = self._rotate(self.indexer.q_b_proj(q_res_NC).reshape(n, g, i), geo.pos_N)
       w_NG = self.indexer.weights_proj(x_ND).astype(jnp.float32) * (g**-0.5 * i**-0.5)
+      q_N1GI, keys, w_N1G, k_scale = scoring_operands(
+          q_NGI[:, None], fp8_cache.readable(cache.index_keys), w_NG[:, None], pooled=True)
       logits_N1C = self.ops.indexer_logits(
-          q_NGI[:, None], cache.index_keys, w_NG[:, None], jnp.zeros((n, 1), jnp.int32),
-          visible_N[:, None], key_rows_BS=rows_NC)
+          q_N1GI, keys, w_N1G, jnp.zeros((n, 1), jnp.int32), visible_N[:, None],
+          k_scale_BS=k_scale, key_rows_BS=rows_NC)
       top_NK = topk_indices(logits_N1C, min(config.index_topk, num_entries))[:, 0]
       picked_NK = jnp.take_along_axis(rows_NC, jnp.maximum(top_NK, 0), axis=1)
       return jnp.where(top_NK >= 0, picked_NK, -1), cache

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mla_jax.cache import scatter_part
 from mla_jax.config import RopeConfig
 from mla_jax.layers import Linear, RMSNorm
 from mla_jax.rope import apply_rope
@@ -107,7 +108,7 @@ class Compressor(nnx.Module):
 
 
 def write_entries(pool_RW, new_JW, rows_J, keep_J):
-  """``pool[rows_J] = new_JW`` where ``keep_J`` (in the pool's dtype; in place under
-  donation)."""
-  rows_J = jnp.where(keep_J, rows_J, pool_RW.shape[0])  # out of range: dropped
-  return pool_RW.at[rows_J].set(new_JW.astype(pool_RW.dtype), mode="drop")
+  """``pool[rows_J] = new_JW`` where ``keep_J``, encoded in the pool's layout (a float array,
+  or fp8 parts that all lead with the rows; in place under donation)."""
+  rows_J = jnp.where(keep_J, rows_J, jax.tree.leaves(pool_RW)[0].shape[0])  # dropped
+  return scatter_part(pool_RW, new_JW, rows_J)

@@ -186,11 +186,12 @@ class V4CausalLM(nnx.Module):
     checks.static_int(capacity, "capacity", minimum=1,
                       maximum=self.config.max_position_embeddings)
     checks.static_int(spare, "spare", minimum=0)
-    dtype = self._cache_dtype(dtype)
+    state_dtype, entry_dtype = self._cache_dtypes(dtype)
     page = self._page(capacity)
     seqs = jnp.arange(batch, dtype=jnp.int32)
     build = lambda: V4Cache(
-        tuple(attn.init_cache(batch, batch, page, dtype, spare) for attn in attentions),
+        tuple(attn.init_cache(batch, batch, page, state_dtype, spare, entry_dtype=entry_dtype)
+              for attn in attentions),
         jnp.zeros((batch,), jnp.int32), seqs[:, None], seqs, page)
     if self.mesh is None:
       return build()
@@ -199,14 +200,19 @@ class V4CausalLM(nnx.Module):
       raise ValueError(f"batch {batch} cannot be split over mesh axis 'data' of size {data}")
     return jax.jit(build, out_shardings=cache_shardings(jax.eval_shape(build), self.mesh))()
 
-  def _cache_dtype(self, dtype):
+  def _cache_dtypes(self, dtype):
+    """``(state dtype, entry dtype)``: ``"fp8"`` stores the compressed entries and indexer
+    keys in V3.2's fp8 layouts and keeps the rings (window, compressors' state) in the
+    model's dtype; a float dtype is every array's."""
     if dtype is None:
-      return self.dtype
+      return self.dtype, self.dtype
     resolved = resolve_cache_dtype(dtype, "cache_dtype")
-    if resolved == "fp8":
-      raise ValueError("cache_dtype fp8: DeepSeek-V4's caches are held in a float dtype (fp8 "
-                       "entries are not supported yet, docs/models.md)")
-    return resolved
+    if resolved != "fp8":
+      return resolved, resolved
+    if self.config.rope_dim == self.config.head_dim:
+      raise ValueError(f"cache_dtype fp8: an entry has no latent part to quantize (rope_dim "
+                       f"{self.config.rope_dim} == head_dim {self.config.head_dim})")
+    return self.dtype, resolved
 
   def init_pools(self, num_rows: int, cache_dtype, *, page_size: int | None = None,
                  num_state_slots: int = 0, mtp: bool = False):
@@ -220,7 +226,10 @@ class V4CausalLM(nnx.Module):
     self.check_page_size(page_size)
     if num_rows % page_size:
       raise ValueError(f"num_rows {num_rows} is no whole number of pages of {page_size}")
-    dtype = self._cache_dtype(cache_dtype)
+    dtype, entry_dtype = self._cache_dtypes(cache_dtype)
+    if entry_dtype == "fp8":
+      raise ValueError("cache_dtype fp8: an engine does not hold DeepSeek-V4's entries in fp8 "
+                       "yet (mla_jax.generate does; docs/models.md)")
     return tuple(attn.init_cache(num_state_slots, num_rows // page_size, page_size, dtype)
                  for attn in self.attentions), ()
 
