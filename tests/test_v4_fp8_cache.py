@@ -95,3 +95,13 @@ def test_fp8_pools_in_an_engine_are_refused_by_name():
   model = build(seed=12)
   with pytest.raises(ValueError, match="an engine does not hold DeepSeek-V4's entries in fp8"):
     model.init_pools(64, "fp8", page_size=8, num_state_slots=2)
+
+
+def test_serving_a_v4_checkpoint_with_fp8_caches_is_refused_by_name(tmp_path):
+  """mla-jax serve runs the engine, whose V4 pools are float: refused before loading
+  (mla-jax generate takes --cache-dtype fp8 for V4)."""
+  from mla_jax import cli
+
+  (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4"}')
+  with pytest.raises(SystemExit, match="--cache-dtype fp8 with mla-jax serve: not supported"):
+    cli.main(["serve", "--checkpoint", str(tmp_path), "--cache-dtype", "fp8"])
