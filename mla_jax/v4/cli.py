@@ -3,9 +3,10 @@ checkpoint: its flags' limits, its loader and what they print about it.
 
 ``mla_jax.cli`` asks ``is_v4_checkpoint`` once it has the checkpoint's directory; then
 ``check_flags`` refuses, by name and before anything is loaded, what V4 does not have yet
-(several processes, a context axis, fp8 caches under serve, the V3.2 route choice), and ``load`` builds
-the model: ``--mesh`` shards it by ``mla_jax.v4.sharding``'s rules, ``--dtype fp8`` keeps its
-fp8 and fp4 weights as stored, and its MTP layers are read only for speculative decoding.
+(several processes, a context axis, fp8 caches under serve, the V3.2 route choice), and
+``load`` builds the model: ``--mesh`` shards it by ``mla_jax.v4.sharding``'s rules,
+``--dtype fp8`` keeps its fp8 and fp4 weights as stored, and its MTP layers are read only
+for speculative decoding.
 This module imports nothing of ``mla_jax.cli``.
 """
 
