@@ -63,9 +63,10 @@ def quantize_tiles(x, tile: int):
   return values.reshape(*lead, width), scales
 
 
-def quantize_latent(rows_BTL, latent_width: int) -> Fp8LatentRows:
-  """Rows [..., A + R] (latent | RoPE) in the fp8 layout."""
-  values, scales = quantize_tiles(rows_BTL[..., :latent_width], latent_tile(latent_width))
+def quantize_latent(rows_BTL, latent_width: int, tile: int | None = None) -> Fp8LatentRows:
+  """Rows [..., A + R] (latent | RoPE) in the fp8 layout, ``tile`` latent values a scale
+  (default ``latent_tile(A)``)."""
+  values, scales = quantize_tiles(rows_BTL[..., :latent_width], tile or latent_tile(latent_width))
   return Fp8LatentRows(values, scales, rows_BTL[..., latent_width:].astype(ROPE_DTYPE))
 
 
@@ -99,11 +100,13 @@ def readable(part):
   return part
 
 
-def empty_latent(lead: tuple[int, ...], latent_width: int, rope_width: int):
-  """Zero rows of the fp8 latent layout, ``lead`` [..., S] of them (stored)."""
+def empty_latent(lead: tuple[int, ...], latent_width: int, rope_width: int,
+                 tile: int | None = None):
+  """Zero rows of the fp8 latent layout, ``lead`` [..., S] of them (stored), ``tile`` latent
+  values a scale (default ``latent_tile(A)``)."""
   return _as_bits(Fp8LatentRows(
       jnp.zeros((*lead, latent_width), FP8),
-      jnp.zeros((*lead, latent_width // latent_tile(latent_width)), jnp.float32),
+      jnp.zeros((*lead, latent_width // (tile or latent_tile(latent_width))), jnp.float32),
       jnp.zeros((*lead, rope_width), ROPE_DTYPE)))
 
 
@@ -116,7 +119,7 @@ def encode_like(stored, new_rows):
   """``new_rows`` (compute dtype, [..., T, X]) in the stored layout of the cache part
   ``stored``."""
   if isinstance(stored, Fp8LatentRows):
-    return _as_bits(quantize_latent(new_rows, stored.latent_width))
+    return _as_bits(quantize_latent(new_rows, stored.latent_width, stored.tile))
   if isinstance(stored, Fp8Keys):
     return _as_bits(quantize_keys(new_rows))
   return new_rows.astype(stored.dtype)

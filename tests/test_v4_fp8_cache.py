@@ -10,6 +10,7 @@ import pytest
 
 from mla_jax import fp8_cache
 from mla_jax.generation import generate
+from mla_jax.v4.compressor import write_entries
 from tests.test_v4_model import _step, build
 
 PROMPT, NEW = 24, 12
@@ -25,7 +26,7 @@ def _forward(model, ids, cache_dtype):
 def runs():
   """Greedy tokens decoded with fp8 caches, then prompt + tokens teacher-forced through fp8
   and float32 caches."""
-  model = build(seed=11)
+  model = build(seed=11, head_dim=136)  # entries of 128 latent values: two tiles of 64
   prompts = np.random.default_rng(11).integers(0, 256, (2, PROMPT)).tolist()
   decoded = generate(model, prompts, NEW, cache_dtype="fp8", return_logits=True)
   ids = jnp.asarray([p + t for p, t in zip(prompts, decoded.tokens)], jnp.int32)
@@ -38,36 +39,54 @@ def _dequantized(layer):
           np.asarray(fp8_cache.dequantize_keys(fp8_cache.readable(layer.index_keys))))
 
 
-def test_entries_and_keys_are_stored_in_the_v32_fp8_layouts(runs):
-  """Every compressed layer's entries (e4m3 latent, a float32 scale per tile, bf16 RoPE part)
-  and indexer keys (e4m3, a scale per key) dequantize to within fp8's error (6e-2) of the
-  float32 cache's, in float64; the first compressed layer, whose input no fp8 read has touched
-  yet, holds exactly the quantized float32 entries and keys. A step keeps the layout."""
+def test_written_entries_and_keys_dequantize_to_float64_within_fp8_error():
+  """Fresh random rows written into a compressed layer's fp8 pools (e4m3 latent, a float32
+  scale per 64 values, the RoPE part in bf16; e4m3 keys, a scale per key) dequantize to within
+  fp8's error of the float64 rows; rows not kept stay empty."""
+  model = build(seed=13, head_dim=136)  # 128 latent values: two tiles of 64
+  layer = model.attentions[1]
+  cache = layer.init_cache(1, 4, 8, jnp.float32, entry_dtype="fp8")  # 8 entry rows
+  assert cache.entries.tile == 64 and cache.entries.values.dtype == jnp.uint8  # e4m3 bits
+  rng = np.random.default_rng(13)
+  rows = jnp.asarray([6, 1, 3, 7], jnp.int32)
+  keep = jnp.asarray([True, True, False, True])
+  for pool, dequantize, width in (
+      (cache.entries, lambda p: fp8_cache.dense_latent(p, jnp.float32), 136),
+      (cache.index_keys, fp8_cache.dequantize_keys, model.config.index_head_dim)):
+    new = rng.standard_normal((4, width)) * rng.uniform(0.01, 10, (4, 1))
+    got = np.asarray(dequantize(fp8_cache.readable(
+        write_entries(pool, jnp.asarray(new, jnp.float32), rows, keep))))
+    for j, row in enumerate(np.asarray(rows)):
+      want = new[j] if keep[j] else np.zeros(width)
+      assert np.abs(got[row] - want).max() <= 6e-2 * np.abs(want).max(), (width, j)
+    assert not got[[0, 2, 4, 5]].any()
+
+
+def test_entries_of_a_step_are_its_float32_entries_quantized(runs):
+  """The first compressed layer, whose input no fp8 read has touched yet, holds exactly the
+  float32 cache's entries and keys quantized; deeper layers' differ by what the fp8 reads
+  above them changed too (measured 0.069 of the largest entry). A step keeps the layout."""
   model, _, (_, fp8), (_, f32) = runs
   compressed = [i for i, layer in enumerate(f32.layers) if layer.entries is not None]
-  assert compressed and f32.layers[compressed[0]].index_keys is not None
+  first = compressed[0]
+  assert f32.layers[first].index_keys is not None
+  a = model.config.head_dim - model.config.rope_dim
+  got_entries, got_keys = _dequantized(fp8.layers[first])
+  want_entries, want_keys = f32.layers[first].entries, f32.layers[first].index_keys
+  np.testing.assert_array_equal(got_entries, fp8_cache.dense_latent(
+      fp8_cache.quantize_latent(want_entries, a, 64), jnp.float32))
+  np.testing.assert_array_equal(
+      got_keys, fp8_cache.dequantize_keys(fp8_cache.quantize_keys(want_keys)))
   for i in compressed:
-    want_entries, want_keys = f32.layers[i].entries, f32.layers[i].index_keys
-    got_entries, got_keys = _dequantized(fp8.layers[i])
-    assert fp8.layers[i].entries.values.dtype == jnp.uint8  # e4m3 held as bits
-    for got, want in ((got_entries, want_entries), (got_keys, want_keys)):
-      if want is None:
-        continue
-      want = np.asarray(want, np.float64)
-      assert np.abs(got - want).max() / np.abs(want).max() < 6e-2, i
-    if i == compressed[0]:
-      a = model.config.head_dim - model.config.rope_dim
-      exact = fp8_cache.dense_latent(fp8_cache.quantize_latent(want_entries, a), jnp.float32)
-      np.testing.assert_array_equal(got_entries, exact)
-      np.testing.assert_array_equal(
-          got_keys, fp8_cache.dequantize_keys(fp8_cache.quantize_keys(want_keys)))
+    want = np.asarray(f32.layers[i].entries, np.float64)
+    assert np.abs(_dequantized(fp8.layers[i])[0] - want).max() < 0.1 * np.abs(want).max(), i
   layout = lambda c: jax.tree.map(lambda a: (a.shape, a.dtype), c.layers)
   assert layout(fp8) == layout(model.init_cache(2, 64, "fp8"))
-  assert fp8.layers[compressed[0]].pool_kv.dtype == jnp.float32  # rings: the model's dtype
+  assert fp8.layers[first].pool_kv.dtype == jnp.float32  # rings: the model's dtype
 
 
-# Measured on this seed (2 prompts of 24 tokens, 12 new; logits up to 2.4): against the float32
-# cache, teacher-forced, max |logprob delta| 0.089 and greedy agreement 1.000 (24 of 24). The
+# Measured on this seed (2 prompts of 24 tokens, 12 new; logits up to 2.1): against the float32
+# cache, teacher-forced, max |logprob delta| 0.105 and greedy agreement 1.000 (24 of 24). The
 # bounds leave room for a near tie flipped on another jax version (2 of 24 tokens).
 MAX_LOGPROB_DELTA, MIN_AGREEMENT = 0.15, 0.9
 

@@ -47,6 +47,11 @@ from mla_jax.v4.config import CSA, HCA, SLIDING, V4Config
 from mla_jax.v4.hyper import unweighted_rms_norm
 
 
+# Latent values a scale in fp8 entries: the block of DeepSeek's reference, which fp8-rounds
+# V4's non-RoPE KV in blocks of 64 with power-of-two scales (docs/models.md, Caches).
+REFERENCE_TILE = 64
+
+
 class CompressedSelection(enum.Enum):
   NONE = "none"      # no compressed entries (sliding window only)
   ALL = "all"        # every causally valid entry: a complete selection, nothing scored
@@ -127,7 +132,8 @@ class V4Attention(nnx.Module):
     compressor) holding ``spare`` more rows for steps that run ahead of the next step's
     start; entries for ``num_pages`` pages of ``page_size`` tokens (``mla_jax.v4.cache``).
     ``entry_dtype`` (default ``dtype``): the entries' and indexer keys', or ``"fp8"``: V3.2's
-    fp8 layouts (``mla_jax.fp8_cache``; the entry's RoPE part is the latent's)."""
+    fp8 layouts (``mla_jax.fp8_cache``; an entry's RoPE part is the latent's, its other
+    values in tiles of ``REFERENCE_TILE`` where they divide into them)."""
     config = self.config
     entry_dtype = dtype if entry_dtype is None else entry_dtype
     fp8 = isinstance(entry_dtype, str)
@@ -136,9 +142,10 @@ class V4Attention(nnx.Module):
       return V4LayerCache(window)
     rows = num_pages * entries_per_page(page_size, self.ratio)
     pool_kv, pool_gate = self.compressor.init_state(slots, dtype, spare)
-    entries = (fp8_cache.empty_latent((rows,), config.head_dim - config.rope_dim,
-                                      config.rope_dim) if fp8
-               else jnp.zeros((rows, config.head_dim), entry_dtype))
+    latent = config.head_dim - config.rope_dim
+    entries = (fp8_cache.empty_latent((rows,), latent, config.rope_dim,
+                                      REFERENCE_TILE if latent % REFERENCE_TILE == 0 else None)
+               if fp8 else jnp.zeros((rows, config.head_dim), entry_dtype))
     cache = V4LayerCache(window, pool_kv, pool_gate, entries)
     if not self.scored:
       return cache
