@@ -39,11 +39,11 @@ def _dequantized(layer):
           np.asarray(fp8_cache.dequantize_keys(fp8_cache.readable(layer.index_keys))))
 
 
-def test_written_entries_and_keys_dequantize_to_float64_within_fp8_error():
+def test_written_entries_and_keys_dequantize_to_float64_within_fp8_error(runs):
   """Fresh random rows written into a compressed layer's fp8 pools (e4m3 latent, a float32
   scale per 64 values, the RoPE part in bf16; e4m3 keys, a scale per key) dequantize to within
   fp8's error of the float64 rows; rows not kept stay empty."""
-  model = build(seed=13, head_dim=136)  # 128 latent values: two tiles of 64
+  model = runs[0]
   layer = model.attentions[1]
   cache = layer.init_cache(1, 4, 8, jnp.float32, entry_dtype="fp8")  # 8 entry rows
   assert cache.entries.tile == 64 and cache.entries.values.dtype == jnp.uint8  # e4m3 bits
@@ -108,10 +108,10 @@ def test_generate_with_fp8_caches_against_float32_caches(runs):
   assert delta < MAX_LOGPROB_DELTA and agreement >= MIN_AGREEMENT
 
 
-def test_fp8_pools_in_an_engine_are_refused_by_name():
+def test_fp8_pools_in_an_engine_are_refused_by_name(runs):
   """The engine's pools stay float for V4 (its fp8 pools are not built yet), named before
   anything is allocated."""
-  model = build(seed=12)
+  model = runs[0]
   with pytest.raises(ValueError, match="an engine does not hold DeepSeek-V4's entries in fp8"):
     model.init_pools(64, "fp8", page_size=8, num_state_slots=2)
 
