@@ -72,8 +72,8 @@ from mla_jax.generation import programs  # noqa: E402
 from mla_jax.models.config import small_lm, tiny_lm  # noqa: E402
 from mla_jax.models.lm import CausalLM, ModelCache  # noqa: E402
 from mla_jax.serving.engine import Engine  # noqa: E402
-from mla_jax.serving.requests import SamplingParams  # noqa: E402
 from mla_jax.serving.scheduler import pages_for  # noqa: E402
+from mla_jax.serving.sequence import SamplingParams  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,8 @@ from mla_jax.models.config import tiny_lm  # noqa: E402
 from mla_jax.models.lm import CausalLM  # noqa: E402
 from mla_jax.serving import engine as engine_module  # noqa: E402
 from mla_jax.serving.engine import Engine  # noqa: E402
-from mla_jax.serving.requests import SamplingParams  # noqa: E402
 from mla_jax.serving.runner import InFlight  # noqa: E402
+from mla_jax.serving.sequence import SamplingParams  # noqa: E402
 from mla_jax.serving.step_inputs import Layout  # noqa: E402
 from mla_jax.testing import randomize_params  # noqa: E402
 

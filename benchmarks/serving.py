@@ -62,8 +62,8 @@ from benchmarks.generate import PRESETS  # noqa: E402
 from mla_jax.generation.loop import generate  # noqa: E402
 from mla_jax.models.lm import CausalLM  # noqa: E402
 from mla_jax.serving.engine import Engine  # noqa: E402
-from mla_jax.serving.requests import RequestOutput, SamplingParams  # noqa: E402
 from mla_jax.serving.pages import pages_for  # noqa: E402
+from mla_jax.serving.sequence import RequestOutput, SamplingParams  # noqa: E402
 from mla_jax.testing import randomize_params  # noqa: E402
 
 PAGE_SIZE = 64

@@ -43,7 +43,7 @@ from mla_jax.checkpoints import load_pretrained  # noqa: E402
 from mla_jax.serving import constraints  # noqa: E402
 from mla_jax.serving.constraints import Constraint  # noqa: E402
 from mla_jax.serving.engine import Engine  # noqa: E402
-from mla_jax.serving.requests import SamplingParams  # noqa: E402
+from mla_jax.serving.sequence import SamplingParams  # noqa: E402
 from mla_jax.tokenizer import ByteTokenizer  # noqa: E402
 
 PROMPT, NEW = 32, 128

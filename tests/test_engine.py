@@ -13,7 +13,7 @@ from mla_jax.generation.loop import generate
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine
-from mla_jax.serving.requests import SamplingParams
+from mla_jax.serving.sequence import SamplingParams
 
 
 PAGE = 8
@@ -268,7 +268,7 @@ def test_min_tokens_holds_back_stop_ids_and_top_k_1_is_greedy(model, prompts, re
 
 def test_a_request_exactly_filling_the_context_is_accepted(model):
   """prompt + max_tokens == max_model_len fits; one token more is refused by name."""
-  from mla_jax.decoding.requests import ContextLengthError
+  from mla_jax.decoding.prompt_checks import ContextLengthError
 
   engine = _engine(model, max_model_len=64)
   assert len(engine.check_request(list(range(58)), SamplingParams(max_tokens=6))) == 58

@@ -12,7 +12,7 @@ from mla_jax.misrouted import MisroutedV32Attention
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine, engine_pools
-from mla_jax.serving.requests import SamplingParams
+from mla_jax.serving.sequence import SamplingParams
 from mla_jax.serving.step_inputs import Sampler, StepShape
 from mla_jax.tokenizer import ByteTokenizer
 from mla_jax.traces import summarize_jaxpr
@@ -131,7 +131,7 @@ def test_a_warmup_at_every_reach_holds_every_step_shape(monkeypatch):
   step dispatches) is one of ``all_shapes(every_reach=True)``, and ``Engine.warmup`` compiles
   those with ``every_reach`` (counted without compiling): nothing is left to compile while
   serving. Without it only the covering shapes are warmed."""
-  from mla_jax.serving.requests import Sequence
+  from mla_jax.serving.sequence import Sequence
   from mla_jax.serving.scheduler import Chunk
 
   model = nnx.eval_shape(lambda: CausalLM(tiny_lm("mqa-only"), rngs=nnx.Rngs(0),

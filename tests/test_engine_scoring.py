@@ -10,7 +10,7 @@ from mla_jax import testing as mt
 from mla_jax.models.config import tiny_lm
 from mla_jax.models.lm import CausalLM
 from mla_jax.serving.engine import Engine
-from mla_jax.serving.requests import MAX_LOGPROBS, SamplingParams
+from mla_jax.serving.sequence import MAX_LOGPROBS, SamplingParams
 
 PAGE = 8
 

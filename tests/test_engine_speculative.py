@@ -16,7 +16,7 @@ from mla_jax.decoding import speculative
 from mla_jax.decoding.programs import ProgramCache
 from mla_jax.serving import runner as engine_module
 from mla_jax.serving.engine import Engine
-from mla_jax.serving.requests import SamplingParams
+from mla_jax.serving.sequence import SamplingParams
 from tests.test_engine import _logprobs_reference, _mqa_only_contract
 from tests.test_speculative import _copying, _glm, _random
 

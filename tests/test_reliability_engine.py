@@ -11,8 +11,8 @@ from flax import nnx
 
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.pages import pages_for
-from mla_jax.serving.requests import SamplingParams
 from mla_jax.serving.scheduler import StepBatch
+from mla_jax.serving.sequence import SamplingParams
 from mla_jax.serving.stalls import MAX_STEPS_WITHOUT_PROGRESS, EngineStalled
 from tests.test_engine import (SETTINGS, _logprobs_reference, _model, _no_leaks,
                                _penalized_reference, _reference)

@@ -66,8 +66,23 @@ def test_yarn_magnitude_follows_hf():
   assert magnitude(nested({**yarn, "attention_factor": 1.0})) == 1.0
   assert magnitude(nested({**yarn, "mscale": 2.0, "mscale_all_dim": 1.0})) == pytest.approx(
       (0.2 * np.log(16.0) + 1) / (0.1 * np.log(16.0) + 1))
+  # V4's softmax does not read mscale_all_dim, so alone it changes nothing (V3.2 refuses it).
+  assert magnitude(nested({**yarn, "mscale_all_dim": 1.0})) == pytest.approx(
+      0.1 * np.log(16.0) + 1)
   with pytest.raises(CheckpointError, match="attention_factor 1.5"):
     v4_config_from_hf(nested({**yarn, "attention_factor": 1.5}))
+
+
+def test_yarn_defaults_follow_hf():
+  """The parser V3.2 uses: null betas take HF's defaults, a null factor is HF's implicit one
+  and a missing original length is max_position_embeddings."""
+  yarn = lambda **params: v4_config_from_hf(hf_config(
+      max_position_embeddings=4096, rope_parameters={"rope_type": "yarn", **params})
+  ).compress_rope.yarn
+  assert yarn(factor=None, original_max_position_embeddings=1024, beta_fast=None,
+              beta_slow=0) == YarnConfig(factor=4.0, original_max_position_embeddings=1024,
+                                         mscale=1.0, mscale_all_dim=1.0)
+  assert yarn(factor=2.0).original_max_position_embeddings == 4096
 
 
 def test_n_shared_experts_is_ignored_as_hf_ignores_it():

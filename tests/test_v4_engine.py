@@ -12,7 +12,7 @@ from flax import nnx
 
 from mla_jax.generation import generate
 from mla_jax.serving.engine import Engine
-from mla_jax.serving.requests import SamplingParams
+from mla_jax.serving.sequence import SamplingParams
 from mla_jax.traces import summarize_jaxpr
 from mla_jax.v4.config import tiny_v4_config
 from mla_jax.v4.model import V4CausalLM

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: ``config.json`` plus safetensors <-> ``CausalLM``.
 
 - ``hf_config``: HF's config rules (``config_from_hf``); ``hf_export``: ``config_to_hf``.
+- ``hf_rope``: one HF RoPE dict -> ``RopeConfig`` (this family's configs and V4's).
 - ``reading``: lazy, memory-mapped tensor handles over single or sharded safetensors.
 - ``loading``: ``load_pretrained`` (all mismatches reported before anything is read; each
   device's piece of each parameter is then read on its own, fp8 weights kept or dequantized).

@@ -28,9 +28,9 @@ import logging
 import math
 
 from mla_jax.checkpoints.errors import CheckpointError
-from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig, YarnConfig
+from mla_jax.checkpoints.hf_rope import finite_number, rope_from_hf
+from mla_jax.config import IndexerConfig, MLAConfig, RopeConfig
 from mla_jax.models.config import MoEConfig, ModelConfig
-from mla_jax.rope import rope_attention_factor
 
 logger = logging.getLogger("mla_jax")
 
@@ -124,15 +124,6 @@ class _Fields:
     logger.warning("%s config: %s", self.model_type, message)
 
 
-def _number(where: str, value, *, low: float | None = None, positive: bool = False) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-    raise CheckpointError(f"config field {where} must be a finite number, got {value!r}")
-  if (positive and value <= 0) or (low is not None and value < low):
-    raise CheckpointError(f"config field {where} must be "
-                          f"{'> 0' if positive else f'>= {low:g}'}, got {value!r}")
-  return float(value)
-
-
 def _string_list(f: _Fields, key: str) -> list[str] | None:
   value = f.hf.get(key)
   if value is not None and not (isinstance(value, list)
@@ -189,7 +180,7 @@ def _check_supported(f: _Fields) -> None:
 # ---- RoPE -----------------------------------------------------------------------------------
 
 def _rope(f: _Fields, max_positions: int) -> RopeConfig:
-  """HF's ``convert_rope_params_to_dict`` + ``standardize_rope_params`` + its YaRN."""
+  """HF's ``convert_rope_params_to_dict`` + ``standardize_rope_params``, then the one parser."""
   for key in ("rope_scaling", "rope_parameters"):
     if f.hf.get(key) is not None and not isinstance(f.hf[key], dict):
       raise CheckpointError(f"config field {key!r} must be an object, got {f.hf[key]!r}")
@@ -206,62 +197,11 @@ def _rope(f: _Fields, max_positions: int) -> RopeConfig:
              "wins, as in HF")
   else:
     theta, where = f.hf.get("rope_theta", HF_DEFAULT_ROPE_THETA), "rope_theta"
-  theta = _number(where, theta, positive=True)
-  rope_type = params.get("rope_type", params.get("type", "default"))
-  if rope_type == "default":
-    return RopeConfig(theta=theta)
-  if rope_type != "yarn":
-    raise CheckpointError(f"{source}.rope_type={rope_type!r} is not supported (only 'default' "
-                          "and 'yarn')")
-  if "factor" not in params:
-    raise CheckpointError(f"{source}.factor is missing (HF requires it for YaRN)")
   # HF's model build re-standardizes, and a top-level value then wins over the nested one.
-  original = f.hf.get("original_max_position_embeddings",
-                      params.get("original_max_position_embeddings", max_positions))
-  if not _is_int(original) or original <= 0:
-    raise CheckpointError(f"config field original_max_position_embeddings must be a positive "
-                          f"int, got {original!r}")
-  mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-  if params["factor"] is None:
-    if mscale_all_dim:
-      raise CheckpointError(f"{source}.factor is null while mscale_all_dim is set; HF's "
-                            "softmax scale needs the factor")
-    factor = max_positions / original  # HF's implicit factor
-  else:
-    factor = _number(f"{source}.factor", params["factor"])
-  if factor < 1:
-    raise CheckpointError(f"{source}.factor={factor!r} < 1 (YaRN shrinking the context) is "
-                          "not supported")
-  for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
-    if value is not None:
-      _number(f"{source}.{key}", value, low=0)
-  # HF's cos/sin magnitude is mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are
-  # set and mscale(f, 1) otherwise, while the softmax scale uses mscale_all_dim alone.
-  if mscale and mscale_all_dim:
-    pair = (float(mscale), float(mscale_all_dim))
-  elif not mscale_all_dim:
-    pair = (1.0, 0.0)
-  else:
-    raise CheckpointError(f"{source}: YaRN with mscale_all_dim but without mscale is not "
-                          "supported")
-  if not params.get("truncate", True):
-    raise CheckpointError(f"{source}: YaRN with truncate=false is not supported")
-  betas = {}
-  for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
-    value = params.get(key) or default  # HF: `or`, so null and 0 take the default too
-    betas[key] = _number(f"{source}.{key}", value, positive=True)
-  if betas["beta_fast"] <= betas["beta_slow"]:
-    raise CheckpointError(f"{source}.beta_fast ({betas['beta_fast']}) must exceed beta_slow "
-                          f"({betas['beta_slow']})")
-  rope = RopeConfig(theta=theta, yarn=YarnConfig(
-      factor=factor, original_max_position_embeddings=original, mscale=pair[0],
-      mscale_all_dim=pair[1], **betas))
-  if params.get("attention_factor") is not None:
-    given = _number(f"{source}.attention_factor", params["attention_factor"])
-    if not math.isclose(given, rope_attention_factor(rope), rel_tol=1e-9):
-      raise CheckpointError(f"{source}.attention_factor={given} differs from the one implied "
-                            "by mscale/mscale_all_dim; not supported")
-  return rope
+  if "original_max_position_embeddings" in f:
+    params["original_max_position_embeddings"] = f.hf["original_max_position_embeddings"]
+  return rope_from_hf(params, finite_number(where, theta, positive=True), where=source,
+                      max_positions=max_positions, mscale_all_dim_scales_softmax=True)
 
 
 # ---- per-layer schedules --------------------------------------------------------------------
@@ -410,7 +350,7 @@ def _moe(f: _Fields) -> MoEConfig:
     raise CheckpointError(f"config field 'n_shared_experts' must be >= 0, got {shared}")
   return MoEConfig(num_experts=experts, n_shared_experts=shared,
                    moe_intermediate_size=f.positive_int("moe_intermediate_size"),
-                   routed_scaling_factor=_number("'routed_scaling_factor'",
+                   routed_scaling_factor=finite_number("'routed_scaling_factor'",
                                                  f.get("routed_scaling_factor"), positive=True),
                    norm_topk_prob=bool(f.get("norm_topk_prob")),  # HF: `if norm_topk_prob`
                    **values)
@@ -499,7 +439,7 @@ def _model_config(f: _Fields, attention: str) -> ModelConfig:
                      intermediate_size=f.positive_int("intermediate_size"), moe=moe,
                      first_k_dense_replace=dense if moe is not None else 0,
                      attention=attention, indexer_types=indexer_types, num_mtp_layers=mtp,
-                     rms_norm_eps=_number("'rms_norm_eps'", f.get("rms_norm_eps"),
+                     rms_norm_eps=finite_number("'rms_norm_eps'", f.get("rms_norm_eps"),
                                           positive=True))
 
 

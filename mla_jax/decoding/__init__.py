@@ -1,7 +1,7 @@
 """The decode stack ``generate`` and the engine share: sampling, speculative drafting and
-acceptance, the stop rule and incremental text, the cache of compiled programs, and request
-settings checks. ``mla_jax.generation`` and ``mla_jax.serving`` both build on it and never on
-each other."""
+acceptance, the stop rule and incremental text, the cache of compiled programs, and the prompt
+checks (``prompt_checks``). ``mla_jax.generation`` and ``mla_jax.serving`` both build on it and
+never on each other."""
 
 # Decode steps one dispatch runs (generate's decode programs, the engine's decode-only
 # dispatches): benchmarks/decode.py measured little per-token gain beyond about 8.

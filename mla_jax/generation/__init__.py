@@ -12,7 +12,7 @@ With ``speculative_tokens=k`` the prefill also runs the first MTP layer, and eac
 dispatch runs several speculative iterations (draft k tokens with the MTP layers, verify them
 in one forward of k + 1, accept, roll back) as one program per bucket, all on the MQA route.
 
-The parts: ``requests`` checks a call's arguments before anything is built, ``programs``
+The parts: ``arguments`` checks a call's arguments before anything is built, ``programs``
 holds the compiled programs (a bounded cache) and their public tracing entry point,
 ``speculative`` the math of a speculative iteration, and ``loop`` runs ``generate``: prefill,
 then the decode dispatches.

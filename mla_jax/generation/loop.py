@@ -22,10 +22,10 @@ from mla_jax.cache import bucket_rows
 from mla_jax.checks import throw
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.generation import programs
+from mla_jax.generation.arguments import Request, check_request
 from mla_jax.generation.programs import (DecodeSettings, PrefillSettings,
                                          SpeculativePrefillSettings, SpeculativeSettings)
 from mla_jax.generation.speculative import DraftState
-from mla_jax.generation.requests import Request, check_request
 from mla_jax.progress import progress_bar
 from mla_jax.routing import PrefillRoute
 

@@ -35,18 +35,18 @@ import numpy as np
 from mla_jax import checks, context_parallel, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
+from mla_jax.decoding.prompt_checks import check_fits, checked_prompt
 from mla_jax.decoding.protocol import check_decode_model
-from mla_jax.decoding.requests import check_fits, checked_prompt
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 from mla_jax.decoding.text import IncrementalText
 from mla_jax.serving import constraints, step_inputs
 from mla_jax.serving.input_batch import InputBatch
 from mla_jax.serving.pages import PageTable, pages_for
-from mla_jax.serving.requests import (MAX_SEED, RequestOutput, SamplingParams,
-                                      Sequence, Status, TokenLogprobs)
 from mla_jax.serving.runner import (CompiledStep, InFlight, ModelRunner, engine_pools,
                                     page_bytes)
 from mla_jax.serving.scheduler import Chunk, Scheduler, StepBatch
+from mla_jax.serving.sequence import (MAX_SEED, RequestOutput, SamplingParams,
+                                     Sequence, Status, TokenLogprobs)
 from mla_jax.serving.snapshots import Snapshots
 from mla_jax.serving.stalls import StallGuard
 from mla_jax.serving.step_inputs import Buckets, StepShape

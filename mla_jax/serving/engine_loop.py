@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.metrics import ServerMetrics
-from mla_jax.serving.requests import RequestOutput, SamplingParams
+from mla_jax.serving.sequence import RequestOutput, SamplingParams
 
 logger = logging.getLogger("mla_jax")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mla_jax.serving.requests import MAX_LOGIT_BIAS, Sequence
 from mla_jax.serving.scheduler import Chunk
+from mla_jax.serving.sequence import MAX_LOGIT_BIAS, Sequence
 from mla_jax.serving.step_inputs import STOP_IDS, Layout, PackedInputs, Sampler, StepInputs
 
 # Per-slot settings: (name, dtype, default) of what a request fixes once.

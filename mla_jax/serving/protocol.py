@@ -17,8 +17,8 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from mla_jax.serving.constraints import Constraint
-from mla_jax.serving.requests import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
-                                      MAX_TOP_K)
+from mla_jax.serving.sequence import (MAX_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED,
+                                     MAX_TOP_K)
 
 
 MAX_CHOICES = 16  # n: samples of one prompt a request may ask for

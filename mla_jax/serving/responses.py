@@ -10,7 +10,7 @@ import json
 import time
 
 from mla_jax.serving.reasoning import ChatOutputParser
-from mla_jax.serving.requests import RequestOutput, TokenLogprobs
+from mla_jax.serving.sequence import RequestOutput, TokenLogprobs
 from mla_jax.serving.settings import ServerSettings
 from mla_jax.serving.text import TextStream
 from mla_jax.tokenizer import Tokenizer

@@ -23,7 +23,7 @@ import dataclasses
 import time
 
 from mla_jax.serving.pages import PageTable, page_keys, pages_for
-from mla_jax.serving.requests import Sequence, Status
+from mla_jax.serving.sequence import Sequence, Status
 from mla_jax.serving.snapshots import Snapshots
 
 

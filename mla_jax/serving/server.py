@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from mla_jax.decoding.requests import ContextLengthError
+from mla_jax.decoding.prompt_checks import ContextLengthError
 from mla_jax.serving import forced_calls, protocol, responses
 from mla_jax.serving.chat import ChatTemplate, TemplateError
 from mla_jax.serving.engine_loop import EngineFailure, EngineLoop
@@ -34,8 +34,8 @@ from mla_jax.serving.protocol import (APIError, ChatCompletionRequest, Completio
                                       NamedToolChoice)
 from mla_jax.serving.reasoning import (ChatOutputParser, output_parser, parser_tags,
                                        prompt_opens_think)
-from mla_jax.serving.requests import MAX_SEED, SamplingParams
 from mla_jax.serving.responses import Choice
+from mla_jax.serving.sequence import MAX_SEED, SamplingParams
 from mla_jax.serving.settings import ServerSettings
 from mla_jax.serving.text import TextStream
 

@@ -4,7 +4,7 @@ a bug would otherwise keep ``Engine.generate`` stepping forever)."""
 
 from __future__ import annotations
 
-from mla_jax.serving.requests import Status
+from mla_jax.serving.sequence import Status
 
 # Steps in a row without progress before ``Engine.step`` raises ``EngineStalled``.
 MAX_STEPS_WITHOUT_PROGRESS = 16

@@ -27,8 +27,8 @@ import numpy as np
 
 from mla_jax.cache import power_of_two_bucket as bucket
 from mla_jax.decoding.logits import Sampler
-from mla_jax.serving.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from mla_jax.serving.scheduler import Chunk
+from mla_jax.serving.sequence import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MIN_TOKENS = 8  # the smallest token bucket of a step program
 STOP_IDS = 8  # stop ids per sequence the device checks (multi-step dispatches, min_tokens)

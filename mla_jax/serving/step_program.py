@@ -47,7 +47,7 @@ from mla_jax.decoding.sampling import seed_keys
 from mla_jax.decoding.speculative import draft, drafts_wanted, row
 from mla_jax.decoding.stops import ends
 from mla_jax.indexer import KeyBlocks
-from mla_jax.serving.requests import MAX_LOGPROBS
+from mla_jax.serving.sequence import MAX_LOGPROBS
 from mla_jax.serving.step_inputs import Layout, StepInputs
 
 

@@ -13,7 +13,8 @@ The rules are those of transformers 5.25's ``DeepseekV4Config.__post_init__``:
 - ``rope_parameters`` nested as ``{"main": ..., "compress": ...}`` is taken as it is; a flat
   one (or a ``rope_scaling``) is the compress RoPE's YaRN over ``compress_rope_theta``, and
   the main RoPE is plain over ``rope_theta``. YaRN's magnitude is 1 (HF forces
-  ``attention_factor`` 1.0 for V4).
+  ``attention_factor`` 1.0 for V4). Each dict is read by ``checkpoints.hf_rope``, the parser
+  the V3.2 / GLM configs use too.
 
 What mla_jax cannot run is refused with a ``CheckpointError`` naming the field: biases, a
 non-SiLU activation, more than one KV head, a quantization other than fp8 blocks (with fp4
@@ -25,7 +26,8 @@ from __future__ import annotations
 import math
 
 from mla_jax.checkpoints.errors import CheckpointError
-from mla_jax.config import RopeConfig, YarnConfig
+from mla_jax.checkpoints.hf_rope import finite_number, rope_from_hf
+from mla_jax.config import RopeConfig
 from mla_jax.v4.config import CSA, HASH_MOE, HCA, LAYER_TYPES, MOE, SLIDING, V4Config
 
 MODEL_TYPE = "deepseek_v4"
@@ -96,52 +98,26 @@ def _mlp_layer_types(hf: dict, n: int) -> tuple[str, ...]:
   return tuple(types)
 
 
-def _yarn_magnitude(params: dict, where: str) -> tuple[float, float]:
-  """(mscale, mscale_all_dim) giving HF's YaRN magnitude for ``params``: ``attention_factor``
-  when set (only 1.0 is supported), else the ratio of the two mscales when both are set, else
-  ``0.1 ln(factor) + 1`` (HF's ``get_mscale``)."""
-  if "attention_factor" in params:
-    if params["attention_factor"] != 1.0:
-      raise CheckpointError(f"{where}: attention_factor {params['attention_factor']!r} is not "
-                            "supported (V4 uses 1.0)")
-    return 1.0, 1.0
-  if params.get("mscale") and params.get("mscale_all_dim"):
-    return float(params["mscale"]), float(params["mscale_all_dim"])
-  return 1.0, 0.0
-
-
-def _rope(params: dict, theta: float, where: str) -> RopeConfig:
-  kind = params.get("rope_type", params.get("type", "default"))
-  theta = params.get("rope_theta", theta)
-  if kind == "default":
-    return RopeConfig(theta=float(theta))
-  if kind != "yarn":
-    raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (default or yarn)")
-  mscale, mscale_all_dim = _yarn_magnitude(params, where)
-  try:
-    yarn = YarnConfig(factor=float(params["factor"]),
-                      original_max_position_embeddings=params["original_max_position_embeddings"],
-                      beta_fast=float(params.get("beta_fast", 32.0)),
-                      beta_slow=float(params.get("beta_slow", 1.0)), mscale=mscale,
-                      mscale_all_dim=mscale_all_dim)
-  except (KeyError, ValueError, TypeError) as e:
-    raise CheckpointError(f"{where}: a bad yarn entry ({e})") from None
-  return RopeConfig(theta=float(theta), yarn=yarn)
-
-
 def _ropes(hf: dict) -> tuple[RopeConfig, RopeConfig]:
   main_theta, compress_theta = _field(hf, "rope_theta"), _field(hf, "compress_rope_theta")
   params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   if not isinstance(params, dict):
     raise CheckpointError(f"rope_parameters must be an object, got {params!r}")
+
+  def rope(params: dict, theta: float, where: str) -> RopeConfig:
+    theta = finite_number(f"{where}.rope_theta", params.get("rope_theta", theta), positive=True)
+    return rope_from_hf(params, theta, where=where,
+                        max_positions=_field(hf, "max_position_embeddings"),
+                        mscale_all_dim_scales_softmax=False)
+
   if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-    return (_rope(params["main"], main_theta, "rope_parameters.main"),
-            _rope(params["compress"], compress_theta, "rope_parameters.compress"))
+    return (rope(params["main"], main_theta, "rope_parameters.main"),
+            rope(params["compress"], compress_theta, "rope_parameters.compress"))
   # A flat form is the compress RoPE's, with the magnitude HF forces for V4's: 1.
   flat = {k: v for k, v in params.items() if k not in ("main", "compress", "rope_theta")}
   if flat.get("rope_type", flat.get("type")) == "yarn":
     flat.setdefault("attention_factor", 1.0)
-  return RopeConfig(theta=float(main_theta)), _rope(flat, compress_theta, "rope_parameters")
+  return RopeConfig(theta=float(main_theta)), rope(flat, compress_theta, "rope_parameters")
 
 
 def _rope_dim(hf: dict, head_dim: int) -> int:

@@ -14,7 +14,7 @@ from mla_jax.serving import responses
 from mla_jax.serving.chat import ChatTemplate
 from mla_jax.serving.protocol import APIError, ChatCompletionRequest, parse
 from mla_jax.serving.reasoning import default_parsers, output_parser, parser_tags
-from mla_jax.serving.requests import RequestOutput
+from mla_jax.serving.sequence import RequestOutput
 from mla_jax.tokenizer import HFTokenizer
 
 WEATHER = {"type": "function", "function": {

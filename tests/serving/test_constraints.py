@@ -18,8 +18,8 @@ from mla_jax.decoding.logits import allowed_rows
 from mla_jax.serving.constraints import (DEAD_END, MAX_CONSTRAINT_CHARS, Constraint,
                                          ConstraintError, Grammars)
 from mla_jax.serving.forced_calls import call_constraint
-from mla_jax.serving.requests import SamplingParams, Sequence
 from mla_jax.serving.scheduler import Chunk
+from mla_jax.serving.sequence import SamplingParams, Sequence
 from mla_jax.serving.step_inputs import Buckets, StepShape
 from mla_jax.serving.tool_parsers import TOOL_PARSERS
 from mla_jax.tokenizer import ByteTokenizer, HFTokenizer

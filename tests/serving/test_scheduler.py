@@ -7,8 +7,8 @@ import random
 import pytest
 
 from mla_jax.serving.pages import PageTable, pages_for
-from mla_jax.serving.requests import SamplingParams, Sequence, Status
 from mla_jax.serving.scheduler import Scheduler
+from mla_jax.serving.sequence import SamplingParams, Sequence, Status
 
 SIZE = 4
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.checks import is_int
+from mla_jax.decoding.prompt_checks import checked_prompt
 from mla_jax.decoding.protocol import check_decode_model
-from mla_jax.decoding.requests import checked_prompt
 from mla_jax.decoding.sampling import SamplingConfig
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
 
