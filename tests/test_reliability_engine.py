@@ -14,8 +14,7 @@ from mla_jax.serving.pages import pages_for
 from mla_jax.serving.scheduler import StepBatch
 from mla_jax.serving.sequence import SamplingParams
 from mla_jax.serving.stalls import MAX_STEPS_WITHOUT_PROGRESS, EngineStalled
-from tests.test_engine import (SETTINGS, _logprobs_reference, _model, _no_leaks,
-                               _penalized_reference, _reference)
+from tests.test_engine import SETTINGS, _model, _no_leaks, _penalized_reference, _reference
 
 STEPS = 8  # decode steps a dispatch runs (the default)
 

@@ -25,7 +25,7 @@ from mla_jax.v4.attention import (CompressedSelection, CompressedSparseAttention
 from mla_jax.v4.cache import V4Cache
 from mla_jax.v4.config import CSA, HCA, MOE, SLIDING, tiny_v4_config
 from mla_jax.v4.model import V4CausalLM
-from mla_jax.v4.step_plan import plan_v4_step, selection_violations
+from mla_jax.v4.step_plan import selection_violations
 
 ALL, SCORED, NONE = CompressedSelection.ALL, CompressedSelection.SCORED, CompressedSelection.NONE
 SELECTION_SCOPES = {s.scope for s in CompressedSelection}

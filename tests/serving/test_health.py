@@ -4,7 +4,6 @@ in process, over a stand-in engine whose warm-up the test holds."""
 import threading
 import time
 
-import pytest
 from fastapi.testclient import TestClient
 
 from mla_jax.serving.chat import ChatTemplate
