@@ -45,10 +45,16 @@ SERVE_FLAGS = ["--num-pages", "48", "--page-size", "16", "--max-num-seqs", "8",
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   """The shipped recall model with a chat template of its own."""
-  path = tmp_path_factory.mktemp("ckpt") / MODEL
+  return recall_checkpoint(tmp_path_factory, MODEL, TEMPLATE)
+
+
+def recall_checkpoint(tmp_path_factory, name: str, template: str):
+  """A copy of the shipped recall model named ``name``, with ``template`` as its chat
+  template."""
+  path = tmp_path_factory.mktemp("ckpt") / name
   shutil.copytree(presets.RECALL_CHECKPOINT, path)
   (path / "tokenizer_config.json").write_text(json.dumps(
-      {"chat_template": TEMPLATE, "bos_token": "\x01"}))
+      {"chat_template": template, "bos_token": "\x01"}))
   return path
 
 

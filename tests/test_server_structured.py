@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import httpx
 import jsonschema
 import pytest
 
-from mla_jax import presets
 from mla_jax.serving.tool_parsers import DeepSeekV32ToolParser
-from tests.test_server import Server
+from tests.test_server import Server, recall_checkpoint
 
 MODEL = "recall-structured"
 # Tools listed, the messages, then <think> opened when the client sets ``thinking``
@@ -48,11 +46,7 @@ SAMPLINGS = [dict(temperature=0)] + [dict(temperature=1, seed=s) for s in (1, 2,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-  path = tmp_path_factory.mktemp("ckpt") / MODEL
-  shutil.copytree(presets.RECALL_CHECKPOINT, path)
-  (path / "tokenizer_config.json").write_text(json.dumps(
-      {"chat_template": TEMPLATE, "bos_token": "\x01"}))
-  s = Server(path, "--no-warmup")  # the default deepseek_v32 parsers (the model_type's)
+  s = Server(recall_checkpoint(tmp_path_factory, MODEL, TEMPLATE), "--no-warmup")  # the default deepseek_v32 parsers (the model_type's)
   yield s
   code, _, err = s.stop()
   assert code == 0, err
