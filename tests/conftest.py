@@ -15,6 +15,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # Benchmarks and the main job keep the default; set the flag in XLA_FLAGS to override.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# XLA:CPU gives its thread pool max(NPROC, device count) threads, and a device that runs
+# several collectives of one program at once holds a thread in each rendezvous: with 8 devices
+# on a 2-core machine the pool ran dry while devices waited for each other (the speculative
+# engine on a data x tensor x expert mesh deadlocked 4 runs in 5, then aborted). Blocked
+# threads only sleep, so a larger pool costs nothing.
+os.environ.setdefault("PJRT_NPROC", "32")
 # One persistent compilation cache for the run's workers, the servers and processes they start,
 # and later runs: every model build compiles dozens of small eager initializers, and the two
 # workers (and the slow cases after them) compile many of the same programs. Entries are keyed
@@ -24,35 +30,25 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import importlib.util
 import logging
 
 import pytest
 
 
-def _write_cache_entries_atomically() -> None:
-  """JAX's file cache writes an entry in place (``Path.write_bytes``) unless its size cap is
-  set, which turns on a lock that scans the whole directory at every write: a worker reading
-  an entry another worker is writing loads half an executable and crashes in native code
-  (segfaults in ``compilation_cache.get_executable_and_time``). Write each entry beside its
-  place and rename it there: readers see it whole or not at all."""
-  from jax._src import lru_cache
-
-  def put(self, key: str, value: bytes) -> None:
-    if self.eviction_enabled:
-      return original(self, key, value)
-    path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
-    if path.exists():
-      return None
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(value)
-    os.replace(partial, path)
-    return None
-
-  original = lru_cache.LRUCache.put
-  lru_cache.LRUCache.put = put
+def _share_the_cache_safely_with_child_processes() -> None:
+  """Atomic cache writes here and in every Python process the tests start (servers,
+  multi-process workers): ``child_site/sitecustomize.py`` on their ``PYTHONPATH``."""
+  site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
+  paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+  if site not in paths:
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, *filter(None, paths)])
+  spec = importlib.util.spec_from_file_location("_tests_child_site",
+                                                os.path.join(site, "sitecustomize.py"))
+  spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-_write_cache_entries_atomically()
+_share_the_cache_safely_with_child_processes()
 
 logging.getLogger("mla_jax").setLevel(logging.ERROR)  # the MQA-only notice is tested directly
 
