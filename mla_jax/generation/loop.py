@@ -21,6 +21,7 @@ from mla_jax import sharding
 from mla_jax.cache import bucket_rows
 from mla_jax.checks import throw
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
+from mla_jax.decoding.stops import stop_reason
 from mla_jax.generation import programs
 from mla_jax.generation.arguments import Request, check_request
 from mla_jax.generation.programs import (DecodeSettings, PrefillSettings,
@@ -203,7 +204,7 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
   The host keeps each sequence's tokens (the emitted buffer's ids >= 0, in order) and knows
   from them which are done and how far each cache reaches, for the next dispatch's bucket."""
   model, k = compiled.model, request.speculative_tokens
-  new_tokens, eos_id, batch = request.max_new_tokens, request.eos_id, request.batch
+  new_tokens, eos_ids, batch = request.max_new_tokens, request.eos_id or (), request.batch
   mtp_caches = model.init_mtp_cache(batch, request.capacity, request.cache_dtype, spare=k)
   prefill = compiled.prefill(caches, mtp_caches, ids_BT, lens_B, seed_arr)
   t0 = time.perf_counter()
@@ -214,7 +215,7 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
   prefill_s = time.perf_counter() - t0
 
   rows = [[int(t)] for t in first]
-  ended = lambda: np.array([len(r) >= new_tokens or (eos_id is not None and r[-1] in eos_id)
+  ended = lambda: np.array([stop_reason(r[-1], eos_ids, len(r), new_tokens) is not None
                             for r in rows])
   count = lambda value: _place(np.full(batch, value, np.int32), mesh)  # one buffer each
   state = DraftState(tokens_B=tokens_B, draft_BV=draft_BV, hidden_BD=hidden_BD,
@@ -271,19 +272,22 @@ class _Decoded:
 def _decode_loop(compiled: _Programs, request: Request, steps: int, caches, tokens_B,
                  seed_arr, mesh, *, progress: bool, return_logits: bool) -> _Decoded:
   """The decode dispatches after a prefill that sampled ``tokens_B`` (the first new token)."""
-  new_tokens, eos_id = request.max_new_tokens, request.eos_id
+  new_tokens, eos_ids = request.max_new_tokens, request.eos_id or ()
   rows_by = lambda step: bucket_rows(request.longest + min(step + steps, new_tokens) - 1,
                                      request.capacity)
   out, logits = [sharding.fetch(tokens_B)[:, None]], []
-  done = np.isin(out[0][:, 0], eos_id) if eos_id is not None else np.zeros(request.batch, bool)
+  done = np.array([stop_reason(int(t), eos_ids, 1, new_tokens) is not None for t in out[0][:, 0]])
   done_B = _place(done, mesh)
   step_arr = _place(np.int32(1), mesh, sharding.REPLICATED)
   end_arr = _place(np.int32(new_tokens), mesh, sharding.REPLICATED)
-  if new_tokens > 1:  # the first bucket's program is compiled before the timing starts
+  if not done.all():  # the first bucket's program is compiled before the timing starts
     compiled.decoder(rows_by(1), caches, tokens_B, done_B, seed_arr, step_arr, end_arr)
   bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
   seconds, step = 0.0, 1
-  while step < new_tokens and not done.all():
+  while not done.all():  # the programs end each sequence at its last token too (``ends``)
+    if step >= new_tokens:  # an internal error, named rather than a loop without end
+      raise RuntimeError(f"generate: {int((~done).sum())} sequences not ended after "
+                         f"{new_tokens} tokens")
     # A new bucket compiles outside the timing.
     program = compiled.decoder(rows_by(step), caches, tokens_B, done_B, seed_arr, step_arr,
                                end_arr)
@@ -296,7 +300,7 @@ def _decode_loop(compiled: _Programs, request: Request, steps: int, caches, toke
     out.append(emitted)
     if return_logits:
       logits.append(sharding.fetch(logits_NBV).swapaxes(0, 1))
-    done = sharding.fetch(done_B) if eos_id is not None else done
+    done = sharding.fetch(done_B)
     step += steps
     bar.update(min(step, new_tokens) - bar.n)
   bar.close()

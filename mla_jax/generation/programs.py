@@ -24,7 +24,7 @@ from mla_jax.decoding import programs
 from mla_jax.decoding.programs import signature
 from mla_jax.decoding.sampling import SamplingConfig, sample
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
-from mla_jax.decoding.stops import is_stop
+from mla_jax.decoding.stops import ends, stop_ids_of
 from mla_jax.generation import speculative
 
 trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
@@ -140,21 +140,19 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
   ``(err, (tokens, done, caches, next_step, emitted, logits))``; ``next_step`` is the next
   dispatch's ``step``, so the counter stays on the device; ``err`` is None unless checked.
   """
-  eos_id = settings.eos_id
-
   def body(state_leaves, caches, tokens_B, done_B, seed, first_step, end_step):
     model = _model(graphdef, state_def, state_leaves)
+    stop_ids = stop_ids_of(settings.eos_id)
 
     def one_step(carry, i):
       tokens_B, done_B, caches = carry
       step = first_step + i
-      active_B = ~done_B & (step < end_step)
+      active_B = ~done_B
       logits_B1V, caches = model(tokens_B[:, None], caches,
                                  new_lens_B=active_B.astype(jnp.int32), plan=settings.plan)
       key = jax.random.fold_in(jax.random.key(seed), step)
       next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, settings.sampling), tokens_B)
-      if eos_id is not None:
-        done_B = done_B | (active_B & is_stop(next_B, jnp.asarray(eos_id, jnp.int32)))
+      done_B = done_B | (active_B & ends(next_B, stop_ids, step + 1, end_step))
       emitted_B = jnp.where(active_B, next_B, -1)
       return (next_B, done_B, caches), (emitted_B,
                                         logits_B1V[:, 0] if settings.keep_logits else None)

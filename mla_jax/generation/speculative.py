@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from mla_jax.decoding.sampling import SamplingConfig, sample
 from mla_jax.decoding.speculative import accept, draft, drafts_wanted, row
-from mla_jax.decoding.stops import is_stop
+from mla_jax.decoding.stops import ends, stop_ids_of
 
 
 @jax.tree_util.register_dataclass
@@ -104,13 +104,10 @@ def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, ver
   # x_{n+1}..x_{n+a+1}: the accepted drafts, then the next token (repeated past it, ids only)
   t_K = jnp.arange(k + 1, dtype=jnp.int32)
   a_B1 = accepted_B[:, None]
-  keep_BK = active_B[:, None] & (t_K <= a_B1) & (state.emitted_B[:, None] + t_K < max_new)
-  if eos_id is not None:
-    eos_BK = keep_BK & is_stop(tokens_BK, jnp.asarray(eos_id, jnp.int32))
-    keep_BK = keep_BK & (jnp.cumsum(eos_BK, axis=1) - eos_BK == 0)  # drop what follows eos
-    ended_B = eos_BK.any(axis=1)
-  else:
-    ended_B = jnp.zeros_like(active_B)
+  keep_BK = active_B[:, None] & (t_K <= a_B1)
+  end_BK = keep_BK & ends(tokens_BK, stop_ids_of(eos_id), state.emitted_B[:, None] + t_K + 1,
+                          max_new)
+  keep_BK = keep_BK & (jnp.cumsum(end_BK, axis=1) - end_BK == 0)  # drop what follows an end
   emitted_B = state.emitted_B + keep_BK.sum(axis=1, dtype=jnp.int32)
   caches = caches.with_num_cached(n_B + live_B * (accepted_B + 1))
   draft_BKV, mtp_BKD, mtp_caches = _mtp_step(model, 0, hidden_BKD, tokens_BK, mtp_caches, n_B,
@@ -118,7 +115,7 @@ def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, ver
   state = DraftState(
       tokens_B=jnp.where(active_B, row(tokens_BK, accepted_B), state.tokens_B),
       draft_BV=row(draft_BKV, accepted_B), hidden_BD=row(mtp_BKD, accepted_B),
-      done_B=state.done_B | (active_B & (ended_B | (emitted_B >= max_new))),
+      done_B=state.done_B | (active_B & end_BK.any(axis=1)),
       emitted_B=emitted_B, accepted_B=state.accepted_B + live_B * accepted_B,
       drafted_B=state.drafted_B + wanted_B)
   return caches, mtp_caches, state, jnp.where(keep_BK, tokens_BK, -1)

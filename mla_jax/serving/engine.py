@@ -38,6 +38,7 @@ from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
 from mla_jax.decoding.prompt_checks import check_fits, checked_prompt
 from mla_jax.decoding.protocol import check_decode_model
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
+from mla_jax.decoding.stops import STOP, stop_reason
 from mla_jax.decoding.text import IncrementalText
 from mla_jax.serving import constraints, step_inputs
 from mla_jax.serving.input_batch import InputBatch
@@ -545,13 +546,11 @@ class Engine:
         logger.warning("request %s stops at a dead end of its constraint: %s", seq.request_id,
                        seq.guide.error)
       return reason
-    if token in seq.stop_ids:
-      return "stop"
-    if seq.detok is not None and seq.detok.stop_at is not None:
-      return "stop"
-    if len(seq.tokens) - seq.num_prompt >= seq.params.max_tokens:
-      return "length"
-    return None
+    reason = stop_reason(token, seq.stop_ids, len(seq.tokens) - seq.num_prompt,
+                         seq.params.max_tokens)  # committed tokens: none in flight
+    if reason != STOP and seq.detok is not None and seq.detok.stop_at is not None:
+      return STOP  # a stop string, before its last allowed token
+    return reason
 
   # ---- several processes ------------------------------------------------------------------
 

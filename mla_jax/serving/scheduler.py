@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import time
 
+from mla_jax.decoding.stops import stop_reason
 from mla_jax.serving.pages import PageTable, page_keys, pages_for
 from mla_jax.serving.sequence import Sequence, Status
 from mla_jax.serving.snapshots import Snapshots
@@ -313,10 +314,10 @@ class Scheduler:
       seq = chunk.seq
       if seq.status is Status.FINISHED:
         continue
-      if chunk.samples and seq.params.max_tokens == 0:  # scored its prompt, generates nothing
-        seq.first_token_time = time.perf_counter()
+      if chunk.samples and (reason := stop_reason(None, (), 0, seq.params.max_tokens)):
+        seq.first_token_time = time.perf_counter()  # scored its prompt, generates nothing
         grown.append((seq, 0))
-        self._end(seq, "length")
+        self._end(seq, reason)
         continue
       if not chunk.emits:
         continue
