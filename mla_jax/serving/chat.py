@@ -114,7 +114,8 @@ class ChatTemplate:
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Templates mla_jax ships for checkpoints (by config.json's model_type) whose makers publish
 # their chat format as code rather than as a template.
-SHIPPED_TEMPLATES = {"deepseek_v32": Path(__file__).parent / "templates" / "deepseek_v32.jinja"}
+SHIPPED_TEMPLATES = {model_type: Path(__file__).parent / "templates" / f"{model_type}.jinja"
+                     for model_type in ("deepseek_v32", "deepseek_v4")}
 
 
 def serving_template(directory: str | Path | None, template_file: str | Path | None,
