@@ -233,8 +233,12 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
   if not done.all():  # the first bucket's program is compiled before the timing starts
     compiled.decoder(rows_by(), *args())
   bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
-  seconds = 0.0
+  seconds, iterations = 0.0, 1
   while not done.all():
+    if iterations >= new_tokens:  # each iteration emits a token: an internal error, named
+      raise RuntimeError(f"generate: {int((~done).sum())} sequences not ended after "
+                         f"{new_tokens} tokens")
+    iterations += steps
     program = compiled.decoder(rows_by(), *args())  # a new bucket compiles outside the timing
     t0 = time.perf_counter()
     err, (caches, mtp_caches, state, iteration_arr, emitted_NBK) = program(
