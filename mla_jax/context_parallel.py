@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mla_jax.partial_softmax import combined_lse
 from mla_jax.sharding import CONTEXT
 
 CONTEXT_TOPK_MODES = ("exact", "union")
@@ -66,13 +67,7 @@ def merge_partials(out_BTHV, lse_BTH, has_rows_BT, wire_dtype=None):
   out 0 and LSE +inf, as one device's op gives it."""
   dtype = out_BTHV.dtype
   lse_BTH = jnp.where(has_rows_BT[..., None], lse_BTH, -jnp.inf)
-  lse_CBTH = jax.lax.all_gather(lse_BTH, CONTEXT)
-  top_BTH = lse_CBTH.max(axis=0)
-  top_BTH = jnp.where(jnp.isfinite(top_BTH), top_BTH, 0.0)
-  total_BTH = jnp.exp(lse_CBTH - top_BTH).sum(axis=0)  # 0 where no rank attended
-  any_BTH = total_BTH > 0
-  lse_BTH_all = jnp.where(any_BTH, top_BTH + jnp.log(jnp.where(any_BTH, total_BTH, 1.0)),
-                          jnp.inf)
+  lse_BTH_all = combined_lse(jax.lax.all_gather(lse_BTH, CONTEXT))
   share_BTH = jnp.exp(lse_BTH - lse_BTH_all)  # 0 on a rank without rows, or without any
   part_BTHV = share_BTH[..., None] * out_BTHV.astype(jnp.float32)
   part_BTHV = part_BTHV.astype(dtype if wire_dtype is None else wire_dtype)
