@@ -38,20 +38,29 @@ AXES = (DATA, TENSOR, EXPERT, CONTEXT)
 # ``context`` gives the group's heads in order).
 TENSOR_RANKS = (TENSOR, CONTEXT)
 
+
+def vocab_and_mlp_rules(ranks) -> tuple[tuple[str, P], ...]:
+  """The rules every family shares: the vocabulary's rows and the MLP width (dense, shared
+  and routed experts) split over ``ranks``."""
+  return (
+      (r"embed_tokens\.weight$", P(ranks, None)),  # vocab rows
+      (r"lm_head\.weight$", P(ranks, None)),  # vocab rows
+      (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
+       P(ranks, None)),
+      (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
+       P(None, ranks)),
+  )
+
+
 # HF parameter name (regex, searched) -> PartitionSpec of that HF tensor. First match wins.
 # An fp8 weight's ``weight_scale_inv`` [rows / 128, cols / 128] is split like the weight, so
 # a device holds the scales of the blocks it holds (quant.check_block_split refuses a split
 # that would cut a block).
 PARTITION_RULES: tuple[tuple[str, P], ...] = (
-    (r"embed_tokens\.weight$", P(TENSOR_RANKS, None)),                   # vocab rows
-    (r"lm_head\.weight$", P(TENSOR_RANKS, None)),                        # vocab rows
+    *vocab_and_mlp_rules(TENSOR_RANKS),
     (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TENSOR_RANKS, None)),  # heads x (N + R)
     (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P(TENSOR_RANKS, None)),  # heads x (N + V)
     (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, TENSOR_RANKS)),  # columns: heads x V
-    (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
-     P(TENSOR_RANKS, None)),
-    (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
-     P(None, TENSOR_RANKS)),
     # Everything else is replicated: norms, q_a / kv_a projections, the indexer, the router.
     (r".", P()),
 )

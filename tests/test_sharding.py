@@ -283,13 +283,13 @@ TP = ("tensor", "context")
 PINNED_RULES = (
     (r"embed_tokens\.weight$", P(TP, None)),
     (r"lm_head\.weight$", P(TP, None)),
-    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TP, None)),
-    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P(TP, None)),
-    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, TP)),
     (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
      P(TP, None)),
     (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
      P(None, TP)),
+    (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TP, None)),
+    (r"self_attn\.kv_b_proj\.weight(_scale_inv)?$", P(TP, None)),
+    (r"self_attn\.o_proj\.weight(_scale_inv)?$", P(None, TP)),
     (r".", P()),
 )
 

@@ -27,16 +27,11 @@ from mla_jax import quant, sharding
 from mla_jax.sharding import CONTEXT, DATA, EXPERT, TENSOR
 
 V4_PARTITION_RULES: tuple[tuple[str, P], ...] = (
-    (r"embed_tokens\.weight$", P(TENSOR, None)),  # vocab rows
-    (r"lm_head\.weight$", P(TENSOR, None)),  # vocab rows
+    *sharding.vocab_and_mlp_rules(TENSOR),
     (r"self_attn\.q_b_proj\.weight(_scale_inv)?$", P(TENSOR, None)),  # rows: heads x head_dim
     (r"self_attn\.sinks$", P(TENSOR)),  # one per head
     (r"self_attn\.o_a_proj\.weight(_scale_inv)?$", P(TENSOR, None)),  # rows: groups x o_lora
     (r"self_attn\.o_b_proj\.weight(_scale_inv)?$", P(None, TENSOR)),  # columns: groups x o_lora
-    (r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj\.weight(_scale_inv)?$",
-     P(TENSOR, None)),
-    (r"mlp\.(shared_experts\.|experts\.\d+\.)?down_proj\.weight(_scale_inv)?$",
-     P(None, TENSOR)),
     # Everything else is replicated: kv_proj and the compressors, the indexer, q_a_proj, the
     # routers and tid2eid, the mHC weights, the MTP layers' e_proj / h_proj, norms.
     (r".", P()),
