@@ -2,6 +2,7 @@
 
     python notebooks/run_notebooks.py                 # run both, leave the files untouched
     python notebooks/run_notebooks.py --small         # MLA_NOTEBOOK_SMALL=1 (CI sizes)
+    python notebooks/run_notebooks.py --jobs 2        # two notebooks at once (two kernels)
     python notebooks/run_notebooks.py --write         # save the executed outputs into the .ipynb
     python notebooks/run_notebooks.py compare_routes.ipynb --timeout 900
 
@@ -13,6 +14,7 @@ kernel starts in ``notebooks/``. Saved notebooks name the standard ``python3`` k
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import sys
@@ -75,16 +77,24 @@ def main(argv=None) -> int:
   parser.add_argument("--write", action="store_true",
                       help="save executed outputs back into each .ipynb (only if it ran clean)")
   parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="notebooks run at once, each in its own kernel (default 1)")
   args = parser.parse_args(argv)
+  if args.jobs < 1:
+    parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
   os.environ["MLA_NOTEBOOK_SMALL"] = "1" if args.small else "0"
   os.environ["PYTHONPATH"] = os.pathsep.join(
       p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
   kernel = kernel_for_this_interpreter()
-  results = {}
-  for name in args.notebooks:
+  def run(name):
     path = name if os.path.isabs(name) else os.path.join(HERE, name)
-    ok, seconds, error = run_notebook(path, kernel=kernel, timeout=args.timeout, write=args.write)
+    return name, run_notebook(path, kernel=kernel, timeout=args.timeout, write=args.write)
+
+  results = {}
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # kernels are processes
+    done = pool.map(run, args.notebooks)
+  for name, (ok, seconds, error) in done:
     results[name] = {"ok": ok, "seconds": round(seconds, 1)}
     print(f"{'ok  ' if ok else 'FAIL'} {name}: {seconds:.1f} s"
           f"{' (written)' if args.write and ok else ''}", flush=True)
