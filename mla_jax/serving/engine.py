@@ -629,23 +629,27 @@ class Engine:
     # Refuse bad input before queueing any (strings are tokenized once, here).
     token_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
     ids = [self.add_request(tokens, p) for tokens, p in zip(token_ids, per_prompt)]
-    while any(self._seqs[i].status is not Status.FINISHED for i in ids):
-      self.step()
-    while self._in_flight is not None:  # a last step dispatched for requests now finished
-      self.step()
+    # ... and a last step dispatched for requests now finished is settled too.
+    for _ in self._steps_until(lambda: self._in_flight is None and all(
+        self._seqs[i].status is Status.FINISHED for i in ids)):
+      pass
     return [self.release(i) for i in ids]
 
   def stream(self, request_id: str | None = None) -> Iterator[RequestOutput]:
     """Steps until no request is left (or, given ``request_id``, until that one finishes),
     yielding each update as it comes (only that request's, when given)."""
-    if request_id is not None:
-      self._sequence(request_id)
-    while self.has_unfinished():
-      if request_id is not None and self._seqs[request_id].status is Status.FINISHED:
-        return
-      for update in self.step():
-        if request_id is None or update.request_id == request_id:
-          yield update
+    if request_id is None:
+      yield from self._steps_until(lambda: not self.has_unfinished())
+      return
+    seq = self._sequence(request_id)
+    done = lambda: not self.has_unfinished() or seq.status is Status.FINISHED
+    yield from (u for u in self._steps_until(done) if u.request_id == request_id)
+
+  def _steps_until(self, done) -> Iterator[RequestOutput]:
+    """The engine's host decode loop (``generate``'s and ``stream``'s): ``step`` until
+    ``done()``, yielding every update."""
+    while not done():
+      yield from self.step()
 
   def _maybe_log(self, new_tokens: int) -> None:
     self._log_tokens += new_tokens
