@@ -8,7 +8,7 @@ with ``save_pretrained`` and loads the directory with ``mla_jax.v4.load_pretrain
 * float32 logits of prompts shorter and longer than the window, across several compressed
   entries and past the indexer's top-k, within 1e-5 relative;
 * 32 greedy tokens of mla_jax's cached decode equal to HF's (its full forward, token by
-  token);
+  token), and 12 of the paged engine's after ragged prompts prefilled in chunks;
 * HF loads what ``mla_jax.v4.save_pretrained`` writes, to the same logits.
 
 A fourth checkpoint is docs/models.md's "Where HF differs": index scores that tie exactly, where
@@ -33,6 +33,7 @@ from flax import nnx  # noqa: E402
 
 from mla_jax.v4.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from mla_jax.generation import generate  # noqa: E402
+from mla_jax.serving.engine import Engine  # noqa: E402
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
@@ -136,6 +137,20 @@ def test_greedy_trajectory_matches_hf(pair):
   # 130 tokens: the greedy steps complete entries of every ratio (128 included).
   prompt = np.random.default_rng(7).integers(0, COMMON["vocab_size"], 130).tolist()
   assert generate(ours, [prompt], 32).tokens[0] == _hf_greedy(hf, prompt, 32)
+
+
+def test_engine_greedy_tokens_match_hf(pair):
+  """The engine's tokens against HF's directly: paged caches (128-token pages, a multiple of
+  every ratio), ragged prompts prefilled in chunks of at most 16 rows beside other requests'
+  decodes, 4 decode steps a dispatch."""
+  hf, ours = pair
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, COMMON["vocab_size"], n).tolist() for n in (9, 41, 70)]
+  engine = Engine(ours, num_pages=8, page_size=128, max_num_seqs=4, max_model_len=256,
+                  max_step_tokens=16, decode_steps=4, log_interval=None)
+  got = [list(o.tokens) for o in engine.generate(prompts, max_tokens=12)]
+  assert got == [_hf_greedy(hf, p, 12) for p in prompts]
+  engine.pages.check()
 
 
 def test_hf_loads_what_mla_jax_saves(pair, tmp_path):
