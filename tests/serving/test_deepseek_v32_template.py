@@ -48,25 +48,28 @@ def test_thinking_mode_opens_think_on_the_last_user_turn():
                    "<function_results>\n<result>2</result>\n</function_results>\n\n<think>")
 
 
+# A conversation's tools and one assistant turn's calls (test_deepseek_v4_template.py's too).
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "now", "description": "Zeit, jetzt"}}]
+CALLS = [{"id": "a", "type": "function", "function": {
+    "name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}},
+         {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}}]
+
+
 def test_tools_calls_and_results_in_dsml():
   """The tools as a system block first (their JSON one a line), an assistant's calls in DSML
   (strings as they are, other values as JSON, no arguments: an empty line), then the results
   of all its calls in one block, closed by </think>."""
-  tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-      "type": "object", "properties": {"city": {"type": "string"}}}}},
-           {"type": "function", "function": {"name": "now", "description": "Zeit, jetzt"}}]
-  calls = [{"id": "a", "type": "function", "function": {
-      "name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}},
-           {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}}]
   prompt = TEMPLATE.render([
       {"role": "user", "content": "Weather?"},
-      {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+      {"role": "assistant", "content": "Checking.", "tool_calls": CALLS},
       {"role": "tool", "tool_call_id": "a", "content": "sunny"},
-      {"role": "tool", "tool_call_id": "b", "content": "noon"}], tools)
+      {"role": "tool", "tool_call_id": "b", "content": "noon"}], TOOLS)
   head, _, rest = prompt.partition("<functions>\n")
   assert head.startswith(f"{BOS}\n\n## Tools\n\nYou have access to a set of tools")
   assert f'<{D}parameter name="$PARAMETER_NAME" string="true|false">' in head
-  schemas = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+  schemas = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in TOOLS)
   assert rest == (
       f"{schemas}\n</functions>\n{U}Weather?{A}</think>Checking.\n\n<{D}function_calls>\n"
       f'<{D}invoke name="get_weather">\n<{D}parameter name="city" string="true">Zürich'

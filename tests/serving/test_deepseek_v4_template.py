@@ -28,7 +28,7 @@ import pytest
 from mla_jax.serving.chat import SHIPPED_TEMPLATES, ChatTemplate, TemplateError, serving_template
 from mla_jax.serving.reasoning import output_parser, prompt_opens_think
 from mla_jax.serving.tool_parsers import DeepSeekV4ToolParser
-from tests.serving.test_deepseek_v32_template import _checkpoint
+from tests.serving.test_deepseek_v32_template import CALLS, TOOLS, _checkpoint
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -38,12 +38,6 @@ THINKING = {"thinking": True}
 TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
          {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
          {"role": "user", "content": "1+1?"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}},
-         {"type": "function", "function": {"name": "now", "description": "Zeit, jetzt"}}]
-CALLS = [{"id": "a", "type": "function", "function": {
-    "name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}},
-         {"id": "b", "type": "function", "function": {"name": "now", "arguments": {}}}]
 # render_message: the calls' DSML (strings as they are, other values as JSON, no arguments:
 # an empty line), V3.2's invokes in a tool_calls block.
 CALLS_DSML = (f'\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n'
