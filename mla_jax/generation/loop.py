@@ -196,6 +196,14 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
       decode_buckets=tuple(sorted(compiled.decoders)))
 
 
+def _check_not_past(emitted: int, new_tokens: int, done: np.ndarray) -> None:
+  """Before a dispatch: every sequence that has emitted ``new_tokens`` tokens has ended
+  (``stops.ends`` in the programs); an internal error, named rather than a loop without end."""
+  if emitted >= new_tokens:
+    raise RuntimeError(f"generate: {int((~done).sum())} sequences not ended after "
+                       f"{new_tokens} tokens")
+
+
 def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT, lens_B,
                seed_arr, mesh, *, progress: bool) -> GenerationResult:
   """``generate`` with speculative decoding: the MTP prefill, then dispatches of ``steps``
@@ -235,9 +243,7 @@ def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT
   bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
   seconds, iterations = 0.0, 1
   while not done.all():
-    if iterations >= new_tokens:  # each iteration emits a token: an internal error, named
-      raise RuntimeError(f"generate: {int((~done).sum())} sequences not ended after "
-                         f"{new_tokens} tokens")
+    _check_not_past(iterations, new_tokens, done)  # each iteration emits a token
     iterations += steps
     program = compiled.decoder(rows_by(), *args())  # a new bucket compiles outside the timing
     t0 = time.perf_counter()
@@ -289,9 +295,7 @@ def _decode_loop(compiled: _Programs, request: Request, steps: int, caches, toke
   bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
   seconds, step = 0.0, 1
   while not done.all():  # the programs end each sequence at its last token too (``ends``)
-    if step >= new_tokens:  # an internal error, named rather than a loop without end
-      raise RuntimeError(f"generate: {int((~done).sum())} sequences not ended after "
-                         f"{new_tokens} tokens")
+    _check_not_past(step, new_tokens, done)
     # A new bucket compiles outside the timing.
     program = compiled.decoder(rows_by(step), caches, tokens_B, done_B, seed_arr, step_arr,
                                end_arr)
