@@ -477,8 +477,8 @@ def _plan_v4(args) -> int:
   print("\npartition rules:")
   print(v4_plan.format_rules())
   print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): "
-        "speculative decoding under mla-jax serve (the engine's drafts), fp8 caches under "
-        "mla-jax serve and in these plans (mla-jax generate has them), a 'context' axis")
+        "speculative decoding under mla-jax serve (the engine's drafts), fp8 caches in these "
+        "plans (mla-jax generate and serve have them), a 'context' axis")
   return 0
 
 

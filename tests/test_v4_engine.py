@@ -2,7 +2,8 @@
 tests/test_hf_parity_v4.py) under ragged prompts, chunked prefill, prefix hits that end inside
 a window and inside a compression window (state restored from snapshots), preemption and
 aborts, seeded sampling; no page leaks; every step program it compiled or would warm up keeps
-the selection contract (the walk catches a mis-declared class) and holds no while or cond."""
+the selection contract (the walk catches a mis-declared class) and holds no while or cond.
+With fp8 caches, the tokens equal ``mla_jax.generate``'s fp8 ones."""
 
 import functools
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mla_jax.fp8_cache import Fp8Keys
 from mla_jax.generation import generate
 from mla_jax.serving.engine import Engine
 from mla_jax.serving.sequence import SamplingParams
@@ -17,6 +19,7 @@ from mla_jax.traces import summarize_jaxpr
 from mla_jax.v4.config import tiny_v4_config
 from mla_jax.v4.model import V4CausalLM
 from mla_jax.v4.step_plan import selection_violations
+from pallas_kernels.fp8_rows import Fp8LatentRows
 from tests.test_engine_dispatch import DEVICE_PREDICATED
 from tests.test_v4_model import build
 from tests.test_v4_routes import MisdeclaredCSA
@@ -33,8 +36,8 @@ def model():
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(model, prompts: tuple, new: int = NEW) -> list[list[int]]:
-  return generate(model, [list(p) for p in prompts], new).tokens
+def _reference(model, prompts: tuple, new: int = NEW, cache_dtype="fp32") -> list[list[int]]:
+  return generate(model, [list(p) for p in prompts], new, cache_dtype=cache_dtype).tokens
 
 
 def _prompts(seed: int, lengths) -> tuple:
@@ -116,6 +119,30 @@ def test_preemption_aborts_and_few_snapshots(model):
   assert list(alone) == list(drawn) != want[3]
   assert engine.scheduler.num_preemptions > 0
   assert len(engine.scheduler.snapshots) == 1
+  _no_leaks(engine)
+
+
+def test_fp8_caches_give_generates_fp8_tokens(model):
+  """cache_dtype fp8: the pools hold compressed entries and indexer keys in V3.2's fp8
+  layouts and the rings in the model's dtype. Ragged prompts prefilled in chunks of 16 in a
+  16-page pool (a sequence is preempted and recomputed), decoded 4 steps a dispatch, then
+  prompts that hit the preempted one's pages: greedy tokens equal generate's with fp8 caches
+  (which differ from its float32 ones here); no page is left in use."""
+  first = _prompts(3, (40, 33, 47, 20, 35))
+  second = (first[4][:33] + (7, 8), first[4][:17] + (9,))
+  engine = Engine(model, num_pages=16, page_size=8, max_step_tokens=16, num_snapshots=64,
+                  cache_dtype="fp8", **SETTINGS)
+  csa = engine.runner.pools[0][1]  # sliding, CSA, HCA, CSA
+  assert isinstance(csa.entries, Fp8LatentRows) and isinstance(csa.index_keys, Fp8Keys)
+  assert csa.window.dtype == csa.pool_kv.dtype == model.dtype
+  want = _reference(model, first + second, 3 * NEW, "fp8")  # one generate for both rounds
+  outputs = engine.generate([list(p) for p in first], max_tokens=3 * NEW)
+  assert [o.num_preemptions for o in outputs] == [0, 0, 0, 0, 1]
+  assert [list(o.tokens) for o in outputs] == want[:5] != _reference(model, first, 3 * NEW)
+  outputs = engine.generate([list(p) for p in second], max_tokens=3 * NEW)
+  assert [o.num_cached_prompt_tokens for o in outputs] == [32, 8]
+  assert [list(o.tokens) for o in outputs] == want[5:]
+  assert engine.stats.decode_dispatches > 0
   _no_leaks(engine)
 
 

@@ -108,19 +108,14 @@ def test_generate_with_fp8_caches_against_float32_caches(runs):
   assert delta < MAX_LOGPROB_DELTA and agreement >= MIN_AGREEMENT
 
 
-def test_fp8_pools_in_an_engine_are_refused_by_name(runs):
-  """The engine's pools stay float for V4 (its fp8 pools are not built yet), named before
-  anything is allocated."""
-  model = runs[0]
-  with pytest.raises(ValueError, match="an engine does not hold DeepSeek-V4's entries in fp8"):
-    model.init_pools(64, "fp8", page_size=8, num_state_slots=2)
-
-
-def test_serving_a_v4_checkpoint_with_fp8_caches_is_refused_by_name(tmp_path):
-  """mla-jax serve runs the engine, whose V4 pools are float: refused before loading
-  (mla-jax generate takes --cache-dtype fp8 for V4)."""
+def test_serve_takes_fp8_caches_for_a_v4_checkpoint():
+  """mla-jax serve passes --cache-dtype fp8 on to its engine for a V4 checkpoint (the engine's
+  fp8 pools: tests/test_v4_engine.py); the flags V4 cannot take under serve stay refused."""
   from mla_jax import cli
+  from mla_jax.v4 import cli as v4_cli
 
-  (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4"}')
-  with pytest.raises(SystemExit, match="--cache-dtype fp8 with mla-jax serve: not supported"):
-    cli.main(["serve", "--checkpoint", str(tmp_path), "--cache-dtype", "fp8"])
+  serve = ["serve", "--checkpoint", "tiny-v4", "--cache-dtype", "fp8"]
+  v4_cli.check_flags(cli.build_parser().parse_args(serve), serving=True)
+  with pytest.raises(SystemExit, match="^error: --speculative-tokens with mla-jax serve: not"):
+    v4_cli.check_flags(cli.build_parser().parse_args([*serve, "--speculative-tokens", "1"]),
+                       serving=True)

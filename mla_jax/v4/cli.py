@@ -3,7 +3,7 @@ checkpoint: its flags' limits, its loader and what they print about it.
 
 ``mla_jax.cli`` asks ``is_v4_checkpoint`` once it has the checkpoint's directory; then
 ``check_flags`` refuses, by name and before anything is loaded, what V4 does not have yet
-(several processes, a context axis, fp8 caches under serve, the V3.2 route choice), and
+(several processes, a context axis, drafts under serve, the V3.2 route choice), and
 ``load`` builds the model: ``--mesh`` shards it by ``mla_jax.v4.sharding``'s rules,
 ``--dtype fp8`` keeps its fp8 and fp4 weights as stored, and its MTP layers are read only
 for speculative decoding.
@@ -30,12 +30,10 @@ def is_v4_checkpoint(checkpoint: str | None) -> bool:
 
 def check_flags(args: argparse.Namespace, *, serving: bool = False) -> None:
   """``SystemExit`` naming each flag a V4 checkpoint cannot take (yet); ``serving``: those of
-  ``mla-jax serve`` (its engine drafts for no model with per-sequence state yet, and holds
-  V4's pools in a float dtype)."""
+  ``mla-jax serve`` (its engine drafts for no model with per-sequence state yet)."""
   context = args.mesh and sharding.parse_mesh_spec(args.mesh)[sharding.CONTEXT] > 1
   unsupported = {
       "--mesh with a 'context' axis": context, "--coordinator": args.coordinator,
-      "--cache-dtype fp8 with mla-jax serve": serving and args.cache_dtype == "fp8",
       "--attention dense-capable": args.attention != "mqa-only",
       "--speculative-tokens with mla-jax serve": serving and args.speculative_tokens > 0}
   named = [flag for flag, value in unsupported.items() if value]

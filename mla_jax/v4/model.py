@@ -227,10 +227,8 @@ class V4CausalLM(nnx.Module):
     if num_rows % page_size:
       raise ValueError(f"num_rows {num_rows} is no whole number of pages of {page_size}")
     dtype, entry_dtype = self._cache_dtypes(cache_dtype)
-    if entry_dtype == "fp8":
-      raise ValueError("cache_dtype fp8: an engine does not hold DeepSeek-V4's entries in fp8 "
-                       "yet (mla_jax.generate does; docs/models.md)")
-    return tuple(attn.init_cache(num_state_slots, num_rows // page_size, page_size, dtype)
+    return tuple(attn.init_cache(num_state_slots, num_rows // page_size, page_size, dtype,
+                                 entry_dtype=entry_dtype)
                  for attn in self.attentions), ()
 
   def paged_cache(self, pools, rows: FlatRows) -> V4Cache:
