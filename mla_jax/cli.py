@@ -462,23 +462,21 @@ def _plan_v4(args) -> int:
   mesh of 1, 2, 4 and 8 GPUs of each kind that holds the most 128K sequences."""
   from mla_jax.v4 import plan as v4_plan
 
-  if args.cache_dtype != "bf16" or args.lower:
-    raise SystemExit(f"error: --cache-dtype fp8 and --lower are not supported for "
-                     f"{args.model} yet (docs/models.md)")
+  if args.lower:
+    raise SystemExit(f"error: --lower is not supported for {args.model} yet (docs/models.md)")
   abstract = v4_plan.abstract_model(v4_plan.V4_SIZES[args.model], args.dtype)
-  plans = [v4_plan.make_plan(args.model, mesh, args.dtype, abstract)
+  plans = [v4_plan.make_plan(args.model, mesh, args.dtype, abstract, args.cache_dtype)
            for mesh in args.mesh or [DEFAULT_PLAN_MESH]]
-  print(v4_plan.describe(args.model, args.dtype, plans[0].total_param_bytes))
+  print(v4_plan.describe(args.model, args.dtype, plans[0].total_param_bytes, args.cache_dtype))
   print(v4_plan.format_plans(plans))
   print(f"fits: parameters + caches <= {v4_plan.FIT_FRACTION:.0%} of the GPU's memory; caches "
         "split over 'data' only, whole on every device of a data shard")
   print("\nthe mesh of each GPU count that holds the most 128K sequences:")
-  print(v4_plan.format_best(args.model, args.dtype, abstract))
+  print(v4_plan.format_best(args.model, args.dtype, abstract, args.cache_dtype))
   print("\npartition rules:")
   print(v4_plan.format_rules())
   print(f"\nnot supported yet for {args.model} (docs/models.md#not-supported-yet): "
-        "speculative decoding under mla-jax serve (the engine's drafts), fp8 caches in these "
-        "plans (mla-jax generate and serve have them), a 'context' axis")
+        "speculative decoding under mla-jax serve (the engine's drafts), a 'context' axis")
   return 0
 
 

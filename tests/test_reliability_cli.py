@@ -71,21 +71,22 @@ def test_num_pages_auto_fills_a_gpu_with_the_pools_the_engine_allocates(monkeypa
 
 
 def test_plan_of_v4_says_what_is_not_supported_yet(monkeypatch, capsys):
-  """The V4 figures come with what V4 cannot do yet: drafts under serve, fp8 caches, a context
-  axis (the plan itself, an eval_shape of the full model, is stood in for:
-  tests/test_v4_plan.py)."""
+  """The V4 figures come with what V4 cannot do yet: drafts under serve, a context axis (the
+  plan itself, an eval_shape of the full model, is stood in for: tests/test_v4_plan.py)."""
   from mla_jax.v4 import plan as v4_plan
 
   monkeypatch.setattr(v4_plan, "abstract_model", lambda config, dtype: None)
   monkeypatch.setattr(v4_plan, "make_plan",
-                      lambda model, mesh, dtype, abstract: SimpleNamespace(total_param_bytes=0))
-  monkeypatch.setattr(v4_plan, "describe", lambda model, dtype, total: f"{model}: figures")
+                      lambda model, mesh, dtype, abstract, caches: SimpleNamespace(
+                          total_param_bytes=0))
+  monkeypatch.setattr(v4_plan, "describe",
+                      lambda model, dtype, total, caches: f"{model}: figures")
   monkeypatch.setattr(v4_plan, "format_plans", lambda plans: "plans")
-  monkeypatch.setattr(v4_plan, "format_best", lambda model, dtype, abstract: "best")
+  monkeypatch.setattr(v4_plan, "format_best", lambda model, dtype, abstract, caches: "best")
   assert cli.main(["plan", "--model", "deepseek_v4_pro"]) == 0
   out = capsys.readouterr().out
   assert out.startswith("deepseek_v4_pro: figures\n")
-  assert "not supported yet for deepseek_v4_pro" in out and "fp8 caches" in out
+  assert "not supported yet for deepseek_v4_pro" in out and "'context' axis" in out
   assert "mla-jax serve" in out
 
 

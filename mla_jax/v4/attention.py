@@ -52,6 +52,24 @@ from mla_jax.v4.hyper import unweighted_rms_norm
 REFERENCE_TILE = 64
 
 
+def empty_entries(config: V4Config, rows: int, entry_dtype):
+  """``rows`` zero compressed entries in ``entry_dtype``, or with ``"fp8"`` in V3.2's fp8
+  latent layout (``mla_jax.fp8_cache``): the RoPE part is the latent's, the other values in
+  tiles of ``REFERENCE_TILE`` where they divide into them."""
+  if not isinstance(entry_dtype, str):
+    return jnp.zeros((rows, config.head_dim), entry_dtype)
+  latent = config.head_dim - config.rope_dim
+  return fp8_cache.empty_latent((rows,), latent, config.rope_dim,
+                                REFERENCE_TILE if latent % REFERENCE_TILE == 0 else None)
+
+
+def empty_index_keys(config: V4Config, rows: int, entry_dtype):
+  """``rows`` zero CSA indexer keys in ``entry_dtype``, or with ``"fp8"`` as ``Fp8Keys``."""
+  if isinstance(entry_dtype, str):
+    return fp8_cache.empty_keys((rows,), config.index_head_dim)
+  return jnp.zeros((rows, config.index_head_dim), entry_dtype)
+
+
 class CompressedSelection(enum.Enum):
   NONE = "none"      # no compressed entries (sliding window only)
   ALL = "all"        # every causally valid entry: a complete selection, nothing scored
@@ -131,29 +149,21 @@ class V4Attention(nnx.Module):
     """This layer's arrays (all zeros): state for ``slots`` sequences, its rings (window,
     compressor) holding ``spare`` more rows for steps that run ahead of the next step's
     start; entries for ``num_pages`` pages of ``page_size`` tokens (``mla_jax.v4.cache``).
-    ``entry_dtype`` (default ``dtype``): the entries' and indexer keys', or ``"fp8"``: V3.2's
-    fp8 layouts (``mla_jax.fp8_cache``; an entry's RoPE part is the latent's, its other
-    values in tiles of ``REFERENCE_TILE`` where they divide into them)."""
+    ``entry_dtype`` (default ``dtype``): the entries' and indexer keys' (``empty_entries``)."""
     config = self.config
     entry_dtype = dtype if entry_dtype is None else entry_dtype
-    fp8 = isinstance(entry_dtype, str)
     window = jnp.zeros((slots, config.sliding_window + spare, config.head_dim), dtype)
     if not self.compressed:
       return V4LayerCache(window)
     rows = num_pages * entries_per_page(page_size, self.ratio)
     pool_kv, pool_gate = self.compressor.init_state(slots, dtype, spare)
-    latent = config.head_dim - config.rope_dim
-    entries = (fp8_cache.empty_latent((rows,), latent, config.rope_dim,
-                                      REFERENCE_TILE if latent % REFERENCE_TILE == 0 else None)
-               if fp8 else jnp.zeros((rows, config.head_dim), entry_dtype))
+    entries = empty_entries(config, rows, entry_dtype)
     cache = V4LayerCache(window, pool_kv, pool_gate, entries)
     if not self.scored:
       return cache
     index_kv, index_gate = self.indexer.init_state(slots, dtype, spare)
-    keys = (fp8_cache.empty_keys((rows,), config.index_head_dim) if fp8
-            else jnp.zeros((rows, config.index_head_dim), entry_dtype))
     return dataclasses.replace(cache, index_pool_kv=index_kv, index_pool_gate=index_gate,
-                               index_keys=keys)
+                               index_keys=empty_index_keys(config, rows, entry_dtype))
 
   def _rotate(self, x, pos_N, *, inverse: bool = False):
     """RoPE on the last ``rope_dim`` features of rows [N, ...] at positions ``pos_N``."""

@@ -8,8 +8,9 @@ device of a data shard holds its sequences' caches whole), so a mesh holds ``dat
 sequences that fit beside one device's parameters.
 
 A V4 layer caches per token only its compressed entries: ``head_dim / m`` values (CSA: also
-the indexer's ``index_head_dim / m``); the window is a ring of ``sliding_window`` rows and
-each compressor keeps the last ``m`` or ``2m`` tokens' projections, fixed per sequence.
+the indexer's ``index_head_dim / m``), in bf16 or fp8 (``--cache-dtype``: V3.2's fp8 layouts);
+the window is a ring of ``sliding_window`` rows and each compressor keeps the last ``m`` or
+``2m`` tokens' projections, fixed per sequence, in bf16.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 import math
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -26,6 +28,7 @@ from flax import nnx
 from mla_jax import plan, quant, sharding
 from mla_jax.backends import XlaBackend
 from mla_jax.plan import FIT_FRACTION, GPUS
+from mla_jax.v4.attention import empty_entries, empty_index_keys
 from mla_jax.v4.config import CSA, HCA, MOE, HASH_MOE, SLIDING, V4Config
 from mla_jax.v4.model import V4CausalLM
 from mla_jax.v4.sharding import (V4_PARTITION_RULES, check_mesh, leaf_rules, rule_name,
@@ -98,22 +101,33 @@ def param_bytes(model: V4CausalLM | list, mesh=None) -> tuple[int, int]:
   return per_device, total
 
 
-def cache_bytes(config: V4Config, itemsize: int = 2) -> tuple[int, int]:
-  """(bytes per token, bytes per sequence) of every layer's cache (``init_cache``'s arrays)."""
+def cache_bytes(config: V4Config, cache_dtype: str = "bf16") -> tuple[int, int]:
+  """(bytes per token, bytes per sequence) of every layer's cache (``init_cache``'s arrays)
+  in ``cache_dtype`` (``DTYPES``): bf16, or fp8 entries and indexer keys beside bf16 rings."""
+  if cache_dtype not in DTYPES:
+    raise ValueError(f"cache_dtype must be one of {DTYPES}, got {cache_dtype!r}")
+  itemsize = 2  # the rings: bf16 either way
+  entry_dtype = "fp8" if cache_dtype == "fp8" else jnp.bfloat16
+  entry, key = (_nbytes(jax.eval_shape(lambda f=f: f(config, 1, entry_dtype)))
+                for f in (empty_entries, empty_index_keys))
   per_token = per_sequence = 0
   for layer_type in config.layer_types:
     per_sequence += config.sliding_window * config.head_dim * itemsize
     if layer_type == SLIDING:
       continue
     m = config.compress_ratio(layer_type)
-    per_token += config.head_dim * itemsize / m
+    per_token += entry / m
     state_tokens = 2 * m if layer_type == CSA else m
     width = 2 * config.head_dim if layer_type == CSA else config.head_dim
     per_sequence += 2 * state_tokens * width * itemsize  # kv and gate
     if layer_type == CSA:
-      per_token += config.index_head_dim * itemsize / m
+      per_token += key / m
       per_sequence += 2 * state_tokens * 2 * config.index_head_dim * itemsize
   return round(per_token), per_sequence
+
+
+def _nbytes(tree) -> int:
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +153,11 @@ class V4Plan:
 
 
 def make_plan(model: str, mesh_spec: str = "tensor=8", dtype: str = "bf16",
-              abstract: V4CausalLM | list | None = None) -> V4Plan:
+              abstract: V4CausalLM | list | None = None,
+              cache_dtype: str = "bf16") -> V4Plan:
   """The plan of a named full-size V4 on an abstract mesh (``abstract``: its abstract model
-  in ``dtype``, or that model's ``leaf_rules``, when several meshes share it)."""
+  in ``dtype``, or that model's ``leaf_rules``, when several meshes share it), its caches
+  in ``cache_dtype`` (``cache_bytes``)."""
   if model not in V4_SIZES:
     raise ValueError(f"model must be one of {sorted(V4_SIZES)}, got {model!r}")
   config = V4_SIZES[model]
@@ -149,7 +165,7 @@ def make_plan(model: str, mesh_spec: str = "tensor=8", dtype: str = "bf16",
   check_mesh(config, mesh)
   abstract = abstract_model(config, dtype) if abstract is None else abstract
   per_device, total = param_bytes(abstract, mesh)
-  token, sequence = cache_bytes(config)
+  token, sequence = cache_bytes(config, cache_dtype)
   return V4Plan(model, mesh_spec, dtype, per_device, total, token, sequence,
                 mesh.shape[sharding.DATA], math.prod(mesh.shape.values()))
 
@@ -169,17 +185,17 @@ def candidate_meshes(config: V4Config, gpus: int) -> list[str]:
   return meshes
 
 
-def mesh_plans(model: str, dtype: str, gpus: int,
-               abstract: V4CausalLM | list | None = None) -> list[V4Plan]:
+def mesh_plans(model: str, dtype: str, gpus: int, abstract: V4CausalLM | list | None = None,
+               cache_dtype: str = "bf16") -> list[V4Plan]:
   """The plan of every mesh of ``gpus`` devices that V4's rules can split the model over
-  (``abstract``: as ``make_plan``'s)."""
+  (``abstract``, ``cache_dtype``: as ``make_plan``'s)."""
   config = V4_SIZES[model]
   abstract = abstract_model(config, dtype) if abstract is None else abstract
   rules = leaf_rules(abstract) if isinstance(abstract, nnx.Module) else abstract
   plans = []
   for spec in candidate_meshes(config, gpus):
     try:
-      plans.append(make_plan(model, spec, dtype, rules))
+      plans.append(make_plan(model, spec, dtype, rules, cache_dtype))
     except ValueError:  # a dimension the rules split does not divide
       continue
   return plans
@@ -202,11 +218,12 @@ def format_plans(plans: list[V4Plan]) -> str:
   return "\n".join(lines)
 
 
-def format_best(model: str, dtype: str, abstract: V4CausalLM | None = None) -> str:
+def format_best(model: str, dtype: str, abstract: V4CausalLM | None = None,
+                cache_dtype: str = "bf16") -> str:
   """A markdown table: for each GPU kind and count, its best mesh (``best_plan``) and the
   sequences it holds, or that the weights alone do not fit."""
   rules = leaf_rules(abstract_model(V4_SIZES[model], dtype) if abstract is None else abstract)
-  by_count = {n: mesh_plans(model, dtype, n, rules) for n in GPU_COUNTS}
+  by_count = {n: mesh_plans(model, dtype, n, rules, cache_dtype) for n in GPU_COUNTS}
   lines = ["| GPU | GPUs | best mesh | params GiB/device | "
            + " | ".join(f"{c // 1024}K seqs" for c in CONTEXTS) + " |",
            "|---" * (4 + len(CONTEXTS)) + "|"]
@@ -224,17 +241,18 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:,.1f}"
 
 
-def describe(model: str, dtype: str, total_param_bytes: int) -> str:
+def describe(model: str, dtype: str, total_param_bytes: int, cache_dtype: str = "bf16") -> str:
   """The model's layers, its parameter bytes and its cache bytes, in two lines."""
   config = V4_SIZES[model]
   counts = {t: config.layer_types.count(t) for t in (SLIDING, CSA, HCA)}
-  token, sequence = cache_bytes(config)
+  token, sequence = cache_bytes(config, cache_dtype)
+  caches = "bf16" if cache_dtype == "bf16" else "fp8 entries and indexer keys, bf16 rings"
   weights = ("bf16 weights" if dtype == "bf16" else
              "weights as released: fp8 projections, fp4 (MXFP4) routed experts")
   return (f"{model}: {config.num_layers} layers ({counts[SLIDING]} sliding, {counts[CSA]} CSA, "
           f"{counts[HCA]} HCA), {total_param_bytes / 2**30:,.1f} GiB of parameters in all "
           f"({weights})\n"
-          f"cache (bf16): {token:,} B per token over all layers, plus "
+          f"cache ({caches}): {token:,} B per token over all layers, plus "
           f"{sequence / 2**20:,.1f} MiB per sequence (window rings, compressor state)")
 
 
