@@ -217,8 +217,9 @@ class V4CausalLM(nnx.Module):
   def init_pools(self, num_rows: int, cache_dtype, *, page_size: int | None = None,
                  num_state_slots: int = 0, mtp: bool = False):
     """An engine's pools: ``num_rows / page_size`` pages of entries and ``num_state_slots``
-    slots of state per layer (``mla_jax.v4.cache``), and no MTP pools (an engine does not
-    draft with V4's MTP layers yet)."""
+    slots of state per layer (``mla_jax.v4.cache``) in ``cache_dtype`` (``_cache_dtypes``:
+    with fp8, the entries and indexer keys), and no MTP pools (an engine does not draft with
+    V4's MTP layers yet)."""
     if mtp:
       raise ValueError("max_speculative_tokens: an engine does not draft with DeepSeek-V4's "
                        "MTP layers yet (mla_jax.generate does, speculative_tokens=k)")
