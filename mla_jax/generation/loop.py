@@ -1,9 +1,11 @@
-"""``generate``: a checked request, its compiled programs, then the decode loop.
+"""``generate``: a checked request, its compiled programs, then its decode.
 
-The loop runs one prefill, then decode dispatches of ``steps_per_dispatch`` steps until
-every sequence has its tokens or has emitted an end-of-sequence id. Per dispatch the host
-only calls the compiled program on arrays it already holds (the state's leaves, split once
-per call; the caches, tokens and step counter the last dispatch returned) and reads back the
+The decode runs one prefill, then decode dispatches of ``steps_per_dispatch`` steps (the one
+device decode loop, ``decoding.steps``) until every sequence has its tokens or has emitted an
+end-of-sequence id, through the one host decode loop (``decoding.driver.Pipeline``): each
+dispatch is sent before the last one's tokens are read. Per dispatch the host only calls the
+compiled program on arrays it already holds (the state's leaves, split once per call; the
+caches, tokens, progress and step counter the last dispatch returned) and reads back the
 emitted tokens. With ``speculative_tokens`` the prefill also runs the MTP layer and each
 dispatch runs speculative iterations (``generation.speculative``) instead of decode steps.
 """
