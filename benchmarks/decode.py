@@ -68,6 +68,7 @@ from jax.experimental import checkify  # noqa: E402
 from benchmarks import timing  # noqa: E402
 from mla_jax import generation  # noqa: E402
 from mla_jax.cache import bucket_rows  # noqa: E402
+from mla_jax.decoding.steps import Progress  # noqa: E402
 from mla_jax.generation import programs  # noqa: E402
 from mla_jax.models.config import small_lm, tiny_lm  # noqa: E402
 from mla_jax.models.lm import CausalLM, ModelCache  # noqa: E402
@@ -133,9 +134,11 @@ class Runner:
     return bucket_rows(context, self.capacity) if self.variant.buckets else self.capacity
 
   def _inputs(self, context: int):
-    """The caches with a dispatch's steps ending at ``context`` rows, fresh tokens/done."""
+    """The caches with a dispatch's steps ending at ``context`` rows, fresh tokens and
+    progress."""
     return (self.caches.with_num_cached(jnp.int32(context - self.variant.steps)),
-            jnp.zeros((self.batch,), jnp.int32), jnp.zeros((self.batch,), bool))
+            jnp.zeros((self.batch,), jnp.int32),
+            Progress.start(jnp.ones((self.batch,), bool), 1))
 
   def compile(self, context: int) -> None:
     rows = self.rows(context)
@@ -152,8 +155,8 @@ class Runner:
     """``(setup, run)``: one dispatch ending at ``context``; ``setup`` makes its inputs."""
     program = self.programs[self.rows(context)]
 
-    def run(caches, tokens, done):
-      result = program(self.state_leaves, caches, tokens, done, self.seed, self.first,
+    def run(caches, tokens, progress):
+      result = program(self.state_leaves, caches, tokens, progress, self.seed, self.first,
                        self.end)
       self.caches = result[1][2]  # the donated buffers live on in the result
       return result

@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from mla_jax import checks, quant, sharding
 from mla_jax.backends import XlaBackend
+from mla_jax.decoding.steps import Progress
 from mla_jax.models.config import FULL_SIZE, ModelConfig
 from mla_jax.models.hf_layout import param_layouts
 from mla_jax.models.lm import CausalLM, cache_shardings, check_mesh, state_shardings
@@ -342,7 +343,8 @@ def lower_decode_step(model: str, mesh_spec: str, batch: int = 8, context: int =
     args = (placed(state, state_shardings(state, mesh)),
             placed(caches, cache_shardings(caches, mesh)),
             jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_spec),
-            jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_spec),
+            Progress(jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_spec),
+                     jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_spec)),
             jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))

@@ -165,7 +165,7 @@ def test_aborts_in_flight_free_their_pages_and_spare_the_others(model, prompts, 
   waiting = [s.request_id for s in engine.scheduler.waiting]
   aborted = {running[0], waiting[-1]}
   # The running one has a step in flight (dispatched, not read): the abort lands on it.
-  assert running[0] in {c.seq.request_id for c in engine._in_flight.batch.chunks}
+  assert running[0] in {c.seq.request_id for c in engine._pipeline.in_flight.batch.chunks}
   for request_id in aborted:
     engine.abort(request_id)
   out = engine.output(running[0])

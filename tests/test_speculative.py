@@ -15,6 +15,8 @@ from scipy import stats
 import mla_jax as m
 from mla_jax import testing as mt
 from mla_jax.decoding import sampling, speculative as decoding_speculative
+from mla_jax.decoding.steps import Progress, emit
+from mla_jax.decoding.stops import stop_ids_of
 from mla_jax.generation import programs, speculative as generation_speculative
 from mla_jax.models.config import tiny_lm
 from mla_jax.routing import PrefillRoute
@@ -182,9 +184,9 @@ def _speculative_programs(model, k=2, prompt_len=3, capacity=16):
                                model.step_plan(prompt_len, 0, capacity=capacity)))
   draft_state = generation_speculative.DraftState(
       tokens_B=lens, draft_BV=jnp.zeros((1, model.config.vocab_size)),
-      hidden_BD=jnp.zeros((1, d)), done_B=jnp.zeros((1,), bool), emitted_B=lens,
-      accepted_B=lens, drafted_B=lens)
-  decode = programs.trace(graphdef, state, caches, mtp_caches, draft_state, seed, jnp.int32(1),
+      hidden_BD=jnp.zeros((1, d)), accepted_B=lens, drafted_B=lens)
+  decode = programs.trace(graphdef, state, caches, mtp_caches, draft_state,
+                          Progress.start(jnp.ones((1,), bool), lens), seed, jnp.int32(1),
                           jnp.int32(8), settings=programs.SpeculativeSettings(
                               plan(k + 1), plan(1), m.generation.SamplingConfig(1.0), steps=2))
   # Unchecked, they carry no effects (which would send every call through Python dispatch).
@@ -358,15 +360,16 @@ def test_rejected_drafts_leave_the_caches_of_a_prefill_of_the_emitted_tokens():
   tokens_B, caches, mtp_caches, draft_BV, hidden_BD = prefill(sequence)
   sequence.append(int(tokens_B[0]))
   one = jnp.ones((1,), jnp.int32)
-  state = generation_speculative.DraftState(tokens_B, draft_BV, hidden_BD, one < 0, one,
-                                            0 * one, 0 * one)
+  state = generation_speculative.DraftState(tokens_B, draft_BV, hidden_BD, 0 * one, 0 * one)
+  progress = Progress.start(one > 0, one)
   rejected = 0
   for _ in range(3):
     accepted_before = int(state.accepted_B[0])
-    caches, mtp_caches, state, emitted_BK = generation_speculative.iteration(
-        model, caches, mtp_caches, state, key, 20,
+    caches, mtp_caches, state, tokens_BK, valid_B = generation_speculative.iteration(
+        model, caches, mtp_caches, state, progress, key, 20,
         verify_plan=model.step_plan(k + 1, None, capacity=capacity),
-        draft_plan=model.step_plan(1, None, capacity=capacity), sampling=greedy, eos_id=None)
+        draft_plan=model.step_plan(1, None, capacity=capacity), sampling=greedy)
+    progress, emitted_BK = emit(progress, tokens_BK, valid_B, stop_ids_of(None), 20)
     rejected += int(state.accepted_B[0]) - accepted_before < k
     sequence += [int(t) for t in emitted_BK[0] if t >= 0]
     # The last emitted token is not in the caches yet: the prefill of the rest samples it.

@@ -12,6 +12,7 @@ from flax import nnx
 import mla_jax as m
 from mla_jax import checks
 from mla_jax import testing as mt
+from mla_jax.decoding.steps import Progress
 from mla_jax.models.config import tiny_lm
 from mla_jax.generation import programs
 from mla_jax.traces import summarize, summarize_jaxpr, traced_kernels, traced_scopes
@@ -214,7 +215,8 @@ def _generation_programs(model, prompt_len: int):
                            settings=programs.PrefillSettings(
                                model.step_plan(prompt_len, 0, capacity=capacity)))
   decode_plan = model.step_plan(1, None, capacity=capacity, kv_rows=prompt_len + 2)
-  decode = programs.trace(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
+  decode = programs.trace(graphdef, state, caches, lens, Progress.start(jnp.ones((1,), bool), 1),
+                          seed,
                           jnp.int32(1), jnp.int32(4),
                           settings=programs.DecodeSettings(decode_plan, steps=2))
   return summarize_jaxpr(prefill.jaxpr), summarize_jaxpr(decode.jaxpr)
@@ -252,7 +254,8 @@ def _generation_traces(model, checked: bool):
   prefill = programs.trace(graphdef, state, caches, ids, lens, seed,
                            settings=programs.PrefillSettings(model.step_plan(3, 0, capacity=8),
                                                              checked=checked))
-  decode = programs.trace(graphdef, state, caches, lens, jnp.zeros((1,), bool), seed,
+  decode = programs.trace(graphdef, state, caches, lens, Progress.start(jnp.ones((1,), bool), 1),
+                          seed,
                           jnp.int32(1), jnp.int32(4),
                           settings=programs.DecodeSettings(model.step_plan(1, None, capacity=8),
                                                            steps=2, checked=checked))

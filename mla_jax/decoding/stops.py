@@ -1,6 +1,6 @@
 """Where a sequence stops: at a stop id or at its last allowed token, written once in a device
-form (``ends``: ``generate``'s decode programs and the engine's multi-step dispatches) and a
-host form (``stop_reason``: ``generate``'s loops and the engine's scheduler). Stop strings are
+form (``ends``: the one device decode loop, ``decoding.steps``) and a host form
+(``stop_reason``: ``generate`` after its prefill, the engine and its scheduler). Stop strings are
 matched on the host, after a dispatch (``decoding.text``); constraints in the engine."""
 
 from __future__ import annotations

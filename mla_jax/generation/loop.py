@@ -1,9 +1,11 @@
-"""``generate``: a checked request, its compiled programs, then the decode loop.
+"""``generate``: a checked request, its compiled programs, then its decode.
 
-The loop runs one prefill, then decode dispatches of ``steps_per_dispatch`` steps until
-every sequence has its tokens or has emitted an end-of-sequence id. Per dispatch the host
-only calls the compiled program on arrays it already holds (the state's leaves, split once
-per call; the caches, tokens and step counter the last dispatch returned) and reads back the
+The decode runs one prefill, then decode dispatches of ``steps_per_dispatch`` steps (the one
+device decode loop, ``decoding.steps``) until every sequence has its tokens or has emitted an
+end-of-sequence id, through the one host decode loop (``decoding.driver.Pipeline``): each
+dispatch is sent before the last one's tokens are read. Per dispatch the host only calls the
+compiled program on arrays it already holds (the state's leaves, split once per call; the
+caches, tokens, progress and step counter the last dispatch returned) and reads back the
 emitted tokens. With ``speculative_tokens`` the prefill also runs the MTP layer and each
 dispatch runs speculative iterations (``generation.speculative``) instead of decode steps.
 """
@@ -21,6 +23,8 @@ from mla_jax import sharding
 from mla_jax.cache import bucket_rows
 from mla_jax.checks import throw
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
+from mla_jax.decoding.driver import Pipeline
+from mla_jax.decoding.steps import Progress
 from mla_jax.decoding.stops import stop_reason
 from mla_jax.generation import programs
 from mla_jax.generation.arguments import Request, check_request
@@ -163,8 +167,7 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
                           cache_dtype=cache_dtype, steps_per_dispatch=steps_per_dispatch,
                           checks=checks, speculative_tokens=speculative_tokens,
                           return_logits=return_logits)
-  new_tokens = request.max_new_tokens
-  steps = min(request.steps_per_dispatch, max(new_tokens - 1, 1))
+  steps = min(request.steps_per_dispatch, max(request.max_new_tokens - 1, 1))
   compiled = _Programs(model, request, steps, return_logits)
   mesh = model.mesh
   # A verify step writes k draft rows past what its sequence keeps (``spare``: rings hold them).
@@ -172,144 +175,186 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
                             spare=request.speculative_tokens)
   ids_BT, lens_B = _place(request.ids_BT, mesh), _place(request.lens_B, mesh)
   seed_arr = _place(np.uint32(request.seed), mesh, sharding.REPLICATED)
-  if request.speculative_tokens:
-    return _speculate(compiled, request, steps, caches, ids_BT, lens_B, seed_arr, mesh,
-                      progress=progress)
-
-  prefill = compiled.prefill(caches, ids_BT, lens_B, seed_arr)
+  decode = (_SpeculativeDecode if request.speculative_tokens else _PlainDecode)(
+      compiled, request, steps, seed_arr)
   t0 = time.perf_counter()
-  err, (tokens_B, _, caches) = prefill(compiled.state_leaves, caches, ids_BT, lens_B, seed_arr)
-  throw(err)
-  tokens_B.block_until_ready()
-  prefill_s = time.perf_counter() - t0
-
-  decoded = _decode_loop(compiled, request, steps, caches, tokens_B, seed_arr, mesh,
-                         progress=progress, return_logits=return_logits)
-  tokens = [[int(t) for t in row if t >= 0] for row in decoded.rows]
+  first_B = jax.block_until_ready(decode.prefill(caches, ids_BT, lens_B))
+  prefill_s = time.perf_counter() - t0 - compiled.compile_s
+  decode_s = decode.run(first_B, progress=progress)
+  tokens = decode.rows
   return GenerationResult(
-      tokens=tokens,
-      prefill_routes=model.plan_layers(compiled.prefill_plan),
-      compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=decoded.seconds,
+      tokens=tokens, prefill_routes=model.plan_layers(compiled.prefill_plan),
+      compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=decode_s,
       prefill_tokens=int(request.lens_B.sum()),
-      decode_tokens=sum(len(t) for t in tokens) - request.batch,
-      step_logits=decoded.logits(model.vocab_size) if return_logits else None,
-      decode_buckets=tuple(sorted(compiled.decoders)))
-
-
-def _check_not_past(emitted: int, new_tokens: int, done: np.ndarray) -> None:
-  """Before a dispatch: every sequence that has emitted ``new_tokens`` tokens has ended
-  (``stops.ends`` in the programs); an internal error, named rather than a loop without end."""
-  if emitted >= new_tokens:
-    raise RuntimeError(f"generate: {int((~done).sum())} sequences not ended after "
-                       f"{new_tokens} tokens")
-
-
-def _speculate(compiled: _Programs, request: Request, steps: int, caches, ids_BT, lens_B,
-               seed_arr, mesh, *, progress: bool) -> GenerationResult:
-  """``generate`` with speculative decoding: the MTP prefill, then dispatches of ``steps``
-  iterations until every sequence has its tokens or its end-of-sequence id.
-
-  The host keeps each sequence's tokens (the emitted buffer's ids >= 0, in order) and knows
-  from them which are done and how far each cache reaches, for the next dispatch's bucket."""
-  model, k = compiled.model, request.speculative_tokens
-  new_tokens, eos_ids, batch = request.max_new_tokens, request.eos_id or (), request.batch
-  mtp_caches = model.init_mtp_cache(batch, request.capacity, request.cache_dtype, spare=k)
-  prefill = compiled.prefill(caches, mtp_caches, ids_BT, lens_B, seed_arr)
-  t0 = time.perf_counter()
-  err, (tokens_B, caches, mtp_caches, draft_BV, hidden_BD) = prefill(
-      compiled.state_leaves, caches, mtp_caches, ids_BT, lens_B, seed_arr)
-  throw(err)
-  first = sharding.fetch(tokens_B)
-  prefill_s = time.perf_counter() - t0
-
-  rows = [[int(t)] for t in first]
-  ended = lambda: np.array([stop_reason(r[-1], eos_ids, len(r), new_tokens) is not None
-                            for r in rows])
-  count = lambda value: _place(np.full(batch, value, np.int32), mesh)  # one buffer each
-  state = DraftState(tokens_B=tokens_B, draft_BV=draft_BV, hidden_BD=hidden_BD,
-                     done_B=_place(ended(), mesh), emitted_B=count(1), accepted_B=count(0),
-                     drafted_B=count(0))
-  # Iteration i reads cache rows up to n + (i + 1)(k + 1), and n + k + 1 at most once the
-  # last token is due (n <= longest + new_tokens - 2 while a sequence is unfinished).
-  rows_by = lambda: bucket_rows(min(max(int(lens) + len(r) - 1 for lens, r in
-                                        zip(request.lens_B, rows)) + steps * (k + 1),
-                                    request.longest + new_tokens + k - 1), request.capacity)
-  iteration_arr = _place(np.int32(1), mesh, sharding.REPLICATED)
-  end_arr = _place(np.int32(new_tokens), mesh, sharding.REPLICATED)
-  args = lambda: (caches, mtp_caches, state, seed_arr, iteration_arr, end_arr)
-  done = ended()
-  if not done.all():  # the first bucket's program is compiled before the timing starts
-    compiled.decoder(rows_by(), *args())
-  bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
-  seconds, iterations = 0.0, 1
-  while not done.all():
-    _check_not_past(iterations, new_tokens, done)  # each iteration emits a token
-    iterations += steps
-    program = compiled.decoder(rows_by(), *args())  # a new bucket compiles outside the timing
-    t0 = time.perf_counter()
-    err, (caches, mtp_caches, state, iteration_arr, emitted_NBK) = program(
-        compiled.state_leaves, *args())
-    throw(err)
-    emitted = sharding.fetch(emitted_NBK)  # syncs: the dispatch has finished
-    seconds += time.perf_counter() - t0
-    for row, new in zip(rows, emitted.swapaxes(0, 1).reshape(batch, -1)):
-      row.extend(int(t) for t in new if t >= 0)
-    done = ended()
-    bar.update(max(len(r) for r in rows) - bar.n)
-  bar.close()
-  return GenerationResult(
-      tokens=rows, prefill_routes=model.plan_layers(compiled.prefill_plan),
-      compile_s=compiled.compile_s, prefill_s=prefill_s, decode_s=seconds,
-      prefill_tokens=int(request.lens_B.sum()), decode_tokens=sum(map(len, rows)) - batch,
+      decode_tokens=sum(map(len, tokens)) - request.batch,
+      step_logits=decode.logits(model.vocab_size) if return_logits else None,
       decode_buckets=tuple(sorted(compiled.decoders)),
-      drafted=int(sharding.fetch(state.drafted_B).sum()),
-      accepted=int(sharding.fetch(state.accepted_B).sum()))
+      **decode.draft_counts())
 
 
-@dataclasses.dataclass
-class _Decoded:
-  rows: np.ndarray  # [B, max_new_tokens] ids, -1 after a sequence finished
-  seconds: float  # in decode dispatches, compilation excluded
-  step_logits: list  # [B, steps, V] per dispatch, when kept
+class _Decode:
+  """One generation's decode after its prefill: the dispatches the host decode loop
+  (``decoding.driver.Pipeline``) drives, one in flight, and the tokens read back.
+
+  Each dispatch runs ``steps`` steps of the one device decode loop (``decoding.steps``) in
+  the program of the cache bucket its sequences can reach by its end. The host knows, from
+  the tokens read so far and the dispatches not read yet, how far each sequence can reach
+  and whether any may still need a token; the device's ``Progress`` says which sequences
+  ended (a stop id or their last token). A subclass holds its programs' state (``args``,
+  ``take``)."""
+
+  width = 1  # tokens a sequence may emit in one step
+
+  def __init__(self, compiled: _Programs, request: Request, steps: int, seed_arr):
+    self.compiled, self.request, self.steps, self.seed_arr = compiled, request, steps, seed_arr
+    self.mesh = compiled.model.mesh
+    self.rows: list[list[int]] = []
+    self.done = np.zeros(request.batch, bool)
+    self.unread = 0  # dispatches sent and not read yet
+    self.step_logits: list[np.ndarray] = []
+
+  def _start(self, first_B) -> None:
+    """After the prefill sampled each sequence's first token (``first_B``, on the device)."""
+    request = self.request
+    self.rows = [[int(t)] for t in sharding.fetch(first_B)]
+    self.done = np.array([stop_reason(r[0], request.eos_id or (), 1, request.max_new_tokens)
+                          is not None for r in self.rows])
+    self.progress = Progress(_place(~self.done, self.mesh),
+                             _place(np.ones(request.batch, np.int32), self.mesh))
+    self.step_arr = _place(np.int32(1), self.mesh, sharding.REPLICATED)
+    self.end_arr = _place(np.int32(request.max_new_tokens), self.mesh, sharding.REPLICATED)
+
+  def _unfinished(self):
+    return [(int(n), len(r)) for n, r, d in zip(self.request.lens_B, self.rows, self.done)
+            if not d]
+
+  def _bucket(self) -> int:
+    """The cache rows the next dispatch reads: the furthest an unfinished sequence can
+    reach by its end (``width`` tokens a step, the unread dispatches' included)."""
+    request = self.request
+    reach = max(n + emitted - 1 for n, emitted in self._unfinished())
+    reach += self.steps * self.width * (self.unread + 1)
+    cap = request.longest + request.max_new_tokens - 1 + request.speculative_tokens
+    return bucket_rows(min(reach, cap), request.capacity)
+
+  def _may_need_tokens(self) -> bool:
+    """Whether an unfinished sequence may still be short of its tokens once the unread
+    dispatches are read (each step emits at least one token of every active sequence)."""
+    least = min(emitted for _, emitted in self._unfinished())
+    return least + self.steps * self.unread < self.request.max_new_tokens
+
+  def dispatch(self, pipeline, updates):
+    """The next dispatch (a driver's ``dispatch``), or None when none is needed."""
+    if self.done.all() or not self._may_need_tokens():
+      return None
+    program = self.compiled.decoder(self._bucket(), *self.args())  # compiles a new bucket
+    err, outputs = program(self.compiled.state_leaves, *self.args())
+    throw(err)
+    flight = self.take(outputs)
+    for array in jax.tree.leaves(flight):
+      array.copy_to_host_async()
+    self.unread += 1
+    return flight
+
+  def settle(self, flight) -> list:
+    """Reads a dispatch's emitted tokens [steps, B, K] and which sequences ended."""
+    emitted_NBK, active_B, logits_NBV = flight
+    self.unread -= 1
+    emitted = sharding.fetch(emitted_NBK)
+    for row, new in zip(self.rows, emitted.swapaxes(0, 1).reshape(len(self.rows), -1)):
+      row.extend(int(t) for t in new if t >= 0)
+    self.done = ~sharding.fetch(active_B)
+    if logits_NBV is not None:
+      self.step_logits.append(sharding.fetch(logits_NBV).swapaxes(0, 1))
+    self.bar.update(max(map(len, self.rows)) - self.bar.n)
+    return []
+
+  def finished(self) -> bool:
+    """With nothing in flight: every sequence ended. A sequence that has its tokens but
+    did not end (``stops.ends`` in the programs) is an internal error, named rather than a
+    loop without end."""
+    if self.done.all():
+      return True
+    if not self._may_need_tokens():
+      raise RuntimeError(f"generate: {int((~self.done).sum())} sequences not ended after "
+                         f"{self.request.max_new_tokens} tokens")
+    return False
+
+  def run(self, first_B, *, progress: bool) -> float:
+    """The decode dispatches after the prefill sampled ``first_B``: seconds spent in them,
+    compilation excluded."""
+    self._start(first_B)
+    if not self.done.all():  # the first bucket's program is compiled before the timing starts
+      self.compiled.decoder(self._bucket(), *self.args())
+    self.bar = progress_bar(self.request.max_new_tokens, "decode", unit="tok",
+                            enabled=progress, initial=1)
+    compile_before, t0 = self.compiled.compile_s, time.perf_counter()
+    pipeline = Pipeline(self.dispatch, self.settle)
+    for _ in pipeline.run(lambda: pipeline.in_flight is None and self.finished()):
+      pass
+    self.bar.close()
+    return time.perf_counter() - t0 - (self.compiled.compile_s - compile_before)
 
   def logits(self, vocab_size: int) -> np.ndarray:
     """[B, max_new_tokens - 1, V]: the logits of every decode step."""
     if not self.step_logits:
-      return np.zeros((self.rows.shape[0], 0, vocab_size), np.float32)
-    return np.concatenate(self.step_logits, axis=1)[:, :self.rows.shape[1] - 1]
+      return np.zeros((self.request.batch, 0, vocab_size), np.float32)
+    return np.concatenate(self.step_logits, axis=1)[:, :self.request.max_new_tokens - 1]
+
+  def draft_counts(self) -> dict:
+    return {}
 
 
-def _decode_loop(compiled: _Programs, request: Request, steps: int, caches, tokens_B,
-                 seed_arr, mesh, *, progress: bool, return_logits: bool) -> _Decoded:
-  """The decode dispatches after a prefill that sampled ``tokens_B`` (the first new token)."""
-  new_tokens, eos_ids = request.max_new_tokens, request.eos_id or ()
-  rows_by = lambda step: bucket_rows(request.longest + min(step + steps, new_tokens) - 1,
-                                     request.capacity)
-  out, logits = [sharding.fetch(tokens_B)[:, None]], []
-  done = np.array([stop_reason(int(t), eos_ids, 1, new_tokens) is not None for t in out[0][:, 0]])
-  done_B = _place(done, mesh)
-  step_arr = _place(np.int32(1), mesh, sharding.REPLICATED)
-  end_arr = _place(np.int32(new_tokens), mesh, sharding.REPLICATED)
-  if not done.all():  # the first bucket's program is compiled before the timing starts
-    compiled.decoder(rows_by(1), caches, tokens_B, done_B, seed_arr, step_arr, end_arr)
-  bar = progress_bar(new_tokens, "decode", unit="tok", enabled=progress, initial=1)
-  seconds, step = 0.0, 1
-  while not done.all():  # the programs end each sequence at its last token too (``ends``)
-    _check_not_past(step, new_tokens, done)
-    # A new bucket compiles outside the timing.
-    program = compiled.decoder(rows_by(step), caches, tokens_B, done_B, seed_arr, step_arr,
-                               end_arr)
-    t0 = time.perf_counter()
-    err, (tokens_B, done_B, caches, step_arr, emitted_NB, logits_NBV) = program(
-        compiled.state_leaves, caches, tokens_B, done_B, seed_arr, step_arr, end_arr)
+class _PlainDecode(_Decode):
+  """Decode steps of one sampled token each."""
+
+  def prefill(self, caches, ids_BT, lens_B):
+    prefill = self.compiled.prefill(caches, ids_BT, lens_B, self.seed_arr)
+    err, (tokens_B, _, self.caches) = prefill(self.compiled.state_leaves, caches, ids_BT,
+                                              lens_B, self.seed_arr)
     throw(err)
-    emitted = sharding.fetch(emitted_NB).T  # syncs: the dispatch has finished
-    seconds += time.perf_counter() - t0
-    out.append(emitted)
-    if return_logits:
-      logits.append(sharding.fetch(logits_NBV).swapaxes(0, 1))
-    done = sharding.fetch(done_B)
-    step += steps
-    bar.update(min(step, new_tokens) - bar.n)
-  bar.close()
-  return _Decoded(np.concatenate(out, axis=1)[:, :new_tokens], seconds, logits)
+    self.tokens_B = tokens_B
+    return tokens_B
+
+  def args(self):
+    return (self.caches, self.tokens_B, self.progress, self.seed_arr, self.step_arr,
+            self.end_arr)
+
+  def take(self, outputs):
+    (self.tokens_B, self.progress, self.caches, self.step_arr, emitted_NBK,
+     logits_NBV) = outputs
+    return emitted_NBK, self.progress.active_B, logits_NBV
+
+
+class _SpeculativeDecode(_Decode):
+  """Speculative iterations (``generation.speculative``): k drafts verified per step."""
+
+  def __init__(self, *args):
+    super().__init__(*args)
+    self.width = self.request.speculative_tokens + 1
+
+  def prefill(self, caches, ids_BT, lens_B):
+    request, seed_arr = self.request, self.seed_arr
+    mtp_caches = self.compiled.model.init_mtp_cache(request.batch, request.capacity,
+                                                    request.cache_dtype,
+                                                    spare=request.speculative_tokens)
+    prefill = self.compiled.prefill(caches, mtp_caches, ids_BT, lens_B, seed_arr)
+    err, (tokens_B, self.caches, self.mtp_caches, draft_BV, hidden_BD) = prefill(
+        self.compiled.state_leaves, caches, mtp_caches, ids_BT, lens_B, seed_arr)
+    throw(err)
+    count = lambda: _place(np.zeros(request.batch, np.int32), self.mesh)  # one buffer each
+    self.state = DraftState(tokens_B=tokens_B, draft_BV=draft_BV, hidden_BD=hidden_BD,
+                            accepted_B=count(), drafted_B=count())
+    return tokens_B
+
+  def args(self):
+    return (self.caches, self.mtp_caches, self.state, self.progress, self.seed_arr,
+            self.step_arr, self.end_arr)
+
+  def take(self, outputs):
+    self.caches, self.mtp_caches, self.state, self.progress, self.step_arr, emitted_NBK = outputs
+    return emitted_NBK, self.progress.active_B, None
+
+  def draft_counts(self) -> dict:
+    return dict(drafted=int(sharding.fetch(self.state.drafted_B).sum()),
+                accepted=int(sharding.fetch(self.state.accepted_B).sum()))

@@ -24,7 +24,8 @@ from mla_jax.decoding import programs
 from mla_jax.decoding.programs import signature
 from mla_jax.decoding.sampling import SamplingConfig, sample
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
-from mla_jax.decoding.stops import ends, stop_ids_of
+from mla_jax.decoding.steps import decode_steps
+from mla_jax.decoding.stops import stop_ids_of
 from mla_jax.generation import speculative
 
 trace_counts: collections.Counter = collections.Counter()  # incremented while tracing only
@@ -131,41 +132,41 @@ def _prefill(graphdef, state_def, settings: PrefillSettings):
 
 
 def _decode(graphdef, state_def, settings: DecodeSettings):
-  """``run(state_leaves, caches, tokens_B, done_B, seed, step, end_step)``: ``settings.steps``
-  decode steps in one program (one dispatch), as a ``lax.scan``.
+  """``run(state_leaves, caches, tokens_B, progress, seed, step, end_step)``: ``settings.steps``
+  decode steps in one program (one dispatch), through the one device decode loop
+  (``decoding.steps``).
 
   Step i (``step <= i < step + steps``) samples with key ``fold_in(seed, i)`` and runs only
-  for unfinished sequences while ``i < end_step``; the others keep their token and their
-  cache. The caches (and the token/done buffers) are donated: updated in place. Returns
-  ``(err, (tokens, done, caches, next_step, emitted, logits))``; ``next_step`` is the next
-  dispatch's ``step``, so the counter stays on the device; ``err`` is None unless checked.
+  for the sequences ``progress`` holds active; the others keep their token and their cache. A
+  sequence ends at an end-of-sequence id or its ``end_step``-th token. The caches (and the
+  token buffer) are donated: updated in place; the progress is not, so the host reads it
+  while the next dispatch runs. Returns ``(err, (tokens,
+  progress, caches, next_step, emitted, logits))``; ``next_step`` is the next dispatch's
+  ``step``, so the counter stays on the device; ``err`` is None unless checked.
   """
-  def body(state_leaves, caches, tokens_B, done_B, seed, first_step, end_step):
+  def body(state_leaves, caches, tokens_B, progress, seed, first_step, end_step):
     model = _model(graphdef, state_def, state_leaves)
-    stop_ids = stop_ids_of(settings.eos_id)
 
-    def one_step(carry, i):
-      tokens_B, done_B, caches = carry
-      step = first_step + i
-      active_B = ~done_B
+    def one_step(carry, progress, i):
+      tokens_B, caches = carry
+      active_B = progress.active_B
       logits_B1V, caches = model(tokens_B[:, None], caches,
                                  new_lens_B=active_B.astype(jnp.int32), plan=settings.plan)
-      key = jax.random.fold_in(jax.random.key(seed), step)
+      key = jax.random.fold_in(jax.random.key(seed), first_step + i)
       next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, settings.sampling), tokens_B)
-      done_B = done_B | (active_B & ends(next_B, stop_ids, step + 1, end_step))
-      emitted_B = jnp.where(active_B, next_B, -1)
-      return (next_B, done_B, caches), (emitted_B,
-                                        logits_B1V[:, 0] if settings.keep_logits else None)
+      return ((next_B, caches), next_B[:, None], jnp.ones_like(next_B),
+              logits_B1V[:, 0] if settings.keep_logits else None)
 
-    (tokens_B, done_B, caches), (emitted_NB, logits_NBV) = jax.lax.scan(
-        one_step, (tokens_B, done_B, caches), jnp.arange(settings.steps, dtype=jnp.int32))
-    return tokens_B, done_B, caches, first_step + settings.steps, emitted_NB, logits_NBV
+    (tokens_B, caches), progress, emitted_NBK, logits_NBV = decode_steps(
+        one_step, (tokens_B, caches), progress, settings.steps,
+        stop_ids=stop_ids_of(settings.eos_id), max_tokens=end_step)
+    return tokens_B, progress, caches, first_step + settings.steps, emitted_NBK, logits_NBV
 
   def run(*args):
     trace_counts["decode"] += 1
     return functionalize(body, settings.checked)(*args)
 
-  return jax.jit(run, donate_argnums=(1, 2, 3))
+  return jax.jit(run, donate_argnums=(1, 2))
 
 
 def _speculative_prefill(graphdef, state_def, settings: SpeculativePrefillSettings):
@@ -187,29 +188,31 @@ def _speculative_prefill(graphdef, state_def, settings: SpeculativePrefillSettin
 
 
 def _speculative_decode(graphdef, state_def, settings: SpeculativeSettings):
-  """``run(state_leaves, caches, mtp_caches, state, seed, iteration, max_new)``:
-  ``settings.steps`` speculative iterations in one program, as a ``lax.scan``.
+  """``run(state_leaves, caches, mtp_caches, state, progress, seed, iteration, max_new)``:
+  ``settings.steps`` speculative iterations in one program, through the one device decode
+  loop (``decoding.steps``).
 
   Iteration i (``iteration <= i < iteration + steps``) draws with key ``fold_in(seed, i)``;
-  a sequence is done at its end-of-sequence id or its ``max_new`` tokens, and then writes
-  nothing. The caches and the ``DraftState`` are donated. Returns ``(err, (caches,
-  mtp_caches, state, next_iteration, emitted))`` with the emitted tokens [steps, B, k + 1]
-  (-1 where none); ``err`` is None unless checked."""
+  a sequence ends at its end-of-sequence id or its ``max_new``-th token, and then writes
+  nothing. The caches and the ``DraftState`` are donated; the progress is not (the host
+  reads it while the next dispatch runs). Returns ``(err,
+  (caches, mtp_caches, state, progress, next_iteration, emitted))`` with the emitted tokens
+  [steps, B, k + 1] (-1 where none); ``err`` is None unless checked."""
 
-  def body(state_leaves, caches, mtp_caches, state, seed, first_iteration, max_new):
+  def body(state_leaves, caches, mtp_caches, state, progress, seed, first_iteration, max_new):
     model = _model(graphdef, state_def, state_leaves)
 
-    def one_iteration(carry, i):
+    def one_iteration(carry, progress, i):
       key = jax.random.fold_in(jax.random.key(seed), first_iteration + i)
-      caches, mtp_caches, state, emitted_BK = speculative.iteration(
-          model, *carry, key, max_new, verify_plan=settings.verify_plan,
-          draft_plan=settings.draft_plan, sampling=settings.sampling, eos_id=settings.eos_id)
-      return (caches, mtp_caches, state), emitted_BK
+      *carry, tokens_BK, valid_B = speculative.iteration(
+          model, *carry, progress, key, max_new, verify_plan=settings.verify_plan,
+          draft_plan=settings.draft_plan, sampling=settings.sampling)
+      return tuple(carry), tokens_BK, valid_B, None
 
-    (caches, mtp_caches, state), emitted_NBK = jax.lax.scan(
-        one_iteration, (caches, mtp_caches, state),
-        jnp.arange(settings.steps, dtype=jnp.int32))
-    return caches, mtp_caches, state, first_iteration + settings.steps, emitted_NBK
+    (caches, mtp_caches, state), progress, emitted_NBK, _ = decode_steps(
+        one_iteration, (caches, mtp_caches, state), progress, settings.steps,
+        stop_ids=stop_ids_of(settings.eos_id), max_tokens=max_new)
+    return caches, mtp_caches, state, progress, first_iteration + settings.steps, emitted_NBK
 
   def run(*args):
     trace_counts["speculative_decode"] += 1

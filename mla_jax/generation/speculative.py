@@ -33,19 +33,18 @@ import jax.numpy as jnp
 
 from mla_jax.decoding.sampling import SamplingConfig, sample
 from mla_jax.decoding.speculative import accept, draft, drafts_wanted, row
-from mla_jax.decoding.stops import ends, stop_ids_of
+from mla_jax.decoding.steps import Progress
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftState:
-  """What one speculative iteration hands the next, per sequence (the caches aside)."""
+  """What one speculative iteration hands the next, per sequence (the caches and the decode
+  loop's ``Progress`` aside)."""
 
   tokens_B: jax.Array  # int32: x_n, the last emitted token (not in the main cache yet)
   draft_BV: jax.Array  # float32: the MTP's logits for x_{n+1}, the first draft's
   hidden_BD: jax.Array  # the MTP's output at row n - 1: the second draft step's hidden
-  done_B: jax.Array  # bool: emitted an end-of-sequence id or all its tokens
-  emitted_B: jax.Array  # int32: tokens emitted so far, the prefill's included
   accepted_B: jax.Array  # int32: draft tokens accepted so far
   drafted_B: jax.Array  # int32: draft tokens proposed so far
 
@@ -80,17 +79,18 @@ def _rows_at(mtp_caches, rows_B):
   return tuple(dataclasses.replace(c, num_cached_B=rows_B) for c in mtp_caches)
 
 
-def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, verify_plan,
-              draft_plan, sampling: SamplingConfig, eos_id):
-  """One draft-verify-accept-rollback iteration for every unfinished sequence (the others
-  write nothing). Returns the caches, the next ``DraftState`` and the emitted tokens [B, k+1]
-  (-1 past each sequence's accepted ones, its end-of-sequence id or its last token)."""
+def iteration(model, caches, mtp_caches, state: DraftState, progress: Progress, key, max_new,
+              *, verify_plan, draft_plan, sampling: SamplingConfig):
+  """One draft-verify-accept-rollback iteration for every active sequence (the others write
+  nothing): the decode loop's step (``decoding.steps``), which keeps the emitted tokens up to
+  each sequence's end. Returns the caches, the next ``DraftState``, the iteration's tokens
+  [B, k + 1] (the accepted drafts, then the next token) and how many of them are real."""
   k = verify_plan.num_new_tokens - 1
-  active_B = ~state.done_B
+  active_B = progress.active_B
   live_B = active_B.astype(jnp.int32)
   n_B = caches.num_cached_B
   b = n_B.shape[0]
-  wanted_B = live_B * drafts_wanted(k, max_new - state.emitted_B)
+  wanted_B = live_B * drafts_wanted(k, max_new - progress.emitted_B)
   drafts_BK, mtp_caches = draft(model, state.draft_BV, state.hidden_BD, mtp_caches, _rows_at,
                                 lambda caches: caches, n_B, wanted_B, k, draft_plan)
   ids_BK = jnp.concatenate([state.tokens_B[:, None], drafts_BK], axis=1)
@@ -102,20 +102,12 @@ def iteration(model, caches, mtp_caches, state: DraftState, key, max_new, *, ver
       jnp.full((b,), sampling.temperature, jnp.float32),
       jnp.full((b,), sampling.top_p, jnp.float32))
   # x_{n+1}..x_{n+a+1}: the accepted drafts, then the next token (repeated past it, ids only)
-  t_K = jnp.arange(k + 1, dtype=jnp.int32)
-  a_B1 = accepted_B[:, None]
-  keep_BK = active_B[:, None] & (t_K <= a_B1)
-  end_BK = keep_BK & ends(tokens_BK, stop_ids_of(eos_id), state.emitted_B[:, None] + t_K + 1,
-                          max_new)
-  keep_BK = keep_BK & (jnp.cumsum(end_BK, axis=1) - end_BK == 0)  # drop what follows an end
-  emitted_B = state.emitted_B + keep_BK.sum(axis=1, dtype=jnp.int32)
   caches = caches.with_num_cached(n_B + live_B * (accepted_B + 1))
   draft_BKV, mtp_BKD, mtp_caches = _mtp_step(model, 0, hidden_BKD, tokens_BK, mtp_caches, n_B,
                                              live_B * (accepted_B + 1), verify_plan)
   state = DraftState(
       tokens_B=jnp.where(active_B, row(tokens_BK, accepted_B), state.tokens_B),
       draft_BV=row(draft_BKV, accepted_B), hidden_BD=row(mtp_BKD, accepted_B),
-      done_B=state.done_B | (active_B & end_BK.any(axis=1)),
-      emitted_B=emitted_B, accepted_B=state.accepted_B + live_B * accepted_B,
+      accepted_B=state.accepted_B + live_B * accepted_B,
       drafted_B=state.drafted_B + wanted_B)
-  return caches, mtp_caches, state, jnp.where(keep_BK, tokens_BK, -1)
+  return caches, mtp_caches, state, tokens_BK, live_B * (accepted_B + 1)

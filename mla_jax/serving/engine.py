@@ -35,6 +35,7 @@ import numpy as np
 from mla_jax import checks, context_parallel, sharding
 from mla_jax.cache import resolve_cache_dtype
 from mla_jax.decoding import DECODE_STEPS_PER_DISPATCH
+from mla_jax.decoding.driver import Pipeline
 from mla_jax.decoding.prompt_checks import check_fits, checked_prompt
 from mla_jax.decoding.protocol import check_decode_model
 from mla_jax.decoding.speculative import MAX_SPECULATIVE_TOKENS
@@ -234,7 +235,10 @@ class Engine:
         num_state_slots=(self.max_num_seqs + self.num_snapshots if model.sequence_state
                          else 0))
     self._inputs = InputBatch(self.max_num_seqs, max_pages)
-    self._in_flight: _Dispatched | None = None
+    # The host decode loop: step N + 1 is dispatched before step N is read.
+    self._pipeline = Pipeline(
+        lambda pipeline, updates: self._dispatch(self.scheduler.schedule(), updates),
+        self._settle, lambda flight: self._drafts_needed(flight.batch))
     self._seqs: dict[str, Sequence] = {}
     self._ids = itertools.count()
     self._seed_rng = np.random.default_rng(seed)
@@ -364,7 +368,7 @@ class Engine:
 
   def has_unfinished(self) -> bool:
     """Whether a request is waiting or running, or a step is in flight."""
-    return self.scheduler.has_unfinished() or self._in_flight is not None
+    return self.scheduler.has_unfinished() or self._pipeline.in_flight is not None
 
   def output(self, request_id: str) -> RequestOutput:
     """A request's output so far; ``KeyError`` naming an unknown id."""
@@ -398,14 +402,7 @@ class Engine:
     self._only_on_process_0("step")
     t0, compile_before, wait_before = (time.perf_counter(), self.runner.compile_s,
                                        self.stats.wait_s)
-    updates = []
-    if self._in_flight is not None and self._drafts_needed(self._in_flight.batch):
-      updates += self._settle(self._in_flight)
-      self._in_flight = None
-    dispatched = self._dispatch(self.scheduler.schedule(), updates)
-    if self._in_flight is not None:
-      updates += self._settle(self._in_flight)
-    self._in_flight = dispatched
+    updates = self._pipeline.advance()
     # Progress: rows sent to the device, rows and tokens settled, requests finished.
     self._stall.after_step((self.scheduler.rows_dispatched, self.stats.computed_tokens,
                             self.stats.output_tokens, self.scheduler.num_finished),
@@ -433,10 +430,9 @@ class Engine:
     inputs = self._inputs.build(batch.chunks, self.runner.layout(program), batch.decode_steps)
     allowed_SW = inputs.inputs.allowed_SW  # a view into the packed ints: filled in place
     if allowed_SW is not None:
-      if self._in_flight is not None and any(map(step_inputs.wants_mask,
-                                                 self._in_flight.batch.chunks)):
-        updates += self._settle(self._in_flight)
-        self._in_flight = None
+      in_flight = self._pipeline.in_flight
+      if in_flight is not None and any(map(step_inputs.wants_mask, in_flight.batch.chunks)):
+        updates += self._pipeline.settle()
       constraints.fill_masks(batch.chunks, allowed_SW)
     flight = self.runner.dispatch(program, inputs)
     self.stats.steps += 1
@@ -630,7 +626,7 @@ class Engine:
     token_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
     ids = [self.add_request(tokens, p) for tokens, p in zip(token_ids, per_prompt)]
     # ... and a last step dispatched for requests now finished is settled too.
-    for _ in self._steps_until(lambda: self._in_flight is None and all(
+    for _ in self._steps_until(lambda: self._pipeline.in_flight is None and all(
         self._seqs[i].status is Status.FINISHED for i in ids)):
       pass
     return [self.release(i) for i in ids]
@@ -646,10 +642,15 @@ class Engine:
     yield from (u for u in self._steps_until(done) if u.request_id == request_id)
 
   def _steps_until(self, done) -> Iterator[RequestOutput]:
-    """The engine's host decode loop (``generate``'s and ``stream``'s): ``step`` until
-    ``done()``, yielding every update."""
-    while not done():
-      yield from self.step()
+    """``step`` until ``done()`` (``generate``'s and ``stream``'s), yielding every update:
+    the host decode loop (``decoding.driver``)."""
+    for updates in self.run(done):
+      yield from updates
+
+  def run(self, done, step=None) -> Iterator[list[RequestOutput]]:
+    """The host decode loop over this engine: ``step`` (by default ``Engine.step``; the
+    server's wraps it) until ``done()``, yielding each step's updates."""
+    return self._pipeline.run(done, self.step if step is None else step)
 
   def _maybe_log(self, new_tokens: int) -> None:
     self._log_tokens += new_tokens

@@ -91,9 +91,9 @@ class EngineLoop:
       if self._warmup is not None:
         self._warmup()
       self._ready.set()
-      while self._handle_commands(block=not self.engine.has_unfinished()):
-        if self.engine.has_unfinished():
-          self._step()
+      # The engine's host decode loop; commands run between steps (waiting when idle).
+      stopped = lambda: not self._handle_commands(block=not self.engine.has_unfinished())
+      for _ in self.engine.run(stopped, self._step):
         self._publish_load()
     except Exception:  # noqa: BLE001 - said here; /health and new requests say it too
       logger.exception("the engine loop failed and stopped")
@@ -152,7 +152,11 @@ class EngineLoop:
     self.engine.abort(request_id)
     request.deliver(self.engine.release(request_id))
 
-  def _step(self) -> None:
+  def _step(self) -> list[RequestOutput]:
+    """One engine step, if anything is unfinished; its updates, delivered. A failed step
+    aborts the requests in flight (each told why) and the loop goes on."""
+    if not self.engine.has_unfinished():
+      return []
     try:
       updates = self.engine.step()
     except Exception as e:  # noqa: BLE001 - one failed step must not end the server
@@ -164,7 +168,7 @@ class EngineLoop:
         self.engine.release(request_id)
         request.deliver(failure)
       self._requests.clear()
-      return
+      return []
     now = time.perf_counter()
     for update in updates:
       request = self._requests[update.request_id]
@@ -173,6 +177,7 @@ class EngineLoop:
         del self._requests[update.request_id]
         self.engine.release(update.request_id)
       request.deliver(update)
+    return updates
 
   def _record(self, update: RequestOutput, request: _Request, now: float) -> None:
     if self.metrics is None:

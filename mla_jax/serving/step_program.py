@@ -45,7 +45,7 @@ from mla_jax.decoding.logits import (Adjustments, Sampler, Sampling, allowed_row
 from mla_jax.decoding.protocol import FlatRows
 from mla_jax.decoding.sampling import seed_keys
 from mla_jax.decoding.speculative import draft, drafts_wanted, row
-from mla_jax.decoding.stops import ends
+from mla_jax.decoding.steps import Progress, decode_steps
 from mla_jax.indexer import KeyBlocks
 from mla_jax.serving.sequence import MAX_LOGPROBS
 from mla_jax.serving.step_inputs import Layout, StepInputs
@@ -184,32 +184,28 @@ class StepProgram:
 
   def _decode_steps(self, model, pools, last_tokens, ids_T, x: StepInputs):
     """N decode steps of every real row (row s: sequence s's last token), each sampling one
-    token, as a fixed-length scan: a sequence that stopped (a stop id or its last allowed
-    token) writes and emits nothing more (-1)."""
-    n = self.shape.decode_steps
+    token, through the one device decode loop (``decoding.steps``): a sequence that stopped
+    (a stop id or its last allowed token) writes and emits nothing more (-1)."""
     sampler = self.shape.sampler
     no_drafts_S = jnp.ones_like(x.num_logits_S)
     blocks = self._key_blocks(x)  # reaching the last step: past a row's end, windows end
 
-    def one_step(carry, i):
-      pools, ids_S, active_S = carry
+    def one_step(carry, progress, i):
+      pools, ids_S = carry
       # A sequence's state: where the first step reads it (a prefix hit's snapshot), then its own.
       src_S = None if x.state_src_S is None else jnp.where(i == 0, x.state_src_S, x.slot_S)
-      hidden_SD, pools = self._forward(model, pools, ids_S, x.pos_T + i, active_S, x, blocks,
-                                       src_S)
+      hidden_SD, pools = self._forward(model, pools, ids_S, x.pos_T + i,
+                                       progress.active_B.astype(jnp.int32), x, blocks, src_S)
       _, new_S1 = process_logits(model.logits(hidden_SD)[:, None], ids_S[:, None], no_drafts_S,
                                  self._sampling(x, x.counters_S + i), sampler)
-      new_S = new_S1[:, 0]
-      emit_S = active_S > 0
-      stopped_S = emit_S & ends(new_S, x.stop_ids_SM, i + 1, x.remaining_S)
-      return ((pools, jnp.where(emit_S, new_S, ids_S), active_S * ~stopped_S),
-              jnp.where(emit_S, new_S, -1))
+      return (pools, jnp.where(progress.active_B, new_S1[:, 0], ids_S)), new_S1, no_drafts_S, None
 
-    active_S = x.real_T * (x.remaining_S > 0)
-    (pools, ids_S, _), tokens_NS = jax.lax.scan(one_step, (pools, ids_T, active_S),
-                                                jnp.arange(n, dtype=jnp.int32))
-    last_tokens = _set_slots(last_tokens, x.slot_S, active_S > 0, ids_S)
-    return {"tokens": tokens_NS}, pools, last_tokens
+    start = Progress.start(x.real_T * (x.remaining_S > 0) > 0, 0)
+    (pools, ids_S), _, tokens_NS1, _ = decode_steps(
+        one_step, (pools, ids_T), start, self.shape.decode_steps, stop_ids=x.stop_ids_SM,
+        max_tokens=x.remaining_S)
+    last_tokens = _set_slots(last_tokens, x.slot_S, start.active_B, ids_S)
+    return {"tokens": tokens_NS1[..., 0]}, pools, last_tokens
 
 
 def _set_slots(last_tokens, slot_S, which_S, tokens_S):
