@@ -55,6 +55,19 @@ def _engine(model, **overrides):
   return Engine(model, **{**SETTINGS, "num_pages": 12, **overrides})
 
 
+def test_seeded_sampling_draws_generates_tokens(model, prompts):
+  """At temperature 1, an engine request of seed s + b draws what ``generate(seed=s)`` draws
+  for its row b (``sampling.sample``: the same per-row keys), under chunked prefill,
+  preemption and multi-step decode."""
+  want = generate(model, prompts, NEW, temperature=1.0, top_p=0.9, seed=7).tokens
+  params = [SamplingParams(max_tokens=NEW, temperature=1.0, top_p=0.9, seed=7 + b)
+            for b in range(len(prompts))]
+  engine = _engine(model, decode_steps=4)
+  assert [list(o.tokens) for o in engine.generate(prompts, params)] == want
+  assert engine.stats.decode_dispatches > 0
+  assert want != _reference(model, prompts)  # the draws are not the greedy tokens
+
+
 def _run_all(engine, request_ids):
   while engine.has_unfinished():
     engine.step()

@@ -354,7 +354,7 @@ def test_rejected_drafts_leave_the_caches_of_a_prefill_of_the_emitted_tokens():
   def prefill(ids):
     return generation_speculative.prefill(
         model, model.init_cache(1, capacity), model.init_mtp_cache(1, capacity),
-        jnp.array([ids], jnp.int32), jnp.array([len(ids)], jnp.int32), key,
+        jnp.array([ids], jnp.int32), jnp.array([len(ids)], jnp.int32), jnp.uint32(0),
         plan=model.step_plan(len(ids), 0, capacity=capacity), sampling=greedy)
 
   tokens_B, caches, mtp_caches, draft_BV, hidden_BD = prefill(sequence)

@@ -87,6 +87,17 @@ def test_tokens_equal_generate_with_chunks_and_prefix_hits(model, page_size, bud
   _no_leaks(engine)
 
 
+def test_seeded_sampling_draws_generates_tokens(model):
+  """At temperature 1, an engine request of seed s + b draws what ``generate(seed=s)`` draws
+  for its row b, as for V3.2 (tests/test_engine.py)."""
+  prompts = [list(p) for p in _prompts(5, (3, 30, 70))]
+  want = generate(model, prompts, NEW, temperature=1.0, seed=11).tokens
+  params = [SamplingParams(max_tokens=NEW, temperature=1.0, seed=11 + b) for b in range(3)]
+  engine = Engine(model, num_pages=64, page_size=8, max_step_tokens=16, **SETTINGS)
+  assert [list(o.tokens) for o in engine.generate(prompts, params)] == want
+  assert want != _reference(model, tuple(map(tuple, prompts)))
+
+
 def test_preemption_aborts_and_few_snapshots(model):
   """A 16-page pool of 8-token pages: decodes that need a page preempt the newest sequence,
   which recomputes (from a prefix hit where its snapshot survived: one snapshot slot, most

@@ -1,9 +1,10 @@
 """Sampling settings and the one sampler ``generate``'s programs and the engine's call.
 
-Every row draws with a key of its own, ``fold_in(base key of the row, token index)``: the
-engine's rows take their request's seed (``seed_keys``), ``generate``'s rows fold their index
-into the step's key (``sample``). So a row's token depends on its logits, settings and key
-alone, never on the other rows of the batch.
+Every row draws with a key of its own, ``fold_in(base key of the row, token index)``, its base
+key ``key(seed)`` (``seed_keys``): an engine request's seed, or ``generate``'s seed plus the
+row's index (``sample``), so ``generate`` and an engine given those seeds draw the same tokens
+from the same logits. A row's token depends on its logits, settings and key alone, never on
+the other rows of the batch.
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ class SamplingConfig:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
 
-def sample(logits_BV, key, sampling: SamplingConfig):
-  """Greedy at temperature 0; otherwise nucleus sampling over ``logits / temperature``, row b
-  with key ``fold_in(key, b)`` (``sample_rows`` with one setting for every row)."""
+def sample(logits_BV, seed, index, sampling: SamplingConfig):
+  """``generate``'s draw. Greedy at temperature 0; otherwise nucleus sampling over ``logits /
+  temperature``, row b drawing as the engine draws for a request of seed ``seed + b`` (mod
+  2**32; ``seed_keys``) at token index ``index``: from the same logits, the same tokens."""
   if sampling.temperature == 0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   b = logits_BV.shape[0]
-  keys_B = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b, dtype=jnp.uint32))
-  return sample_rows(logits_BV, keys_B, jnp.zeros((b,), jnp.int32),
+  seeds_B = jnp.asarray(seed, jnp.uint32) + jnp.arange(b, dtype=jnp.uint32)
+  return sample_rows(logits_BV, seed_keys(seeds_B), jnp.full((b,), index, jnp.int32),
                      jnp.full((b,), sampling.temperature, jnp.float32),
                      jnp.full((b,), sampling.top_p, jnp.float32))
 

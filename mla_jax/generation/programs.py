@@ -118,11 +118,10 @@ def _prefill(graphdef, state_def, settings: PrefillSettings):
   ``err`` is None unless checked. The caches are donated: updated in place."""
 
   def body(state_leaves, caches, ids_BT, lens_B, seed):
-    key = jax.random.fold_in(jax.random.key(seed), 0)
     model = _model(graphdef, state_def, state_leaves)
     logits_BTV, caches = model(ids_BT, caches, new_lens_B=lens_B, plan=settings.plan)
     last_BV = jnp.take_along_axis(logits_BTV, (lens_B - 1)[:, None, None], axis=1)[:, 0]
-    return sample(last_BV, key, settings.sampling), logits_BTV, caches
+    return sample(last_BV, seed, 0, settings.sampling), logits_BTV, caches
 
   def run(*args):
     trace_counts["prefill"] += 1
@@ -136,7 +135,7 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
   decode steps in one program (one dispatch), through the one device decode loop
   (``decoding.steps``).
 
-  Step i (``step <= i < step + steps``) samples with key ``fold_in(seed, i)`` and runs only
+  Step i (``step <= i < step + steps``) samples token index i (``sampling.sample``) and runs only
   for the sequences ``progress`` holds active; the others keep their token and their cache. A
   sequence ends at an end-of-sequence id or its ``end_step``-th token. The caches (and the
   token buffer) are donated: updated in place; the progress is not, so the host reads it
@@ -152,8 +151,8 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
       active_B = progress.active_B
       logits_B1V, caches = model(tokens_B[:, None], caches,
                                  new_lens_B=active_B.astype(jnp.int32), plan=settings.plan)
-      key = jax.random.fold_in(jax.random.key(seed), first_step + i)
-      next_B = jnp.where(active_B, sample(logits_B1V[:, 0], key, settings.sampling), tokens_B)
+      next_B = jnp.where(active_B, sample(logits_B1V[:, 0], seed, first_step + i,
+                                          settings.sampling), tokens_B)
       return ((next_B, caches), next_B[:, None], jnp.ones_like(next_B),
               logits_B1V[:, 0] if settings.keep_logits else None)
 
@@ -171,13 +170,12 @@ def _decode(graphdef, state_def, settings: DecodeSettings):
 
 def _speculative_prefill(graphdef, state_def, settings: SpeculativePrefillSettings):
   """``run(state_leaves, caches, mtp_caches, ids_BT, lens_B, seed) -> (err, (tokens_B,
-  caches, mtp_caches, draft_BV, hidden_BD))``: ``speculative.prefill``, sampling with the
-  plain prefill's key. Both caches are donated."""
+  caches, mtp_caches, draft_BV, hidden_BD))``: ``speculative.prefill``, sampling as the
+  plain prefill does. Both caches are donated."""
 
   def body(state_leaves, caches, mtp_caches, ids_BT, lens_B, seed):
-    key = jax.random.fold_in(jax.random.key(seed), 0)
     return speculative.prefill(_model(graphdef, state_def, state_leaves), caches, mtp_caches,
-                               ids_BT, lens_B, key, plan=settings.plan,
+                               ids_BT, lens_B, seed, plan=settings.plan,
                                sampling=settings.sampling)
 
   def run(*args):

@@ -58,14 +58,14 @@ def _mtp_step(model, index, hidden_BTD, next_ids_BT, mtp_caches, num_cached_B, n
                            plan=plan)
 
 
-def prefill(model, caches, mtp_caches, ids_BT, lens_B, key, *, plan, sampling: SamplingConfig):
+def prefill(model, caches, mtp_caches, ids_BT, lens_B, seed, *, plan, sampling: SamplingConfig):
   """The main prefill samples x_P; MTP layer 0 then runs over the prompt's pairs (h_j,
   x_{j+1}), j < P (the last with x_P). Returns ``(tokens_B, caches, mtp_caches, draft_BV,
   hidden_BD)``: the first new token, and the first draft's logits and hidden state."""
   logits_BTV, caches, hidden_BTD = model(ids_BT, caches, new_lens_B=lens_B, plan=plan,
                                          return_hidden=True)
   last_B = lens_B - 1
-  tokens_B = sample(row(logits_BTV, last_B), key, sampling)
+  tokens_B = sample(row(logits_BTV, last_B), seed, 0, sampling)
   t_T = jnp.arange(ids_BT.shape[1], dtype=jnp.int32)
   next_BT = jnp.where(t_T == last_B[:, None], tokens_B[:, None], jnp.roll(ids_BT, -1, axis=1))
   draft_BTV, mtp_BTD, mtp_caches = model.mtp_forward(0, hidden_BTD, next_BT, mtp_caches,
