@@ -137,7 +137,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     prompt_ids: a list of id lists (any lengths) or an int array [B, T] / [T].
     max_new_tokens: tokens to generate per sequence (fewer when it emits ``eos_id``).
     temperature, top_p: 0 is greedy; otherwise nucleus sampling.
-    seed: sampling seed (one key per step, folded from it).
+    seed: sampling seed: sequence b draws with key ``key(seed + b)`` folded with each token's
+      index, as an engine request of seed ``seed + b`` draws (``decoding.sampling``).
     eos_id: a sequence stops after emitting it (or any id of a list); the others go on.
     cache_capacity: defaults to the longest prompt plus ``max_new_tokens``.
     cache_dtype: the latent and indexer-key caches: ``"fp32" | "bf16"`` (or a float dtype),
