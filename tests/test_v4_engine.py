@@ -87,6 +87,16 @@ def test_tokens_equal_generate_with_chunks_and_prefix_hits(model, page_size, bud
   _no_leaks(engine)
 
 
+def test_one_token_chunks_equal_generate(model):
+  """A step budget of one token: every prompt is prefilled one row a step, beside the other
+  sequences' decodes (the rings and compressors' state carried from step to step)."""
+  prompts = _prompts(9, (1, 9, 23))
+  engine = Engine(model, num_pages=64, page_size=4, max_step_tokens=1, **SETTINGS)
+  outputs = engine.generate([list(p) for p in prompts], max_tokens=NEW)
+  assert [list(o.tokens) for o in outputs] == _reference(model, prompts)
+  _no_leaks(engine)
+
+
 def test_seeded_sampling_draws_generates_tokens(model):
   """At temperature 1, an engine request of seed s + b draws what ``generate(seed=s)`` draws
   for its row b, as for V3.2 (tests/test_engine.py)."""
