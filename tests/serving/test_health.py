@@ -6,6 +6,7 @@ import time
 
 from fastapi.testclient import TestClient
 
+from mla_jax.decoding.driver import Pipeline
 from mla_jax.serving.chat import ChatTemplate
 from mla_jax.serving.engine_loop import EngineLoop
 from mla_jax.serving.metrics import ServerMetrics
@@ -21,6 +22,10 @@ class _Idle:
 
   def check_request(self, prompt, params, name="prompt"):
     return prompt
+
+  def run(self, done, step):
+    """``Engine.run``: the host decode loop, here with nothing to dispatch."""
+    return Pipeline(lambda pipeline, updates: None, lambda flight: []).run(done, step)
 
 
 def _app(warmup):
