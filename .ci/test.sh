@@ -15,8 +15,7 @@ VENV="${VENV:-.venv}"
 "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS:-test}]" ${JAX_PIN:+"$JAX_PIN"}
 "$VENV/bin/python" -c "import jax, flax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__)"
 # worksteal: workers take tests from each other as they finish (durations are uneven). A test
-# whose worker dies in native code (XLA:CPU's compiler segfaults about 3 times in a run of the
-# suite from a cold compilation cache, in a different test each time) runs again in a fresh
-# worker, up to twice; --only-rerun's pattern matches no message, so an ordinary failure is
+# whose worker dies in native code (XLA:CPU now and then, in a different test each time) runs
+# again in a fresh worker, up to twice; --only-rerun's pattern matches no message, so an ordinary failure is
 # never rerun (the crash recovery ignores it).
 exec "$VENV/bin/python" -m pytest -q -n 2 --dist worksteal --reruns 2 --only-rerun '(?!)' "$@"
