@@ -231,6 +231,11 @@ def put(array, mesh, spec: P = P()):
                                       lambda index: array[index])
 
 
+def tree_bytes(tree) -> int:
+  """Bytes of a pytree's arrays (or ``jax.ShapeDtypeStruct``s), whole: unsharded."""
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
 def fetch(array) -> np.ndarray:
   """The whole value of a (possibly multi-process) array on the host."""
   if getattr(array, "is_fully_addressable", True):

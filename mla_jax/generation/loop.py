@@ -248,8 +248,9 @@ class _Decode:
     """The next dispatch (a driver's ``dispatch``), or None when none is needed."""
     if self.done.all() or not self._may_need_tokens():
       return None
-    program = self.compiled.decoder(self._bucket(), *self.args())  # compiles a new bucket
-    err, outputs = program(self.compiled.state_leaves, *self.args())
+    args = self.args()
+    program = self.compiled.decoder(self._bucket(), *args)  # compiles a new bucket
+    err, outputs = program(self.compiled.state_leaves, *args)
     throw(err)
     flight = self.take(outputs)
     for array in jax.tree.leaves(flight):
@@ -285,8 +286,6 @@ class _Decode:
     """The decode dispatches after the prefill sampled ``first_B``: seconds spent in them,
     compilation excluded."""
     self._start(first_B)
-    if not self.done.all():  # the first bucket's program is compiled before the timing starts
-      self.compiled.decoder(self._bucket(), *self.args())
     self.bar = progress_bar(self.request.max_new_tokens, "decode", unit="tok",
                             enabled=progress, initial=1)
     compile_before, t0 = self.compiled.compile_s, time.perf_counter()

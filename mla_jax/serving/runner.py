@@ -65,9 +65,8 @@ def page_bytes(model, page_size: int, cache_dtype="fp32", *, mtp: bool = False) 
   per-sequence state (``init_pools``' state slots) is not a page's: it is left out."""
   main, mtp_pools, token_ids = jax.eval_shape(
       lambda: engine_pools(model, page_size, cache_dtype, mtp=mtp, page_size=page_size))
-  size = lambda tree: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
   ranks = sharding.axis_size(model.mesh, sharding.CONTEXT)
-  return -(-size((main, mtp_pools)) // ranks) + size(token_ids)
+  return -(-sharding.tree_bytes((main, mtp_pools)) // ranks) + sharding.tree_bytes(token_ids)
 
 
 @dataclasses.dataclass

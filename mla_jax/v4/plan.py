@@ -108,7 +108,7 @@ def cache_bytes(config: V4Config, cache_dtype: str = "bf16") -> tuple[int, int]:
     raise ValueError(f"cache_dtype must be one of {DTYPES}, got {cache_dtype!r}")
   itemsize = 2  # the rings: bf16 either way
   entry_dtype = "fp8" if cache_dtype == "fp8" else jnp.bfloat16
-  entry, key = (_nbytes(jax.eval_shape(lambda f=f: f(config, 1, entry_dtype)))
+  entry, key = (sharding.tree_bytes(jax.eval_shape(lambda f=f: f(config, 1, entry_dtype)))
                 for f in (empty_entries, empty_index_keys))
   per_token = per_sequence = 0
   for layer_type in config.layer_types:
@@ -124,10 +124,6 @@ def cache_bytes(config: V4Config, cache_dtype: str = "bf16") -> tuple[int, int]:
       per_token += key / m
       per_sequence += 2 * state_tokens * 2 * config.index_head_dim * itemsize
   return round(per_token), per_sequence
-
-
-def _nbytes(tree) -> int:
-  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)
